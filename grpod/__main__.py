@@ -1,0 +1,5 @@
+import sys
+
+from grpod.cli import main
+
+sys.exit(main())

@@ -1,0 +1,323 @@
+"""What every bridge mode shares: the vLLM it serves through, the sync sequence, the probe.
+
+A bridge owns the supervised inference process (launched through `grpod.inference`) and the one
+question the rest of grpod asks it: "are vLLM's weights the trainer's, and which version are
+they?". The supervisor calls `start`, `after_step(step)`, `sync_now`, `watch` (crash detection and
+recovery), and `stop`. Every sync follows the same sequence, whatever the mode:
+
+    SYNC → save (mode) → apply (mode) → version bump + prefix-cache reset → alignment probe
+
+Each mode's module holds only what is particular to it: its states, events, transition table and
+its `_save` / `_apply` / `_launch_args` pieces.
+"""
+
+from __future__ import annotations
+
+import enum
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import anyio
+import structlog
+
+from grpod.bridges.machine import StateMachine
+from grpod.bridges.probe import ProbeMismatch, ProbeResult, run_probe
+from grpod.config import GrpodConfig
+from grpod.inference.client import InferenceClient
+from grpod.inference.process import InferenceProcess
+
+log = structlog.get_logger(__name__)
+
+
+class BridgeFailed(RuntimeError):
+    """The bridge cannot keep vLLM's weights in step; training must stop (checkpoint first)."""
+
+
+class InferenceUnavailable(RuntimeError):
+    """vLLM did not become available to serve requests in time."""
+
+
+@dataclass
+class SyncRecord:
+    version: int
+    phases: dict[str, float]
+    total_s: float
+    probe: dict[str, Any]
+    forced: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "total_s": round(self.total_s, 4),
+            "phases": {k: round(v, 4) for k, v in self.phases.items()},
+            "probe": self.probe,
+            "forced": self.forced,
+        }
+
+
+@dataclass
+class BridgeStats:
+    syncs: int = 0
+    restarts: int = 0
+    last_sync: SyncRecord | None = None
+    sync_seconds: list[float] = field(default_factory=list)
+
+
+class Bridge:
+    mode: ClassVar[str]
+    State: ClassVar[type[enum.Enum]]
+    Event: ClassVar[type[enum.Enum]]
+    TABLE: ClassVar[dict]
+
+    def __init__(self, cfg: GrpodConfig, run_dir: Path, trainer, *, policy_version: int = 0) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.trainer = trainer
+        self.policy_version = policy_version
+        self.inference = InferenceProcess(cfg.inference, cfg.model, run_dir)
+        self.client: InferenceClient | None = None
+        self.machine = StateMachine(self.mode, self.TABLE, self.State["IDLE"])
+        self.stats = BridgeStats()
+        self.weights_root = run_dir / "weights"
+        self.current_weights: Path = cfg.model.path
+        self._available = anyio.Event()
+        self._sync_lock = anyio.Lock()
+
+    # ---- state machine -------------------------------------------------------------------
+    def _fire(self, event: str, error: str | None = None) -> None:
+        self.machine.fire(self.Event[event], error=error)
+
+    @property
+    def state(self) -> str:
+        return self.machine.state.name
+
+    # ---- availability gate: requests wait on it while vLLM is being replaced --------------
+    def _open(self) -> None:
+        self._available.set()
+
+    def _close(self) -> None:
+        if self._available.is_set():
+            self._available = anyio.Event()
+
+    @property
+    def available(self) -> bool:
+        return self._available.is_set()
+
+    async def wait_available(self, timeout_s: float) -> InferenceClient:
+        try:
+            with anyio.fail_after(timeout_s):
+                while True:
+                    event = self._available
+                    await event.wait()
+                    if event is self._available and self.client is not None:
+                        return self.client
+        except TimeoutError:
+            raise InferenceUnavailable(
+                f"vLLM not available for {timeout_s:.0f}s (bridge state {self.state})"
+            ) from None
+
+    def request_model(self) -> str:
+        """The model name requests must use to get the current policy."""
+        return "policy"
+
+    # ---- lifecycle shared by all modes ----------------------------------------------------
+    def _launch_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    async def _launch(self, weights: Path) -> None:
+        await self.inference.start(weights, **self._launch_kwargs())
+        self.client = InferenceClient(
+            self.inference.base_url, self.cfg.inference.request_timeout_s, api_key=self.cfg.inference.api_key
+        )
+        await self.client.__aenter__()
+        await self.client.update_weight_version(self.policy_version)
+
+    async def _shutdown_inference(self) -> None:
+        self._close()
+        if self.client is not None:
+            client, self.client = self.client, None
+            await client.__aexit__(None, None, None)
+        await self.inference.stop()
+
+    async def _initial_weights(self, resumed: bool) -> Path:
+        """Where vLLM loads its first weights from: the model, or the resumed trainer's weights."""
+        if not resumed:
+            return self.cfg.model.path
+        return await self._save_version_dir()
+
+    async def _save_version_dir(self) -> Path:
+        return await self._write_weights(self.weights_root / f"v{self.policy_version:06d}")
+
+    async def _write_weights(self, target: Path) -> Path:
+        if target.exists():
+            shutil.rmtree(target)
+        await anyio.to_thread.run_sync(self.trainer.save_weights, target)
+        return target
+
+    def _prune_weights(self, keep: int) -> None:
+        if not self.weights_root.exists():
+            return
+        dirs = sorted(p for p in self.weights_root.iterdir() if p.is_dir())
+        for old in dirs[:-keep]:
+            if old != self.current_weights:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def start(self, *, resumed: bool = False) -> ProbeResult:
+        self._fire("START")
+        self.current_weights = await self._initial_weights(resumed)
+        await self._launch(self.current_weights)
+        self._fire("READY")
+        return await self._probe_and_serve()
+
+    async def _probe_and_serve(self) -> ProbeResult:
+        assert self.client is not None
+        result = await run_probe(
+            self.client,
+            self.trainer,
+            model=self.request_model(),
+            tolerance=self.cfg.bridge.probe_tolerance,
+            timeout_s=self.cfg.bridge.probe_timeout_s,
+        )
+        if not result.ok:
+            message = (
+                f"alignment probe failed: vLLM's logprobs differ from the trainer's by up to "
+                f"{result.max_abs_diff:.4g} (tolerance {result.tolerance}); vLLM is not serving the "
+                f"trainer's weights (policy version {self.policy_version})"
+            )
+            self._fire("PROBE_FAIL", error=message)
+            raise ProbeMismatch(message)
+        self._fire("PROBE_OK")
+        self._open()
+        return result
+
+    async def after_step(self, step: int) -> SyncRecord | None:
+        if step % self.cfg.bridge.sync_every != 0:
+            return None
+        return await self.sync_now()
+
+    async def sync_now(self, *, forced: bool = False) -> SyncRecord:
+        async with self._sync_lock:
+            phases: dict[str, float] = {}
+            began = time.perf_counter()
+            self._fire("SYNC")
+            new_version = self.policy_version + 1
+            try:
+                t = time.perf_counter()
+                staged = await self._save(new_version)
+                phases["save"] = time.perf_counter() - t
+                self._fire("SAVED")
+                t = time.perf_counter()
+                await self._apply(staged, new_version, phases)
+                phases["apply"] = time.perf_counter() - t
+                self.policy_version = new_version
+                self._fire("APPLIED")
+            except Exception as exc:
+                message = f"sync to version {new_version} failed: {exc}"
+                self._fire("FAIL", error=message)
+                raise BridgeFailed(message) from exc
+            t = time.perf_counter()
+            probe = await self._probe_and_serve()
+            phases["probe"] = time.perf_counter() - t
+            record = SyncRecord(new_version, phases, time.perf_counter() - began, probe.as_dict(), forced)
+            self.stats.syncs += 1
+            self.stats.last_sync = record
+            self.stats.sync_seconds.append(record.total_s)
+            log.info("sync_done", bridge=self.mode, **record.as_dict())
+            return record
+
+    async def _bump_version_and_reset_cache(self, version: int) -> None:
+        """Every weight change: the new version on vLLM's tokens, and no cached old-weight prefixes."""
+        assert self.client is not None
+        await self.client.reset_prefix_cache()
+        await self.client.update_weight_version(version)
+
+    async def _save(self, version: int) -> Path:
+        """Write what this mode ships to vLLM for `version`; returns where it is."""
+        raise NotImplementedError
+
+    async def _apply(self, staged: Path, version: int, phases: dict[str, float]) -> None:
+        """Make vLLM serve `staged` as `version` (including cache reset and version bump)."""
+        raise NotImplementedError
+
+    async def _relaunch(self, weights: Path, phases: dict[str, float] | None = None) -> None:
+        """Stop vLLM, wait until it released everything, launch it on `weights`, wait ready."""
+        t = time.perf_counter()
+        await self._shutdown_inference()
+        if phases is not None:
+            phases["stop"] = time.perf_counter() - t
+        t = time.perf_counter()
+        await self._launch(weights)
+        if phases is not None:
+            phases["launch"] = time.perf_counter() - t
+
+    # ---- crash detection and recovery -------------------------------------------------------
+    async def _engine_healthy(self) -> bool:
+        if not self.inference.running or self.client is None:
+            return False
+        try:
+            with anyio.fail_after(self.cfg.inference.request_timeout_s):
+                return await self.client.health()
+        except Exception:  # noqa: BLE001 — any failure to answer is an unhealthy probe
+            return False
+
+    async def watch(self) -> None:
+        """Probe vLLM while it serves; after `health_failures` failed probes, recover it."""
+        failures = 0
+        backoff = 1.0
+        while True:
+            await anyio.sleep(self.cfg.inference.health_interval_s)
+            if self.machine.state != self.State["SERVING"] or self._sync_lock.locked():
+                failures = 0
+                continue
+            if await self._engine_healthy():
+                failures = 0
+                continue
+            failures += 1
+            if failures < self.cfg.inference.health_failures:
+                continue
+            failures = 0
+            if self.stats.restarts >= self.cfg.inference.max_restarts:
+                message = f"vLLM died and the restart budget ({self.cfg.inference.max_restarts}) is spent"
+                self._fire("FAIL", error=message)
+                raise BridgeFailed(message)
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+            await self.recover()
+
+    async def recover(self) -> None:
+        async with self._sync_lock:
+            began = time.perf_counter()
+            self._fire("LOST", error="inference engine dead or unresponsive")
+            self.stats.restarts += 1
+            log.warning("inference_lost", bridge=self.mode, pid=self.inference.pid, restarts=self.stats.restarts)
+            await self._relaunch(self.current_weights)
+            self._fire("RECOVERED")
+            await self._probe_and_serve()
+            log.info("inference_recovered", bridge=self.mode, seconds=round(time.perf_counter() - began, 3))
+
+    async def stop(self) -> None:
+        if self.machine.can_fire(self.Event["STOP"]):
+            self._fire("STOP")
+        await self._shutdown_inference()
+        if self.machine.can_fire(self.Event["STOPPED"]):
+            self._fire("STOPPED")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "policy_version": self.policy_version,
+            "syncs": self.stats.syncs,
+            "restarts": self.stats.restarts,
+            "last_sync": self.stats.last_sync.as_dict() if self.stats.last_sync else None,
+            "weights": str(self.current_weights),
+            "vllm": {
+                "pid": self.inference.pid,
+                "running": self.inference.running,
+                "base_url": self.inference.base_url if self.inference.running else None,
+                "available": self.available,
+            },
+            **self.machine.describe(),
+        }

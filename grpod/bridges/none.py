@@ -1,0 +1,100 @@
+"""Bridge mode `none`: vLLM holds its own full copy; a sync ships a full HF checkpoint.
+
+Every `bridge.sync_every` steps the trainer saves its weights as an HF safetensors checkpoint in
+a new versioned directory (`<run>/weights/v000007`), then either
+
+- `reload = "in_place"` (default, the fast path): fence vLLM (`/pause?mode=keep`), reload the
+  weights in place with `collective_rpc("reload_weights", weights_path=...)`, reset the prefix
+  cache, bump the weight version, `/resume` — no restart (~10 ms on the tiny model); or
+- `reload = "restart"`: stop vLLM (process group), wait until its processes, port and memory are
+  gone, relaunch it on the new directory, wait until healthy.
+
+Either way the sync ends with the alignment probe. Transition table:
+
+    IDLE        --START------>  LAUNCHING
+    LAUNCHING   --READY------>  PROBING
+    PROBING     --PROBE_OK--->  SERVING
+    PROBING     --PROBE_FAIL->  FAILED
+    SERVING     --SYNC------->  SAVING
+    SAVING      --SAVED------>  APPLYING      (reload in place, or stop + relaunch)
+    APPLYING    --APPLIED---->  PROBING
+    SERVING     --LOST------->  RECOVERING    (relaunch on the current weights)
+    RECOVERING  --RECOVERED-->  PROBING
+    FAILED      --SYNC------->  SAVING        (an operator's `ctl sync` retries)
+    any         --FAIL------->  FAILED
+    any         --STOP------->  STOPPING --STOPPED--> STOPPED
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from pathlib import Path
+
+from grpod.bridges.base import Bridge
+from grpod.bridges.common import lifecycle_rows
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    LAUNCHING = "launching"
+    PROBING = "probing"
+    SERVING = "serving"
+    SAVING = "saving"
+    APPLYING = "applying"
+    RECOVERING = "recovering"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Event(enum.Enum):
+    START = "start"
+    READY = "ready"
+    PROBE_OK = "probe_ok"
+    PROBE_FAIL = "probe_fail"
+    SYNC = "sync"
+    SAVED = "saved"
+    APPLIED = "applied"
+    LOST = "lost"
+    RECOVERED = "recovered"
+    FAIL = "fail"
+    STOP = "stop"
+    STOPPED = "stopped"
+
+
+TABLE = {
+    **lifecycle_rows(State, Event),
+    (State.SERVING, Event.SYNC): State.SAVING,
+    (State.SAVING, Event.SAVED): State.APPLYING,
+    (State.APPLYING, Event.APPLIED): State.PROBING,
+}
+
+
+class NoneBridge(Bridge):
+    mode = "none"
+    State = State
+    Event = Event
+    TABLE = TABLE
+
+    async def _save(self, version: int) -> Path:
+        return await self._write_weights(self.weights_root / f"v{version:06d}")
+
+    async def _apply(self, staged: Path, version: int, phases: dict[str, float]) -> None:
+        if self.cfg.bridge.reload == "restart":
+            await self._relaunch(staged, phases)
+            self.current_weights = staged
+            await self._bump_version_and_reset_cache(version)
+        else:
+            assert self.client is not None
+            self._close()
+            t = time.perf_counter()
+            await self.client.pause(mode="keep")
+            try:
+                await self.client.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)})
+                await self._bump_version_and_reset_cache(version)
+            finally:
+                await self.client.resume()
+            phases["reload"] = time.perf_counter() - t
+            self.current_weights = staged
+        self._prune_weights(keep=2)

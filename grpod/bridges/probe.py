@@ -1,0 +1,60 @@
+"""The alignment probe: proof that vLLM serves the weights the trainer holds.
+
+After every sync, vLLM scores fixed probe sequences (prompt logprobs) and the trainer scores the
+same sequences in fp32; the largest absolute difference must stay under the tolerance. A larger
+one means the sync did not take (or took half), and the bridge moves to FAILED instead of letting
+training continue on silently wrong weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import anyio
+
+PROBE_TEXTS = (
+    "<|im_start|>user\n17+25<|im_end|>\n<|im_start|>assistant\n42<|im_end|>",
+    "<|im_start|>user\n93-48<|im_end|>\n<|im_start|>assistant\n45<|im_end|>",
+    "what is the sum of 3 and 4? it is 7.",
+)
+
+
+class ProbeMismatch(RuntimeError):
+    """vLLM and the trainer disagree on the probe beyond the tolerance."""
+
+
+@dataclass
+class ProbeResult:
+    max_abs_diff: float
+    mean_abs_diff: float
+    tokens: int
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+    def as_dict(self) -> dict:
+        return {
+            "max_abs_diff": round(self.max_abs_diff, 6),
+            "mean_abs_diff": round(self.mean_abs_diff, 6),
+            "tokens": self.tokens,
+            "tolerance": self.tolerance,
+            "ok": self.ok,
+        }
+
+
+def probe_sequences(tokenizer) -> list[list[int]]:
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROBE_TEXTS]
+
+
+async def run_probe(client, trainer, *, model: str, tolerance: float, timeout_s: float) -> ProbeResult:
+    diffs: list[float] = []
+    with anyio.fail_after(timeout_s):
+        for ids in probe_sequences(trainer.tokenizer):
+            served = await client.score(ids, model=model)
+            own = await anyio.to_thread.run_sync(trainer.score, ids)
+            if len(served) != len(own):
+                raise ProbeMismatch(f"probe length differs: vLLM {len(served)} positions, trainer {len(own)}")
+            diffs.extend(abs(a - b) for a, b in zip(served, own, strict=True))
+    return ProbeResult(max(diffs), sum(diffs) / len(diffs), len(diffs), tolerance)

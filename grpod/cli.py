@@ -1,0 +1,164 @@
+"""`grpod` command line: start, ctl, init-model, check-config, plot.
+
+Exit status: 0 success; 1 the run failed (reason logged and printed); 2 bad usage or config
+(one message naming the file, the key and what is wrong); 3 `ctl` could not reach the daemon or
+the daemon refused the request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from grpod.config import ConfigError, GrpodConfig, load_config
+
+CTL_COMMANDS = ("status", "pause", "resume", "sync", "checkpoint", "drain", "stop")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpod", description="GRPO training daemon supervising vLLM")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    start = sub.add_parser("start", help="run the daemon in the foreground")
+    start.add_argument("--config", type=Path, help="TOML config (default: all defaults)")
+    start.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    start.add_argument("--resume", help="auto | never | PATH of a checkpoint (overrides run.resume)")
+
+    check = sub.add_parser("check-config", help="validate a config file without starting")
+    check.add_argument("path", type=Path)
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    check.add_argument("--print", action="store_true", help="print the effective config as JSON")
+
+    ctl = sub.add_parser("ctl", help="talk to a running daemon over its control socket")
+    ctl.add_argument("cmd", choices=CTL_COMMANDS)
+    ctl.add_argument("--socket", type=Path, help="socket path (default: from --config, else runs/default)")
+    ctl.add_argument("--config", type=Path, help="config whose control.socket / run.dir to use")
+    ctl.add_argument("--json", action="store_true", help="print the raw JSON reply")
+    ctl.add_argument("--timeout", type=float, default=600.0)
+
+    init = sub.add_parser("init-model", help="build the tiny built-in model (no downloads)")
+    init.add_argument("--out", type=Path, default=Path("models/tiny-arith"))
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--if-missing", action="store_true", help="do nothing when OUT already holds a model")
+
+    plot = sub.add_parser("plot", help="PNG charts of a run's metrics")
+    plot.add_argument("run_dir", type=Path)
+    plot.add_argument("--out", type=Path, help="output PNG (default RUN_DIR/metrics.png)")
+    return parser
+
+
+def _load(path: Path | None, overrides: list[str]) -> GrpodConfig:
+    return load_config(path, overrides)
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.resume:
+        overrides.append(f"run.resume={json.dumps(args.resume)}")
+    cfg = _load(args.config, overrides)
+    from grpod.daemon.supervisor import run_daemon
+
+    return run_daemon(cfg, config_path=args.config)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    cfg = _load(args.path, args.overrides)
+    if args.print:
+        print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    else:
+        print(f"{args.path}: ok (bridge.mode={cfg.bridge.mode}, source.kind={cfg.source.kind}, train.steps={cfg.train.steps})")
+    return 0
+
+
+def _render_status(result: dict) -> str:
+    bridge = result.get("bridge") or {}
+    vllm = bridge.get("vllm") or {}
+    hb = result.get("heartbeat") or {}
+    rows = [
+        ("state", result.get("state")),
+        ("step", f"{result.get('step')}/{result.get('steps')}"),
+        ("paused / draining", f"{result.get('paused')} / {result.get('draining')}"),
+        ("policy version", result.get("policy_version")),
+        ("bridge", f"{bridge.get('mode')} {bridge.get('state')}" + (f" ({bridge['error']})" if bridge.get("error") else "")),
+        ("syncs / vLLM restarts", f"{bridge.get('syncs')} / {bridge.get('restarts')}"),
+        ("vLLM", f"pid {vllm.get('pid')} running={vllm.get('running')} available={vllm.get('available')}"),
+        ("queue depth", result.get("queue_depth")),
+        ("rejected groups", result.get("rejected")),
+        ("last step age (s)", hb.get("last_progress_age_s")),
+        ("last heartbeat age (s)", hb.get("last_heartbeat_age_s")),
+        ("last checkpoint", (result.get("last_checkpoint") or {}).get("path")),
+    ]
+    metrics = result.get("last_metrics") or {}
+    for key in ("reward_mean", "loss", "grad_norm", "sync_s"):
+        if key in metrics:
+            rows.append((key, metrics[key]))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if bridge.get("transitions"):
+        lines.append("bridge transitions:")
+        lines.extend(f"  {t}" for t in bridge["transitions"])
+    return "\n".join(lines)
+
+
+def cmd_ctl(args: argparse.Namespace) -> int:
+    from grpod.daemon.control import ControlError, request
+
+    if args.socket:
+        path = args.socket
+    else:
+        path = _load(args.config, []).socket_path
+    try:
+        reply = request(path, args.cmd, timeout_s=args.timeout)
+    except ControlError as exc:
+        print(f"grpod ctl {args.cmd}: {exc}", file=sys.stderr)
+        return 3
+    if args.json:
+        print(json.dumps(reply, indent=2))
+    elif not reply.get("ok"):
+        print(f"grpod ctl {args.cmd}: {reply.get('error')}", file=sys.stderr)
+    elif args.cmd == "status":
+        print(_render_status(reply["result"]))
+    else:
+        print("\n".join(f"{k}: {v}" for k, v in reply["result"].items()))
+    return 0 if reply.get("ok") else 3
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    if args.if_missing and (args.out / "config.json").exists():
+        print(f"{args.out}: model present, nothing to do")
+        return 0
+    from grpod.models.tiny import init_model
+
+    summary = init_model(args.out, seed=args.seed)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from grpod.plot import plot_run
+
+    out = plot_run(args.run_dir, args.out)
+    print(out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handlers = {
+        "start": cmd_start,
+        "check-config": cmd_check_config,
+        "ctl": cmd_ctl,
+        "init-model": cmd_init_model,
+        "plot": cmd_plot,
+    }
+    try:
+        return handlers[args.command](args)
+    except ConfigError as exc:
+        print(f"grpod: config error:\n{exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The control socket: newline-delimited JSON over a Unix socket in the run directory.
+
+Request:  {"cmd": "status" | "pause" | "resume" | "sync" | "checkpoint" | "drain" | "stop" | ..., "args": {...}}
+Reply:    {"ok": true, "result": {...}}  or  {"ok": false, "error": "what was wrong"}
+
+The socket is created with mode 0600 inside a directory that is not world-writable. A malformed
+line, an unknown command or bad arguments gets an error reply and changes nothing; a handler that
+raises is answered with its message and never takes the daemon down. Each connection may send
+many requests; each line is answered in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import SocketStream
+
+log = structlog.get_logger(__name__)
+
+MAX_LINE = 64 * 1024
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class ControlError(Exception):
+    """A request the daemon refuses; the message is sent back to the caller."""
+
+
+class UnsafeSocketPath(Exception):
+    """The socket would be reachable by other users."""
+
+
+def check_socket_dir(path: Path) -> None:
+    parent = path.parent
+    mode = parent.stat().st_mode
+    if mode & stat.S_IWOTH:
+        raise UnsafeSocketPath(
+            f"control socket {path}: directory {parent} is world-writable "
+            f"(mode {stat.S_IMODE(mode):o}); put the socket in a private directory (e.g. the run directory)"
+        )
+
+
+async def _read_lines(stream: SocketStream):
+    buffer = b""
+    while True:
+        try:
+            chunk = await stream.receive(65536)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            yield line
+        if len(buffer) > MAX_LINE:
+            yield None  # an over-long line: answered with an error, then the connection closes
+            return
+
+
+class ControlServer:
+    def __init__(self, path: Path, handlers: dict[str, Handler], request_timeout_s: float) -> None:
+        self.path = path
+        self.handlers = handlers
+        self.request_timeout_s = request_timeout_s
+        self.requests = 0
+        self.errors = 0
+
+    async def dispatch(self, line: bytes | None) -> dict[str, Any]:
+        self.requests += 1
+        if line is None:
+            return {"ok": False, "error": f"request longer than {MAX_LINE} bytes"}
+        try:
+            request = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return {"ok": False, "error": f"malformed request: not a JSON line ({exc})"}
+        if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
+            return {"ok": False, "error": 'malformed request: expected {"cmd": NAME, "args": {...}}'}
+        cmd = request["cmd"]
+        args = request.get("args") or {}
+        if not isinstance(args, dict):
+            return {"ok": False, "error": f"{cmd}: args must be a JSON object"}
+        handler = self.handlers.get(cmd)
+        if handler is None:
+            known = ", ".join(sorted(self.handlers))
+            return {"ok": False, "error": f"unknown command {cmd!r}; known: {known}"}
+        try:
+            with anyio.fail_after(self.request_timeout_s):
+                result = await handler(args)
+        except ControlError as exc:
+            return {"ok": False, "error": f"{cmd}: {exc}"}
+        except TimeoutError:
+            return {"ok": False, "error": f"{cmd}: no answer within {self.request_timeout_s}s"}
+        except Exception as exc:  # noqa: BLE001 — a handler bug must not kill the daemon
+            self.errors += 1
+            log.exception("control_handler_failed", cmd=cmd)
+            return {"ok": False, "error": f"{cmd}: internal error: {exc!r}"}
+        return {"ok": True, "result": result}
+
+    async def _serve_one(self, stream: SocketStream) -> None:
+        async with stream:
+            async for line in _read_lines(stream):
+                if line is not None and not line.strip():
+                    continue
+                reply = await self.dispatch(line)
+                try:
+                    await stream.send((json.dumps(reply, default=str) + "\n").encode())
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    return
+                if line is None:
+                    return
+
+    async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_socket_dir(self.path)
+        if self.path.exists() or self.path.is_symlink():
+            if _socket_alive(self.path):
+                raise UnsafeSocketPath(f"control socket {self.path} is in use by another running grpod")
+            self.path.unlink()
+        old = os.umask(0o177)
+        try:
+            listener = await anyio.create_unix_listener(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        log.info("control_listening", socket=str(self.path))
+        task_status.started()
+        try:
+            async with listener:
+                await listener.serve(self._serve_one)
+        finally:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _socket_alive(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def request(path: Path, cmd: str, args: dict[str, Any] | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Send one request and wait for its reply (blocking; used by `grpod ctl`)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise ControlError(f"no grpod is listening on {path} ({exc.strerror})") from None
+        sock.sendall((json.dumps({"cmd": cmd, "args": args or {}}) + "\n").encode())
+        buffer = b""
+        while b"\n" not in buffer:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ControlError(f"grpod closed the connection on {path} without replying")
+            buffer += chunk
+        return json.loads(buffer.split(b"\n", 1)[0])
+    except TimeoutError:
+        raise ControlError(f"no reply from {path} within {timeout_s}s") from None
+    finally:
+        sock.close()

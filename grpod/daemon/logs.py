@@ -1,0 +1,79 @@
+"""Logging for a run: structlog events as JSON lines in <run>/grpod.log, readable lines on stderr.
+
+Also `MetricsLog`, the per-step metrics as JSON lines in <run>/metrics.jsonl (what `grpod plot`
+and the tests read).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+class _Tee:
+    """Writes each rendered event to the JSON file and, rendered for humans, to the console."""
+
+    def __init__(self, file: TextIO | None, console: TextIO, console_level: int) -> None:
+        self.file = file
+        self.console = console
+        self.console_level = console_level
+        self.pretty = structlog.dev.ConsoleRenderer(colors=False)
+
+    def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> str:
+        if self.file is not None:
+            self.file.write(json.dumps(event, default=str) + "\n")
+            self.file.flush()
+        if _LEVELS.get(event.get("level", "info"), logging.INFO) >= self.console_level:
+            self.console.write(self.pretty(logger, method, dict(event)) + "\n")
+            self.console.flush()
+        return ""
+
+
+class _NullLogger:
+    def msg(self, *_: Any, **__: Any) -> None:
+        pass
+
+    log = debug = info = warning = warn = error = critical = exception = fatal = msg
+
+
+def configure_logging(run_dir: Path | None, level: str = "info", console: TextIO | None = None) -> None:
+    file = None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        file = open(run_dir / "grpod.log", "a", buffering=1)  # noqa: SIM115 — lives as long as the process
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            _Tee(file, console or sys.stderr, _LEVELS[level]),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+        logger_factory=lambda *_: _NullLogger(),
+        cache_logger_on_first_use=False,
+    )
+
+
+class MetricsLog:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        record = {"kind": kind, "step": step, "time": time.time(), **values}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]

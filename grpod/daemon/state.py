@@ -1,0 +1,122 @@
+"""`RunStore`: what a run persists and how it comes back — the daemon's side of checkpoints.
+
+A checkpoint of a run holds: the policy (`model/`: HF safetensors, or the PEFT adapter in LoRA
+modes), the trainer state (optimizer, scheduler, step), every RNG stream, and `run_state.json`:
+step, policy version, the rollout source's cursor, and the accepted-but-untrained rollout groups.
+Restoring all of it is what makes a resume exact: the stream continues where it stopped and no
+accepted group is lost or trained twice. The write itself (temp dir, fsync, manifest last,
+atomic rename) lives once, in `grpod.training.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from grpod.config import GrpodConfig
+from grpod.rollouts.group import RolloutGroup
+from grpod.training.checkpoint import (
+    clean_stale_temp,
+    load_json,
+    load_tensors_state,
+    resolve_resume,
+    save_json,
+    save_tensors_state,
+    write_checkpoint,
+)
+from grpod.training.rng import capture_rng, restore_rng
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Restored:
+    trainer: Any
+    step: int = 0
+    policy_version: int = 0
+    buffered: list[RolloutGroup] = field(default_factory=list)
+    source_cursor: dict[str, Any] | None = None
+    checkpoint: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class RunStore:
+    def __init__(self, cfg: GrpodConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.root = run_dir / "checkpoints"
+
+    def ensure_model(self) -> None:
+        path = self.cfg.model.path
+        if (path / "config.json").exists():
+            return
+        if not self.cfg.model.init_if_missing:
+            raise FileNotFoundError(
+                f"model.path {path} holds no HF model (no config.json); point model.path at one, "
+                f"or set model.init_if_missing = true to build the tiny built-in model there"
+            )
+        from grpod.models.tiny import init_model
+
+        log.info("model_init", path=str(path))
+        init_model(path, seed=self.cfg.run.seed)
+
+    def load_trainer(self) -> Restored:
+        from grpod.training.trainer import Trainer
+
+        self.ensure_model()
+        clean_stale_temp(self.root)
+        info = resolve_resume(self.root, self.cfg.run.resume)
+        if info is None:
+            return Restored(trainer=Trainer(self.cfg, self.cfg.model.path))
+        trainer = Trainer(self.cfg, self.cfg.model.path, weights=info.path / "model")
+        trainer.load_state_dict(load_tensors_state(info.path, "trainer_state.pt"))
+        restore_rng(load_json(info.path, "rng.json"))
+        state = load_json(info.path, "run_state.json")
+        return Restored(
+            trainer=trainer,
+            step=state["step"],
+            policy_version=state["policy_version"],
+            buffered=[RolloutGroup.from_json(g) for g in state["buffered"]],
+            source_cursor=state.get("source_cursor"),
+            checkpoint=info.path,
+            extra=state.get("extra", {}),
+        )
+
+    def save(
+        self,
+        trainer,
+        step: int,
+        policy_version: int,
+        buffered: list[RolloutGroup],
+        source_cursor: dict[str, Any],
+        extra: dict[str, Any],
+    ) -> Path:
+        def populate(tmp: Path) -> None:
+            trainer.save_weights(tmp / "model")
+            save_tensors_state(tmp, "trainer_state.pt", trainer.state_dict())
+            save_json(tmp, "rng.json", capture_rng())
+            save_json(
+                tmp,
+                "run_state.json",
+                {
+                    "step": step,
+                    "policy_version": policy_version,
+                    "source_cursor": source_cursor,
+                    "buffered": [g.to_json() for g in buffered],
+                    "extra": extra,
+                },
+            )
+
+        meta = {"policy_version": policy_version, "config_hash": self.cfg.digest(), "mode": self.cfg.bridge.mode}
+        return write_checkpoint(self.root, step, populate, meta, self.cfg.checkpoint.keep_last)
+
+    def make_source(self, tokenizer, bridge, cursor: dict[str, Any] | None):
+        if self.cfg.source.kind == "atropos":
+            from grpod.rollouts.atropos import AtroposSource
+
+            return AtroposSource(self.cfg, bridge, cursor=cursor)
+        from grpod.rollouts.builtin import BuiltinSource
+
+        return BuiltinSource(self.cfg, tokenizer, bridge, cursor=cursor)

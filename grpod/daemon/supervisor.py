@@ -1,0 +1,548 @@
+"""The grpod supervisor: one anyio task group that owns everything a run does.
+
+    Daemon.run
+    └── task group
+        ├── control socket server          (answers while a step runs)
+        ├── signals (SIGTERM/SIGINT → stop, SIGHUP → reload safe settings)
+        ├── systemd watchdog               (WATCHDOG=1 only while steps progress)
+        ├── bridge.watch                   (vLLM health; crash → recover)
+        ├── fetch (overlap mode)           (source → RolloutBuffer)
+        └── train loop (this task)         (buffer → validate → staleness → step in a thread
+                                            → bridge sync → checkpoint / eval at boundaries)
+
+Every way a run ends (steps done, `ctl stop`, `ctl drain`, SIGTERM, a failed bridge) goes through
+`_shutdown`: stop fetching, let the running step finish (its thread is never abandoned), final
+evaluation, final checkpoint, stop vLLM and wait until it released everything, STOPPING=1.
+Operator requests (pause, sync, checkpoint) take effect at the next step boundary — or at once
+when the trainer is idle waiting for data.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from grpod.bridges import make_bridge
+from grpod.bridges.base import BridgeFailed
+from grpod.config import ConfigError, GrpodConfig
+from grpod.daemon.control import ControlError, ControlServer
+from grpod.daemon.logs import MetricsLog, configure_logging
+from grpod.daemon.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
+from grpod.rollouts.buffer import RolloutBuffer
+from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.staleness import StalenessStats, apply_staleness
+from grpod.rollouts.validation import RejectionCounter, validate_batch
+
+log = structlog.get_logger(__name__)
+
+
+class RunPhase(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class RunDirError(Exception):
+    """The run directory is unusable or unsafe."""
+
+
+@dataclass
+class PendingRequest:
+    """An operator request served at the next step boundary; the control reply waits for it."""
+
+    kind: str
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def prepare_run_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise RunDirError(f"run directory {path} belongs to uid {st.st_uid}, not to this user")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+class Daemon:
+    def __init__(self, cfg: GrpodConfig, *, config_path: Path | None = None) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.run_dir = cfg.run.dir
+        self.phase = RunPhase.STARTING
+        self.step = 0
+        self.exit_code = 0
+        self.stop_reason: str | None = None
+        self.paused = False
+        self.draining = False
+        self.buffer = RolloutBuffer(max(cfg.source.prefetch_groups, cfg.train.groups_per_step))
+        self.rejections = RejectionCounter()
+        self.staleness = StalenessStats()
+        self.heartbeat = Heartbeat(cfg.notify.stall_after_s)
+        self.notifier = SystemdNotifier()
+        self.pending: list[PendingRequest] = []
+        self.last_metrics: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}
+        self.last_checkpoint: dict[str, Any] | None = None
+        self.config_changes: list[dict[str, Any]] = []
+        self.started_at = time.time()
+        self._wait_scope: anyio.CancelScope | None = None
+        self._fetch_scope: anyio.CancelScope | None = None
+        self._stop_requested = False
+        self.trainer = None
+        self.bridge = None
+        self.source = None
+
+    # ---- operator requests --------------------------------------------------------------
+    def _wake(self) -> None:
+        if self._wait_scope is not None:
+            self._wait_scope.cancel()
+
+    def request_stop(self, reason: str) -> None:
+        if not self._stop_requested:
+            log.info("stop_requested", reason=reason, step=self.step)
+            self._stop_requested = True
+            self.stop_reason = reason
+        self._wake()
+
+    async def _boundary_request(self, kind: str) -> dict[str, Any]:
+        if self._stop_requested:
+            raise ControlError("the daemon is stopping")
+        request = PendingRequest(kind)
+        self.pending.append(request)
+        self._wake()
+        await request.done.wait()
+        if request.error:
+            raise ControlError(request.error)
+        return request.result or {}
+
+    async def _ctl_status(self, args: dict[str, Any]) -> dict[str, Any]:
+        return self.status()
+
+    async def _ctl_pause(self, args: dict[str, Any]) -> dict[str, Any]:
+        self.paused = True
+        log.info("paused", step=self.step)
+        return {"paused": True, "effective": "at the next step boundary", "step": self.step}
+
+    async def _ctl_resume(self, args: dict[str, Any]) -> dict[str, Any]:
+        was = self.paused
+        self.paused = False
+        self._wake()
+        log.info("resumed", step=self.step)
+        return {"paused": False, "was_paused": was, "step": self.step}
+
+    async def _ctl_sync(self, args: dict[str, Any]) -> dict[str, Any]:
+        return await self._boundary_request("sync")
+
+    async def _ctl_checkpoint(self, args: dict[str, Any]) -> dict[str, Any]:
+        return await self._boundary_request("checkpoint")
+
+    async def _ctl_drain(self, args: dict[str, Any]) -> dict[str, Any]:
+        self.draining = True
+        if self._fetch_scope is not None:
+            self._fetch_scope.cancel()
+        self._wake()
+        log.info("drain_requested", buffered=len(self.buffer), step=self.step)
+        return {"draining": True, "buffered_groups": len(self.buffer), "step": self.step}
+
+    async def _ctl_stop(self, args: dict[str, Any]) -> dict[str, Any]:
+        self.request_stop("ctl stop")
+        return {"stopping": True, "step": self.step}
+
+    def handlers(self) -> dict[str, Any]:
+        return {
+            "status": self._ctl_status,
+            "pause": self._ctl_pause,
+            "resume": self._ctl_resume,
+            "sync": self._ctl_sync,
+            "checkpoint": self._ctl_checkpoint,
+            "drain": self._ctl_drain,
+            "stop": self._ctl_stop,
+        }
+
+    # ---- status -------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        bridge = self.bridge.describe() if self.bridge is not None else None
+        return {
+            "schema": 1,
+            "state": self.phase.value,
+            "step": self.step,
+            "steps": self.cfg.train.steps,
+            "paused": self.paused,
+            "draining": self.draining,
+            "policy_version": self.bridge.policy_version if self.bridge else None,
+            "bridge": bridge,
+            "queue_depth": len(self.buffer),
+            "accepted_groups": self.buffer.accepted,
+            "rejected": self.rejections.as_dict(),
+            "staleness": self.staleness.as_dict(),
+            "source": self._source_status(),
+            "heartbeat": self.heartbeat.describe(),
+            "last_metrics": self.last_metrics,
+            "last_eval": self.last_eval,
+            "last_checkpoint": self.last_checkpoint,
+            "run_dir": str(self.run_dir),
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "stop_reason": self.stop_reason,
+        }
+
+    def _source_status(self) -> dict[str, Any] | None:
+        if self.source is None:
+            return None
+        stats = self.source.stats
+        return {"kind": self.source.kind, "cursor": self.source.cursor(), **vars(stats)}
+
+    # ---- the run --------------------------------------------------------------------------
+    async def run(self) -> int:
+        prepare_run_dir(self.run_dir)
+        configure_logging(self.run_dir, self.cfg.run.log_level)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        log.info("daemon_starting", run_dir=str(self.run_dir), mode=self.cfg.bridge.mode, pid=os.getpid())
+        from grpod.daemon.state import RunStore  # the trainer stack imports torch: keep start-up errors fast
+
+        self.store = RunStore(self.cfg, self.run_dir)
+        control = ControlServer(self.cfg.socket_path, self.handlers(), self.cfg.control.request_timeout_s)
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(control.serve)
+                tg.start_soon(self._signals)
+                await self._start_components()
+                tg.start_soon(self._watchdog)
+                tg.start_soon(self._watch_bridge)
+                self.notifier.ready(f"step {self.step}/{self.cfg.train.steps}, vLLM ready")
+                await self._evaluate("start")
+                self.phase = RunPhase.RUNNING
+                try:
+                    async with anyio.create_task_group() as work:
+                        if self.cfg.source.overlap:
+                            work.start_soon(self._fetch)
+                        await self._train_loop()
+                        work.cancel_scope.cancel()
+                except BridgeFailed as exc:
+                    self._fail(f"bridge failed: {exc}")
+                await self._shutdown()
+                tg.cancel_scope.cancel()
+        except BaseException as exc:
+            failure = _unwrap(exc)
+            if failure is None:
+                raise
+            self._fail(f"{type(failure).__name__}: {failure}")
+            with anyio.CancelScope(shield=True):
+                await self._emergency_stop()
+        finally:
+            self.notifier.close()
+        self.phase = RunPhase.STOPPED
+        log.info("daemon_stopped", step=self.step, exit_code=self.exit_code, reason=self.stop_reason)
+        return self.exit_code
+
+    def _fail(self, reason: str) -> None:
+        log.error("run_failed", reason=reason, step=self.step)
+        self.exit_code = 1
+        self.stop_reason = reason
+        self._stop_requested = True
+
+    async def _start_components(self) -> None:
+        restored = await anyio.to_thread.run_sync(self.store.load_trainer)
+        self.trainer = restored.trainer
+        self.step = restored.step
+        self.buffer.restore(restored.buffered)
+        self.bridge = make_bridge(self.cfg, self.run_dir, self.trainer, policy_version=restored.policy_version)
+        self.source = self.store.make_source(self.trainer.tokenizer, self.bridge, restored.source_cursor)
+        if restored.checkpoint is not None:
+            log.info(
+                "resumed",
+                checkpoint=str(restored.checkpoint),
+                step=self.step,
+                policy_version=restored.policy_version,
+                buffered_groups=len(restored.buffered),
+            )
+        self.heartbeat.busy()
+        await self.bridge.start(resumed=restored.checkpoint is not None)
+        self.heartbeat.progress()
+
+    async def _signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    log.info("sighup_ignored", reason="hot reload is not available in this version")
+                    continue
+                self.request_stop(signal.Signals(signum).name)
+
+    async def _watchdog(self) -> None:
+        interval = watchdog_interval_s() if self.cfg.notify.watchdog else None
+        if interval is None:
+            return
+        while True:
+            if self.heartbeat.healthy():
+                self.notifier.watchdog()
+                self.heartbeat.last_ping = time.monotonic()
+            else:
+                log.warning("watchdog_withheld", **self.heartbeat.describe())
+            await anyio.sleep(interval)
+
+    async def _watch_bridge(self) -> None:
+        try:
+            await self.bridge.watch()
+        except BridgeFailed as exc:
+            self._fail(f"bridge failed: {exc}")
+            self._wake()
+
+    async def _may_generate(self) -> None:
+        if self.paused:
+            await self._until(lambda: not self.paused)
+
+    async def _fetch(self) -> None:
+        with anyio.CancelScope() as scope:
+            self._fetch_scope = scope
+            if self.draining:
+                return
+            await self.source.run(self.buffer, self._may_generate)
+
+    async def _until(self, condition, timeout_s: float = 1.0) -> None:
+        """Wait until `condition()` holds; re-checked whenever `_wake` is called or each timeout_s."""
+        while not condition() and not self._stop_requested:
+            with anyio.CancelScope() as scope:
+                self._wait_scope = scope
+                await anyio.sleep(timeout_s)
+            self._wait_scope = None
+
+    async def _next_groups(self) -> list[RolloutGroup] | None:
+        """The next step's groups, or None when the run should end (stop, or drained)."""
+        n = self.cfg.train.groups_per_step
+        while not self._stop_requested:
+            await self._serve_pending()
+            if self.paused:
+                await self._until(lambda: not self.paused or bool(self.pending))
+                continue
+            if self.draining:
+                groups = await self.buffer.take_available(n)
+                return groups or None
+            if not self.cfg.source.overlap and len(self.buffer) < n:
+                await self.source.fill(self.buffer, n - len(self.buffer))
+                continue
+            with anyio.CancelScope() as scope:
+                self._wait_scope = scope
+                groups = await self.buffer.take(n)
+                self._wait_scope = None
+                return groups
+            self._wait_scope = None
+        return None
+
+    async def _train_loop(self) -> None:
+        while self.step < self.cfg.train.steps and not self._stop_requested:
+            groups = await self._next_groups()
+            if groups is None:
+                break
+            await self._train_one(groups)
+            await self._serve_pending()
+            if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                await self._checkpoint()
+            if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < self.cfg.train.steps:
+                await self._evaluate("periodic")
+        if self.step >= self.cfg.train.steps:
+            self.stop_reason = self.stop_reason or "steps done"
+        elif self.draining and not self._stop_requested:
+            self.stop_reason = "drained"
+
+    async def _train_one(self, groups: list[RolloutGroup]) -> None:
+        started = time.perf_counter()
+        valid, rejected = validate_batch(
+            groups,
+            vocab_size=self.trainer.vocab_size,
+            max_seq_len=self.cfg.model.max_seq_len,
+            group_normalised=self.cfg.train.advantages.scale != "none" or self.cfg.train.advantages.drop_zero_variance,
+        )
+        for _, rejection in rejected:
+            self.rejections.add(rejection)
+        version = self.bridge.policy_version
+        trainable, ages = apply_staleness(
+            valid, version, self.cfg.train.max_staleness, self.cfg.train.stale_policy, self.staleness
+        )
+        self.heartbeat.busy()
+        if trainable:
+            metrics = await anyio.to_thread.run_sync(self.trainer.train_step, trainable)
+        else:
+            metrics = {"skipped": 1}
+            log.warning("step_skipped", reason="no valid group in the batch", rejected=len(rejected))
+        self.step += 1
+        self.heartbeat.progress()
+        train_s = time.perf_counter() - started
+        sync = None
+        self.heartbeat.busy()
+        if self._sync_pending():
+            sync = await self.bridge.sync_now(forced=True)
+            self._complete_pending("sync", sync.as_dict())
+        else:
+            sync = await self.bridge.after_step(self.step)
+        self.heartbeat.progress()
+        record = {
+            **metrics,
+            "groups": len(groups),
+            "rejected": len(rejected),
+            "staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+            "staleness_max": max(ages) if ages else 0,
+            "policy_version": self.bridge.policy_version,
+            "train_s": round(train_s, 4),
+            "step_s": round(time.perf_counter() - started, 4),
+            "queue_depth": len(self.buffer),
+            "sync_s": round(sync.total_s, 4) if sync else None,
+            "probe_max_abs_diff": sync.probe["max_abs_diff"] if sync else None,
+        }
+        self.last_metrics = {k: v for k, v in record.items() if isinstance(v, (int, float, type(None)))}
+        self.metrics.write("step", self.step, record)
+        self._progress_line(record)
+        self.notifier.status(f"step {self.step}/{self.cfg.train.steps} reward {record.get('reward_mean', 0):.3f}")
+
+    def _progress_line(self, record: dict[str, Any]) -> None:
+        if not self.cfg.run.progress:
+            return
+        elapsed = max(time.time() - self.started_at, 1e-6)
+        line = (
+            f"step {self.step:>4}/{self.cfg.train.steps}  reward {record.get('reward_mean', float('nan')):6.3f}  "
+            f"loss {record.get('loss', float('nan')):+.4f}  {self.step / elapsed:5.2f} steps/s  "
+            f"v{self.bridge.policy_version} {self.bridge.state}"
+        )
+        if record.get("sync_s") is not None:
+            line += f"  sync {record['sync_s'] * 1000:.0f} ms"
+        print(line, file=sys.stderr, flush=True)
+
+    def _sync_pending(self) -> bool:
+        return any(r.kind == "sync" for r in self.pending)
+
+    def _complete_pending(self, kind: str, result: dict[str, Any] | None = None, error: str | None = None) -> None:
+        for request in [r for r in self.pending if r.kind == kind]:
+            self.pending.remove(request)
+            request.result, request.error = result, error
+            request.done.set()
+
+    async def _serve_pending(self) -> None:
+        """Serve operator requests that wait for a step boundary (we are at one now)."""
+        if self._sync_pending():
+            try:
+                record = await self.bridge.sync_now(forced=True)
+            except BridgeFailed as exc:
+                self._complete_pending("sync", error=str(exc))
+                raise
+            self._complete_pending("sync", record.as_dict())
+        if any(r.kind == "checkpoint" for r in self.pending):
+            try:
+                info = await self._checkpoint()
+            except Exception as exc:  # noqa: BLE001 — reported to the operator, the run goes on
+                log.exception("checkpoint_failed")
+                self._complete_pending("checkpoint", error=f"checkpoint failed: {exc}")
+            else:
+                self._complete_pending("checkpoint", info)
+
+    async def _checkpoint(self) -> dict[str, Any]:
+        self.heartbeat.busy()
+        began = time.perf_counter()
+        path = await anyio.to_thread.run_sync(
+            self.store.save,
+            self.trainer,
+            self.step,
+            self.bridge.policy_version,
+            self.buffer.snapshot(),
+            self.source.cursor(),
+            {"rejections": self.rejections.as_dict(), "config_changes": self.config_changes},
+        )
+        self.heartbeat.progress()
+        self.last_checkpoint = {"path": str(path), "step": self.step, "time": time.time()}
+        seconds = time.perf_counter() - began
+        log.info("checkpoint_written", path=str(path), step=self.step, seconds=round(seconds, 3))
+        return {"path": str(path), "step": self.step, "seconds": round(seconds, 3)}
+
+    async def _evaluate(self, when: str) -> None:
+        if self.cfg.eval.size <= 0 or not hasattr(self.source, "evaluate"):
+            return
+        try:
+            result = await self.source.evaluate(self.cfg.eval.size, self.cfg.eval.max_tokens)
+        except Exception as exc:  # noqa: BLE001 — an evaluation failure is reported, not fatal
+            log.warning("eval_failed", when=when, error=str(exc))
+            return
+        self.last_eval = {**result, "when": when, "step": self.step}
+        self.metrics.write("eval", self.step, self.last_eval)
+        log.info("eval", **self.last_eval)
+        if self.cfg.run.progress:
+            print(
+                f"eval ({when}, step {self.step}): accuracy {result['eval_accuracy']:.3f} on {result['eval_size']} held-out problems",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    async def _shutdown(self) -> None:
+        self.phase = RunPhase.STOPPING
+        self.notifier.stopping(f"stopping at step {self.step}: {self.stop_reason}")
+        if self._fetch_scope is not None:
+            self._fetch_scope.cancel()
+        for request in list(self.pending):
+            self._complete_pending(request.kind, error="the daemon is stopping")
+        bridge_ok = self.bridge is not None and self.bridge.available
+        if bridge_ok and self.exit_code == 0:
+            await self._evaluate("end")
+        if self.cfg.checkpoint.at_shutdown and self.trainer is not None and self.step > 0:
+            with anyio.CancelScope(shield=True):
+                await self._checkpoint()
+        await self._emergency_stop()
+        self._print_summary()
+
+    async def _emergency_stop(self) -> None:
+        if self.bridge is not None:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.bridge.stop()
+                except Exception as exc:  # noqa: BLE001 — reported; the exit code says it
+                    log.error("inference_stop_failed", error=str(exc))
+                    self.exit_code = self.exit_code or 1
+
+    def _print_summary(self) -> None:
+        if not self.cfg.run.progress:
+            return
+        evals = [r for r in self.metrics.read() if r["kind"] == "eval"]
+        lines = [
+            f"grpod: {self.stop_reason or 'stopped'} at step {self.step}/{self.cfg.train.steps}, "
+            f"policy version {self.bridge.policy_version if self.bridge else '-'}, run dir {self.run_dir}"
+        ]
+        if len(evals) >= 2:
+            lines.append(
+                f"held-out accuracy: {evals[0]['eval_accuracy']:.3f} (step {evals[0]['step']}) -> "
+                f"{evals[-1]['eval_accuracy']:.3f} (step {evals[-1]['step']}) on {evals[-1]['eval_size']} problems"
+            )
+        if self.last_checkpoint:
+            lines.append(f"last checkpoint: {self.last_checkpoint['path']}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _unwrap(exc: BaseException) -> BaseException | None:
+    """The first real error inside (possibly nested) exception groups; None for cancellation."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _unwrap(inner)
+            if found is not None:
+                return found
+        return None
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, anyio.get_cancelled_exc_class())):
+        return None
+    return exc
+
+
+def run_daemon(cfg: GrpodConfig, config_path: Path | None = None) -> int:
+    daemon = Daemon(cfg, config_path=config_path)
+    try:
+        return anyio.run(daemon.run)
+    except ConfigError:
+        raise

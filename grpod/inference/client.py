@@ -1,0 +1,244 @@
+"""`InferenceClient`: grpod's one HTTP client for the vLLM server it launched.
+
+Covers what grpod needs from vLLM and nothing else: token-in/token-out generation with the
+sampled tokens' logprobs, prompt scoring (the alignment probe), and the development routes the
+weight bridges fence their updates with (pause / resume, prefix-cache reset, weight version,
+collective RPC into the workers, runtime LoRA adapters). The dev routes exist only when the server
+runs with `VLLM_SERVER_DEV_MODE=1`, which `InferenceProcess` sets.
+
+Every call has a timeout; every failure (HTTP status, timeout, refused connection, malformed
+answer) is one `InferenceRequestError` naming the route, the status and an excerpt of the body.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+import structlog
+
+log = structlog.get_logger(__name__)
+
+BODY_EXCERPT_CHARS = 500
+PauseMode = Literal["keep", "wait", "abort"]
+
+
+class InferenceRequestError(RuntimeError):
+    """A request to the vLLM server failed; `status` is None when no HTTP answer came back."""
+
+    def __init__(self, route: str, status: int | None, detail: str) -> None:
+        self.route = route
+        self.status = status
+        self.detail = detail
+        where = f"HTTP {status}" if status is not None else "no response"
+        super().__init__(f"vLLM {route}: {where}: {detail}")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion: `logprobs[i]` is the logprob vLLM sampled `token_ids[i]` with."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    text: str
+
+
+class InferenceClient:
+    """Async client over one aiohttp session; use as `async with InferenceClient(...) as client`."""
+
+    def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> InferenceClient:
+        self._session = aiohttp.ClientSession(headers=self._headers)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _request(
+        self,
+        method: str,
+        route: str,
+        *,
+        json_body: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Send one request; return the decoded JSON body (the text when it is not JSON, None when
+        empty)."""
+        if self._session is None:
+            raise RuntimeError("InferenceClient used outside `async with`")
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        try:
+            async with self._session.request(
+                method,
+                self.base_url + route,
+                json=json_body,
+                params=params,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as response:
+                text = await response.text()
+                status = response.status
+                is_json = response.content_type == "application/json"
+        except TimeoutError:
+            raise InferenceRequestError(
+                route, None, f"timed out after {timeout:g} s (inference.request_timeout_s)"
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise InferenceRequestError(route, None, f"{type(exc).__name__}: {exc}") from None
+        if status != 200:
+            raise InferenceRequestError(route, status, text[:BODY_EXCERPT_CHARS])
+        if not text:
+            return None
+        if not is_json:
+            return text
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise InferenceRequestError(route, status, f"not JSON: {text[:BODY_EXCERPT_CHARS]}") from None
+
+    async def health(self, *, timeout_s: float | None = None) -> bool:
+        """True when /health answers 200 (vLLM answers 503 once its engine is dead)."""
+        try:
+            await self._request("GET", "/health", timeout_s=timeout_s)
+        except InferenceRequestError:
+            return False
+        return True
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        model: str = "policy",
+        cache_salt: str | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> list[Completion]:
+        """Sample `n` completions of a token-id prompt, each with one logprob per generated token."""
+        route = "/v1/completions"
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt_ids,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        if stop_token_ids:
+            body["stop_token_ids"] = stop_token_ids
+        answer = await self._request("POST", route, json_body=body)
+        try:
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
+            completions = [
+                Completion(
+                    token_ids=list(c["token_ids"]),
+                    logprobs=[float(lp) for lp in c["logprobs"]["token_logprobs"]],
+                    finish_reason=c.get("finish_reason"),
+                    text=c.get("text") or "",
+                )
+                for c in choices
+            ]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InferenceRequestError(route, 200, f"unexpected answer shape ({exc!r}): {str(answer)[:200]}") from None
+        for c in completions:
+            if len(c.token_ids) != len(c.logprobs):
+                raise InferenceRequestError(
+                    route, 200, f"{len(c.token_ids)} token ids but {len(c.logprobs)} logprobs in one completion"
+                )
+        if len(completions) != n:
+            raise InferenceRequestError(route, 200, f"asked for {n} completions, got {len(completions)}")
+        return completions
+
+    async def score(self, token_ids: list[int], *, model: str = "policy", cache_salt: str | None = None) -> list[float]:
+        """Logprob of `token_ids[t]` given `token_ids[:t]` for t = 1..n-1, at temperature 1."""
+        route = "/v1/completions"
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 0,
+        }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        answer = await self._request("POST", route, json_body=body)
+        try:
+            entries = answer["choices"][0]["prompt_logprobs"]
+            scores = [float(entries[t][str(token_ids[t])]["logprob"]) for t in range(1, len(token_ids))]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise InferenceRequestError(route, 200, f"unexpected prompt_logprobs shape ({exc!r})") from None
+        return scores
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """Stop scheduling: `keep` freezes in-flight requests until `resume`, `wait` drains them,
+        `abort` cancels them."""
+        await self._request("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._request("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        answer = await self._request("GET", "/is_paused")
+        return bool(answer["is_paused"])
+
+    async def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
+        """Drop cached prefixes (needed after every weight change). False while blocks are still
+        held by running requests; vLLM leaves the retry to the caller."""
+        params = {"reset_running_requests": "true"} if reset_running_requests else None
+        answer = await self._request("POST", "/reset_prefix_cache", params=params)
+        return bool(answer["success"])
+
+    async def update_weight_version(self, version: int) -> None:
+        """Tag the weights vLLM serves from now on (vLLM stores it as a string)."""
+        await self._request("POST", "/update_weight_version", json_body={"new_version": str(version)})
+
+    async def weight_version(self) -> str | None:
+        """The tag last set by `update_weight_version` (None before the first)."""
+        answer = await self._request("GET", "/weight_info")
+        return answer["weight_version"]
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[str, ...] | list[str] = (),
+        kwargs: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Call `method` on every worker (vLLM passes only string arguments); one result each.
+
+        `timeout` bounds the call inside vLLM; the HTTP request waits that long plus its own timeout.
+        """
+        body: dict[str, Any] = {"method": method, "args": list(args), "kwargs": kwargs or {}}
+        http_timeout = self.timeout_s
+        if timeout is not None:
+            body["timeout"] = timeout
+            http_timeout += timeout
+        answer = await self._request("POST", "/collective_rpc", json_body=body, timeout_s=http_timeout)
+        return [] if answer is None else list(answer["results"])
+
+    async def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> None:
+        """Load an adapter from `path` under `name`; reusing a name needs `load_inplace=True`."""
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": load_inplace}
+        await self._request("POST", "/v1/load_lora_adapter", json_body=body)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._request("POST", "/v1/unload_lora_adapter", json_body={"lora_name": name})

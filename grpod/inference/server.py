@@ -1,0 +1,168 @@
+"""grpod's vLLM server: `python -m grpod.inference.server <vLLM OpenAI server arguments>`.
+
+Runs vLLM's stock OpenAI-compatible server in this process and adds, without forking vLLM or
+editing installed files:
+
+- `POST /generate` in the shape Atropos environments (`server_type=vllm`) call, so they work
+  unchanged against a grpod-managed vLLM. Request: `{"prompt": {"prompt_token_ids": [...]},
+  "logprobs": 0, "n", "max_tokens", "temperature", "top_p", "seed", ...}` (other keys are vLLM
+  sampling parameters). Answer, one list entry per output: `text`, `finish_reasons`, `token_ids`,
+  `logprobs` (per generated token, a list holding one dict `{"<token id>": logprob}`, sampled token
+  first), plus `prompt_token_ids`, and `prompt_logprobs` when asked for. The request is served by
+  vLLM's own `/v1/completions` handler, so both routes sample and score identically.
+- An API-key check on every route but `/health` when the server has a key (`--api-key` or
+  `VLLM_API_KEY`): vLLM's own check guards only `/v1`, `/v2`, `/inference` and `/cohere`, which
+  leaves the dev routes (`/pause`, `/collective_rpc`, ...) and `/generate` open.
+
+The hook is vLLM's app factory: `build_app` is wrapped where vLLM's launcher looks it up, so every
+stock route, middleware and the engine lifecycle stay vLLM's. `/health` stays vLLM's, which answers
+503 once the engine is dead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TOKEN_ID_PREFIX = "token_id:"
+UNGUARDED_ROUTES = frozenset({"/health"})
+
+
+class GenerateRequestError(ValueError):
+    """A `/generate` body that cannot be turned into a completion request."""
+
+
+def completion_request_body(body: dict[str, Any]) -> dict[str, Any]:
+    """Translate an Atropos `/generate` body into a `/v1/completions` body.
+
+    Token ids and their logprobs come back as ids (`return_token_ids`, `return_tokens_as_token_ids`)
+    so that no detokenise/retokenise step can change them.
+    """
+    if not isinstance(body, dict):
+        raise GenerateRequestError("the body must be a JSON object")
+    request = dict(body)
+    if "prompt" not in request:
+        raise GenerateRequestError('missing "prompt" (expected {"prompt": {"prompt_token_ids": [...]}})')
+    prompt = request.pop("prompt")
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" not in prompt:
+            raise GenerateRequestError('"prompt" is an object without "prompt_token_ids"')
+        prompt = prompt["prompt_token_ids"]
+    if request.pop("stream", False):
+        raise GenerateRequestError("streaming is not supported on /generate; use /v1/completions")
+    request["prompt"] = prompt
+    request["return_token_ids"] = True
+    request["return_tokens_as_token_ids"] = True
+    return request
+
+
+def _token_id(key: str) -> str:
+    return key.removeprefix(TOKEN_ID_PREFIX)
+
+
+def atropos_response(completion: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    """Reshape a `/v1/completions` answer into the Atropos `/generate` answer for `request`."""
+    choices = sorted(completion["choices"], key=lambda c: c["index"])
+    answer: dict[str, Any] = {
+        "text": [c["text"] for c in choices],
+        "finish_reasons": [c["finish_reason"] for c in choices],
+        "token_ids": [c["token_ids"] for c in choices],
+        "prompt_token_ids": choices[0]["prompt_token_ids"] if choices else [],
+    }
+    if request.get("logprobs") is not None:
+        answer["logprobs"] = [_output_logprobs(c) for c in choices]
+    if request.get("prompt_logprobs") is not None:
+        entries = choices[0]["prompt_logprobs"] if choices else []
+        answer["prompt_logprobs"] = [
+            None if entry is None else [{str(tok): lp["logprob"] for tok, lp in entry.items()}] for entry in entries
+        ]
+    return answer
+
+
+def _output_logprobs(choice: dict[str, Any]) -> list[list[dict[str, float]]]:
+    lps = choice["logprobs"]
+    top = lps.get("top_logprobs") or []
+    positions = []
+    for i, (token, logprob) in enumerate(zip(choice["token_ids"], lps["token_logprobs"], strict=True)):
+        entry = {str(token): logprob}
+        for key, value in (top[i] if i < len(top) and top[i] else {}).items():
+            entry.setdefault(_token_id(key), value)
+        positions.append([entry])
+    return positions
+
+
+def _add_grpod_routes(app: Any, args: Any) -> None:
+    """Add `/generate` and, when the server has an API key, the all-routes key check."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+    from pydantic import ValidationError
+    from vllm import envs
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+    from vllm.entrypoints.serve.utils.api_utils import with_cancellation
+
+    def bad_request(message: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": 400}}, status_code=400)
+
+    @with_cancellation
+    async def serve_generate(body: dict[str, Any], raw_request: Request) -> JSONResponse:
+        try:
+            request = CompletionRequest.model_validate(completion_request_body(body))
+        except GenerateRequestError as exc:
+            return bad_request(str(exc))
+        except ValidationError as exc:
+            return bad_request(f"invalid /generate request: {exc}")
+        handler = raw_request.app.state.openai_serving_completion
+        if handler is None:
+            return bad_request("the served model does not support completions")
+        result = await handler.create_completion(request, raw_request)
+        if isinstance(result, ErrorResponse):
+            return JSONResponse(result.model_dump(), status_code=result.error.code)
+        if not isinstance(result, CompletionResponse):
+            return bad_request("unexpected streaming answer")
+        return JSONResponse(atropos_response(result.model_dump(), body))
+
+    async def generate(raw_request: Request) -> Any:
+        try:
+            body = await raw_request.json()
+        except ValueError as exc:
+            return bad_request(f"body is not JSON: {exc}")
+        return await serve_generate(body, raw_request)
+
+    app.add_api_route("/generate", generate, methods=["POST"])
+
+    class KeyOnEveryRoute(AuthenticationMiddleware):
+        def __call__(self, scope, receive, send):
+            if scope["type"] in ("http", "websocket") and scope.get("method") != "OPTIONS":
+                path = scope["path"].removeprefix(scope.get("root_path", ""))
+                if path not in UNGUARDED_ROUTES and not self.verify_token(_headers(scope)):
+                    return JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+            return self.app(scope, receive, send)
+
+    tokens = [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]
+    if tokens:
+        app.add_middleware(KeyOnEveryRoute, tokens=tokens)
+
+
+def _headers(scope: Any) -> Any:
+    from starlette.datastructures import Headers
+
+    return Headers(scope=scope)
+
+
+def main() -> None:
+    import vllm.entrypoints.launchers.api_server.entry as launcher
+
+    stock_build_app = launcher.build_app
+
+    def build_app(args: Any, *a: Any, **kw: Any) -> Any:
+        app = stock_build_app(args, *a, **kw)
+        _add_grpod_routes(app, args)
+        return app
+
+    launcher.build_app = build_app
+    launcher.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The staleness bound: how many policy versions old a group may be when it reaches the loss.
+
+staleness = (policy version vLLM serves now) - (version the group was generated under).
+Groups within `max_staleness` train at full weight. Older ones are dropped (`drop`, the default)
+or kept with weight 1 / (1 + versions beyond the bound) (`downweight`), and always counted. The
+histogram of staleness over everything that arrived is a metric.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from grpod.rollouts.group import RolloutGroup
+
+
+@dataclass
+class StalenessStats:
+    histogram: Counter = field(default_factory=Counter)
+    dropped: int = 0
+    downweighted: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "histogram": {str(k): v for k, v in sorted(self.histogram.items())},
+            "dropped": self.dropped,
+            "downweighted": self.downweighted,
+        }
+
+
+def apply_staleness(
+    groups: list[RolloutGroup], current_version: int, max_staleness: int, policy: str, stats: StalenessStats
+) -> tuple[list[RolloutGroup], list[int]]:
+    """Returns the groups that may train (weights set) and the staleness of every input group."""
+    kept: list[RolloutGroup] = []
+    ages: list[int] = []
+    for group in groups:
+        age = max(current_version - group.policy_version, 0)
+        ages.append(age)
+        stats.histogram[age] += 1
+        if age <= max_staleness:
+            kept.append(group)
+        elif policy == "drop":
+            stats.dropped += 1
+        else:
+            group.weight = 1.0 / (1 + age - max_staleness)
+            stats.downweighted += 1
+            kept.append(group)
+    return kept, ages
