@@ -48,7 +48,9 @@ def check_socket_dir(path: Path) -> None:
 
 
 async def _read_lines(stream: SocketStream):
+    """Yield each request line; an over-long line yields None once and is skipped to its end."""
     buffer = b""
+    skipping = False
     while True:
         try:
             chunk = await stream.receive(65536)
@@ -57,10 +59,15 @@ async def _read_lines(stream: SocketStream):
         buffer += chunk
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
+            if skipping:
+                skipping = False
+                continue
             yield line
         if len(buffer) > MAX_LINE:
-            yield None  # an over-long line: answered with an error, then the connection closes
-            return
+            if not skipping:
+                yield None
+            skipping = True
+            buffer = b""
 
 
 class ControlServer:
@@ -111,8 +118,6 @@ class ControlServer:
                 try:
                     await stream.send((json.dumps(reply, default=str) + "\n").encode())
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    return
-                if line is None:
                     return
 
     async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:

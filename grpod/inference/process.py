@@ -1,0 +1,362 @@
+"""`InferenceProcess`: one vLLM OpenAI server, launched, watched and stopped by grpod.
+
+The server (`python -m grpod.inference.server`, vLLM's stock server plus grpod's routes) runs in a
+process group of its own, created at launch. That group is grpod's only handle on it: vLLM's
+EngineCore and Worker processes inherit it and keep it when they are orphaned, and stopping
+signals exactly that group, never a name or a pattern, never a process outside it.
+
+Guarantees:
+- `start` returns only once `/health` answers 200; otherwise it raises `InferenceStartError`
+  (timeout, or early exit with its code) with the tail of this launch's log, after stopping
+  everything it launched. A fixed port that is taken fails before launching (`PortInUseError`).
+- `stop` sends SIGTERM to the group, SIGKILL after `stop_grace_s`, and returns only once no
+  process of the group remains, the port is free and (on an NVIDIA GPU) the group's processes
+  hold no accelerator memory; each wait raises `ReleaseTimeoutError` after `release_timeout_s`.
+- The group leader is reaped only after the whole group is gone. Until then its PID (= the PGID)
+  cannot be recycled by the kernel, so a signal to the group can never reach a stranger.
+- Dev routes (`/pause`, `/collective_rpc`, ...) never listen on a non-loopback address without
+  an API key (`UnsafeBindError`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import anyio
+import structlog
+
+from grpod.config import InferenceConfig, ModelConfig
+from grpod.inference import release
+from grpod.inference.client import InferenceClient
+
+log = structlog.get_logger(__name__)
+
+SERVED_MODEL_NAME = "policy"
+LOG_TAIL_LINES = 30
+# During start-up vLLM's socket listens before uvicorn serves it: a probe then hangs until the
+# engine is up, so each probe gets its own short timeout and is simply retried.
+HEALTH_PROBE_TIMEOUT_S = 5.0
+
+
+class InferenceStartError(RuntimeError):
+    """vLLM did not become healthy; the message carries the reason and the tail of its log."""
+
+
+class PortInUseError(InferenceStartError):
+    """The configured fixed port is already taken by another process."""
+
+
+class UnsafeBindError(ValueError):
+    """Dev endpoints would face a network without an API key."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+class InferenceProcess:
+    """One vLLM server child in its own process group. Not reentrant: one launch at a time."""
+
+    def __init__(
+        self,
+        cfg: InferenceConfig,
+        model: ModelConfig,
+        run_dir: Path,
+        *,
+        gpu: bool | None = None,
+    ) -> None:
+        """`gpu`: size the KV cache for an NVIDIA GPU (None = detect with NVML)."""
+        if not is_loopback(cfg.host) and not cfg.api_key:
+            raise UnsafeBindError(
+                f"inference.host = {cfg.host!r} is not a loopback address and inference.api_key is not set: "
+                "vLLM's dev endpoints (/pause, /collective_rpc, ...) would be open to the network. "
+                "Set inference.api_key or bind 127.0.0.1."
+            )
+        self.cfg = cfg
+        self.model = model
+        self.run_dir = Path(run_dir)
+        self.gpu = release.nvidia_gpu_count() > 0 if gpu is None else gpu
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._port: int | None = None
+        self._model_path: Path | None = None
+        self._log_offset = 0
+        self._last_exit_code: int | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.run_dir / "vllm.log"
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    @property
+    def pgid(self) -> int | None:
+        """The process group created at launch (the leader's PID)."""
+        return self.pid
+
+    @property
+    def port(self) -> int | None:
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        if self._port is None:
+            raise RuntimeError("InferenceProcess has no port before start()")
+        host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
+        if host in ("0.0.0.0", "[::]"):
+            host = "127.0.0.1"
+        return f"http://{host}:{self._port}"
+
+    @property
+    def running(self) -> bool:
+        """True from launch until the server process has exited."""
+        return self._popen is not None and _exit_code(self._popen) is None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The server's exit code once it has exited (negative: killed by that signal)."""
+        return _exit_code(self._popen) if self._popen is not None else self._last_exit_code
+
+    def client(self, timeout_s: float | None = None) -> InferenceClient:
+        """A client for this server (use it as `async with`)."""
+        return InferenceClient(self.base_url, timeout_s or self.cfg.request_timeout_s, self.cfg.api_key)
+
+    def build_args(
+        self,
+        model_path: Path | str,
+        *,
+        lora_modules: dict[str, str] | None = None,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
+        worker_extension: str | None = None,
+    ) -> list[str]:
+        """The server's argv. `--port` is the resolved port once `start` picked it, else the
+        configured one."""
+        cfg = self.cfg
+        port = self._port if self._port is not None else cfg.port
+        args = [
+            sys.executable, "-m", "grpod.inference.server",
+            "--model", str(model_path),
+            "--served-model-name", SERVED_MODEL_NAME,
+            "--host", cfg.host,
+            "--port", str(port),
+            "--dtype", self.model.dtype,
+            "--max-model-len", str(self.model.max_seq_len),
+            # The trainer divides its logits by the sampling temperature; vLLM must report the
+            # same temperature-processed logprobs (its default is the raw, pre-temperature ones).
+            "--logprobs-mode", "processed_logprobs",
+            "--disable-access-log-for-endpoints", "/health",
+        ]  # fmt: skip
+        if self.gpu:
+            args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        else:
+            args += ["--kv-cache-memory-bytes", cfg.kv_cache_bytes]
+        if cfg.enforce_eager:
+            args.append("--enforce-eager")
+        if enable_lora or lora_modules:
+            args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
+        if lora_modules:
+            args += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
+        if worker_extension:
+            args += ["--worker-extension-cls", worker_extension]
+        return args + list(cfg.extra_args)
+
+    def build_env(self) -> dict[str, str]:
+        """Variables added to grpod's environment for the server.
+
+        The API key travels in `VLLM_API_KEY` (read by vLLM and grpod's server alike) rather than
+        `--api-key`, so it does not show in the process list.
+        """
+        env = {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "PYTHONUNBUFFERED": "1",
+        }
+        if self.cfg.api_key:
+            env["VLLM_API_KEY"] = self.cfg.api_key
+        env.update(self.cfg.env)
+        return env
+
+    def _resolve_port(self) -> int:
+        host = self.cfg.host
+        if self.cfg.port == 0:
+            return release.free_port(host)
+        if not release.port_is_free(host, self.cfg.port):
+            raise PortInUseError(
+                f"inference.port {self.cfg.port} on {host} is already in use by another process; "
+                "stop it, choose another inference.port, or set inference.port = 0 for a free one"
+            )
+        return self.cfg.port
+
+    async def start(self, model_path: Path | str, **build_kw) -> None:
+        """Launch the server on `model_path` and return once `/health` answers 200.
+
+        `build_kw` goes to `build_args` (LoRA modules, worker extension). On any failure,
+        cancellation included, everything launched is stopped before the error propagates.
+        """
+        if self._popen is not None:
+            raise InferenceStartError(f"vLLM is already launched (pid {self.pid}); stop() it first")
+        self._port = self._resolve_port()
+        self._model_path = Path(model_path)
+        argv = self.build_args(model_path, **build_kw)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log_file:
+            self._log_offset = log_file.tell()
+            header = f"=== grpod launch {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {shlex.join(argv)}\n"
+            log_file.write(header.encode())
+            log_file.flush()
+            self._popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.build_env()},
+                start_new_session=True,
+            )
+        self._last_exit_code = None
+        log.info("inference_launched", pid=self.pid, port=self._port, model=str(model_path), log=str(self.log_path))
+        started = time.monotonic()
+        try:
+            await self._wait_healthy()
+        except BaseException as exc:
+            log.error("inference_start_failed", pid=self.pid, error=str(exc).splitlines()[0])
+            with anyio.CancelScope(shield=True):
+                await self.stop()
+            raise
+        log.info("inference_healthy", pid=self.pid, port=self._port, elapsed_s=round(time.monotonic() - started, 2))
+
+    async def _wait_healthy(self) -> None:
+        timeout = self.cfg.start_timeout_s
+        async with self.client() as client:
+            with anyio.move_on_after(timeout):
+                while True:
+                    code = _exit_code(self._popen)
+                    if code is not None:
+                        raise InferenceStartError(
+                            f"vLLM exited with code {code} before becoming healthy "
+                            f"(model {self._model_path}, port {self._port}); {self._log_excerpt()}"
+                        )
+                    if await client.health(timeout_s=min(HEALTH_PROBE_TIMEOUT_S, timeout)):
+                        return
+                    await anyio.sleep(self.cfg.health_interval_s)
+        raise InferenceStartError(
+            f"vLLM did not answer /health within inference.start_timeout_s = {timeout:g} s; "
+            f"raise it if start-up is just slow; {self._log_excerpt()}"
+        )
+
+    def _log_excerpt(self) -> str:
+        return f"last lines of {self.log_path}:\n" + "\n".join(self.log_tail())
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> list[str]:
+        """The last `lines` lines this launch wrote to the log."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(self._log_offset)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return []
+        return list(deque(text.splitlines(), maxlen=lines))
+
+    async def wait_exit(self) -> int:
+        """Wait until the server process exits (for a crash watch) and return its exit code.
+
+        A watch rather than a bounded wait: the caller bounds it by cancelling. Event-driven
+        through a pidfd, so a long watch costs nothing.
+        """
+        popen = self._popen
+        if popen is None:
+            raise RuntimeError("wait_exit() before start()")
+        if popen.returncode is None:
+            # The leader is unreaped until stop() is done, so this PID is still ours.
+            pidfd = os.pidfd_open(popen.pid)
+            try:
+                await anyio.wait_readable(pidfd)
+            finally:
+                os.close(pidfd)
+        return _exit_code(popen)
+
+    async def _reap_leader(self) -> int:
+        """Reap the leader once its group is gone; it has exited unless it left the group."""
+        popen = self._popen
+        code = popen.poll()
+        if code is None:
+            log.warning("inference_leader_left_group", pid=popen.pid)
+            popen.kill()
+            try:
+                code = await anyio.to_thread.run_sync(popen.wait, self.cfg.release_timeout_s)
+            except subprocess.TimeoutExpired:
+                raise release.ReleaseTimeoutError(
+                    f"vLLM server process {popen.pid} still running {self.cfg.release_timeout_s:g} s after SIGKILL"
+                ) from None
+        return code
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except ProcessLookupError:
+            pass
+
+    async def stop(self) -> None:
+        """Stop the server and wait until its processes, port and GPU memory are released.
+
+        Idempotent; safe after a crash (what is left of the group is stopped the same way).
+        """
+        if self._popen is None:
+            return
+        pgid, port, cfg = self.pgid, self._port, self.cfg
+        started = time.monotonic()
+        members = release.group_members(pgid)
+        member_pids = {p.pid for p in members}
+        segments = await anyio.to_thread.run_sync(release.vllm_shm_segments, members)
+        killed = False
+        if members:
+            log.info("inference_stopping", pgid=pgid, processes=len(members))
+            self._signal_group(signal.SIGTERM)
+            try:
+                await release.wait_group_gone(pgid, cfg.stop_grace_s)
+            except release.ReleaseTimeoutError:
+                killed = True
+                log.warning("inference_sigkill", pgid=pgid, grace_s=cfg.stop_grace_s)
+                self._signal_group(signal.SIGKILL)
+                await release.wait_group_gone(pgid, cfg.release_timeout_s)
+        self._last_exit_code = await self._reap_leader()
+        self._popen = None
+        await release.wait_port_free(cfg.host, port, cfg.release_timeout_s)
+        if self.gpu:
+            await release.wait_gpu_memory_released(member_pids, cfg.release_timeout_s)
+        removed = release.remove_shm_segments(segments)
+        log.info(
+            "inference_stopped",
+            pgid=pgid,
+            exit_code=self._last_exit_code,
+            sigkill=killed,
+            shm_removed=len(removed),
+            elapsed_s=round(time.monotonic() - started, 2),
+        )
+
+
+def _exit_code(popen: subprocess.Popen[bytes]) -> int | None:
+    """The child's exit code if it has exited, without reaping it (see the module docstring)."""
+    if popen.returncode is not None:
+        return popen.returncode
+    try:
+        info = os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return popen.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status

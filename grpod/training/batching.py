@@ -1,0 +1,149 @@
+"""From kept groups to padded micro-batches: flatten, sort by length, cut by a token budget.
+
+A micro-batch is a `[rows, max_len]` block of right-padded token ids; what it costs is
+`rows x max_len` processed tokens, of which `sum(len)` are real. Sorting the step's sequences by
+length before cutting keeps sequences of similar length together, so little of that block is
+padding; `MicroBatchPlan.efficiency` (real / processed tokens) reports how little. The budget
+`micro_batch_tokens` bounds `rows x max_len` of every micro-batch (a single sequence longer than the
+budget gets a micro-batch of its own).
+
+Right padding needs no attention mask with a causal LM: a real position only attends to earlier
+positions, which are all real, so its logits are those of the unpadded sequence; the pad positions'
+outputs are never read. Only loss tokens are gathered out of the block (`MicroBatch.rows`,
+`.positions`), so everything downstream of the forward pass is flat and padding-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grpod.training.advantages import AdvantageResult
+from grpod.training.loss import masked_for_truncation
+
+
+@dataclass(frozen=True)
+class TrainingSequence:
+    """One completion ready to train on: its tokens, the loss mask to use, its advantage."""
+
+    tokens: list[int]
+    loss_mask: list[int]
+    advantage: float
+    temperature: float
+    inference_logprobs: list[float] | None = None
+
+    @property
+    def loss_positions(self) -> list[int]:
+        """Positions t >= 1 with loss (position 0 has no context, so no prediction to train)."""
+        return [t for t in range(1, len(self.tokens)) if self.loss_mask[t]]
+
+
+def training_sequences(result: AdvantageResult, *, mask_truncated: bool) -> list[TrainingSequence]:
+    """Every sequence of the kept groups that has at least one loss token left."""
+    sequences = []
+    for group, advantages in zip(result.groups, result.advantages, strict=True):
+        for i, tokens in enumerate(group.tokens):
+            truncated = bool(group.truncated[i]) if group.truncated else False
+            mask = masked_for_truncation(list(group.loss_mask[i]), truncated, mask_truncated)
+            sequence = TrainingSequence(
+                tokens=list(tokens),
+                loss_mask=mask,
+                advantage=float(advantages[i]),
+                temperature=float(group.temperature),
+                inference_logprobs=list(group.inference_logprobs[i]) if group.inference_logprobs else None,
+            )
+            if sequence.loss_positions:
+                sequences.append(sequence)
+    return sequences
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Micro-batches as lists of indices into the step's sequences, shortest first."""
+
+    batches: list[list[int]]
+    real_tokens: int
+    processed_tokens: int
+
+    @property
+    def efficiency(self) -> float:
+        return self.real_tokens / self.processed_tokens if self.processed_tokens else 1.0
+
+
+def plan_micro_batches(lengths: Sequence[int], micro_batch_tokens: int) -> MicroBatchPlan:
+    """Sort by length and cut greedily: a micro-batch grows while `rows x max_len` fits the budget."""
+    if micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    processed = 0
+    current: list[int] = []
+    for i in order:
+        # Ascending order: the newcomer is the longest, so it sets the padded width.
+        if current and (len(current) + 1) * lengths[i] > micro_batch_tokens:
+            batches.append(current)
+            processed += len(current) * lengths[current[-1]]
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+        processed += len(current) * lengths[current[-1]]
+    return MicroBatchPlan(batches=batches, real_tokens=sum(lengths), processed_tokens=processed)
+
+
+@dataclass
+class MicroBatch:
+    """A padded block of sequences plus the flat per-loss-token tensors the loss needs.
+
+    Loss token k sits at `input_ids[rows[k], positions[k]]` and is predicted by the logits at
+    `[rows[k], positions[k] - 1]`. `inference_logprobs[k]` is NaN where the source sent none.
+    """
+
+    input_ids: Tensor
+    rows: Tensor
+    positions: Tensor
+    targets: Tensor
+    temperatures: Tensor
+    advantages: Tensor
+    inference_logprobs: Tensor
+    sequence_loss_tokens: Tensor
+    real_tokens: int
+
+    @property
+    def processed_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def collate(sequences: list[TrainingSequence], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
+    """Right-pad `sequences` into one block and gather their loss tokens."""
+    width = max(len(s.tokens) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    rows, positions, temps, advantages, inference, counts = [], [], [], [], [], []
+    for row, seq in enumerate(sequences):
+        input_ids[row, : len(seq.tokens)] = torch.tensor(seq.tokens, dtype=torch.long)
+        where = seq.loss_positions
+        rows += [row] * len(where)
+        positions += where
+        temps += [seq.temperature] * len(where)
+        advantages += [seq.advantage] * len(where)
+        counts += [len(where)] * len(where)
+        if seq.inference_logprobs is None:
+            inference += [float("nan")] * len(where)
+        else:
+            inference += [float(seq.inference_logprobs[t]) for t in where]
+    rows_t = torch.tensor(rows, dtype=torch.long)
+    positions_t = torch.tensor(positions, dtype=torch.long)
+    return MicroBatch(
+        input_ids=input_ids.to(device),
+        rows=rows_t.to(device),
+        positions=positions_t.to(device),
+        targets=input_ids[rows_t, positions_t].to(device),
+        temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
+        advantages=torch.tensor(advantages, dtype=torch.float32, device=device),
+        inference_logprobs=torch.tensor(inference, dtype=torch.float32, device=device),
+        sequence_loss_tokens=torch.tensor(counts, dtype=torch.long, device=device),
+        real_tokens=sum(len(s.tokens) for s in sequences),
+    )

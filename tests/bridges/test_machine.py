@@ -1,0 +1,44 @@
+import pytest
+
+from grpod.bridges import none
+from grpod.bridges.machine import IllegalTransition, StateMachine, render_table
+
+
+def _machine():
+    return StateMachine("none", none.TABLE, none.State.IDLE)
+
+
+def test_happy_path_and_history():
+    m = _machine()
+    for event in ("START", "READY", "PROBE_OK", "SYNC", "SAVED", "APPLIED", "PROBE_OK"):
+        m.fire(none.Event[event])
+    assert m.state is none.State.SERVING
+    assert [t.event for t in m.history][-3:] == ["SAVED", "APPLIED", "PROBE_OK"]
+    assert all(t.elapsed_s >= 0 for t in m.history)
+
+
+def test_illegal_transition_is_refused():
+    m = _machine()
+    with pytest.raises(IllegalTransition, match="SYNC is not allowed in state IDLE"):
+        m.fire(none.Event.SYNC)
+    assert m.state is none.State.IDLE
+
+
+def test_probe_failure_lands_in_failed_and_sync_retries():
+    m = _machine()
+    m.fire(none.Event.START)
+    m.fire(none.Event.READY)
+    m.fire(none.Event.PROBE_FAIL, error="mismatch")
+    assert m.state is none.State.FAILED and m.error == "mismatch"
+    m.fire(none.Event.SYNC)
+    assert m.state is none.State.SAVING
+
+
+def test_every_state_can_stop_and_the_docstring_shows_the_table():
+    for state in none.State:
+        if state not in (none.State.STOPPING, none.State.STOPPED):
+            assert none.TABLE[(state, none.Event.STOP)] is none.State.STOPPING
+    rendered = render_table(none.TABLE)
+    assert "SERVING" in rendered and "--SYNC" in rendered
+    for row in ("SAVING      --SAVED------>  APPLYING", "APPLYING    --APPLIED---->  PROBING"):
+        assert row in none.__doc__

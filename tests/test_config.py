@@ -1,0 +1,85 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpod.config import ConfigError, GrpodConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_embedded_default_is_valid_and_mirrors_the_tree():
+    cfg = load_config(ROOT / "etc" / "grpod.toml")
+    assert cfg.bridge.mode == "none"
+    assert cfg.source.kind == "builtin"
+    # Every section of the tree appears in the documented default file.
+    text = (ROOT / "etc" / "grpod.toml").read_text()
+    for section in GrpodConfig.model_fields:
+        assert f"[{section}]" in text, section
+
+
+def test_unknown_key_names_file_and_path(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nstepz = 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+    assert "train.stepz: unknown key" in str(err.value)
+
+
+def test_wrong_type_and_bad_value(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsteps = "many"\n[bridge]\nmode = "teleport"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert "train.steps" in message and "'many'" in message
+    assert "bridge.mode" in message
+
+
+def test_missing_file_and_syntax_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "absent.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="TOML syntax error"):
+        load_config(bad)
+
+
+def test_set_overrides_one_key(tmp_path):
+    cfg = load_config(None, ["train.lr=1e-3", "bridge.mode=none", "source.atropos_url=http://127.0.0.1:9"])
+    assert cfg.train.lr == 1e-3
+    assert cfg.source.atropos_url == "http://127.0.0.1:9"
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(None, ["train.lr"])
+    with pytest.raises(ConfigError, match="train.lr"):
+        load_config(None, ["train.lr=-1"])
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="needs train.lora = true"):
+        load_config(None, ["bridge.mode=lora_only"])
+
+
+def test_digest_changes_with_config():
+    a = load_config(None)
+    b = load_config(None, ["train.lr=1e-3"])
+    assert a.digest() != b.digest()
+    assert a.digest() == load_config(None).digest()
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [("train.steps=0", "train.steps"), ("inference.port=70000", "inference.port"), ("nope.x=1", "nope: unknown key")],
+)
+def test_check_config_cli_exit_2(tmp_path, override, fragment):
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpod", "check-config", str(ROOT / "etc" / "grpod.toml"), "--set", override],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert fragment in proc.stderr
+    assert "grpod.toml" in proc.stderr
