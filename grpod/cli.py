@@ -12,9 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from grpod.config import ConfigError, GrpodConfig, load_config
+from grpod.config import ConfigError, GrpodConfig, load_config, parse_assignment
 
-CTL_COMMANDS = ("status", "pause", "resume", "sync", "checkpoint", "drain", "stop")
+CTL_COMMANDS = ("status", "pause", "resume", "sync", "checkpoint", "drain", "set", "stop")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ctl = sub.add_parser("ctl", help="talk to a running daemon over its control socket")
     ctl.add_argument("cmd", choices=CTL_COMMANDS)
+    ctl.add_argument("assignment", nargs="?", help="for `set`: KEY=VALUE (TOML value), e.g. train.lr=1e-5")
     ctl.add_argument("--socket", type=Path, help="socket path (default: from --config, else runs/default)")
     ctl.add_argument("--config", type=Path, help="config whose control.socket / run.dir to use")
     ctl.add_argument("--json", action="store_true", help="print the raw JSON reply")
@@ -109,8 +110,12 @@ def cmd_ctl(args: argparse.Namespace) -> int:
         path = args.socket
     else:
         path = _load(args.config, []).socket_path
+    payload = {}
+    if args.cmd == "set":
+        key_path, value = parse_assignment(args.assignment or "")
+        payload = {"key": ".".join(key_path), "value": value}
     try:
-        reply = request(path, args.cmd, timeout_s=args.timeout)
+        reply = request(path, args.cmd, payload, timeout_s=args.timeout)
     except ControlError as exc:
         print(f"grpod ctl {args.cmd}: {exc}", file=sys.stderr)
         return 3

@@ -113,6 +113,9 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
     optimizer: Literal["adamw", "adamw_8bit", "adafactor"] = "adamw"
     micro_batch_tokens: int = Field(4096, ge=16)
+    # A micro-batch is also cut where the next (longer) sequence would bring its share of real,
+    # unpadded tokens below this (0 = cut by micro_batch_tokens only).
+    micro_batch_min_efficiency: float = Field(0.95, ge=0, le=1)
     max_staleness: int = Field(4, ge=0)
     stale_policy: Literal["drop", "downweight"] = "drop"
     lora: bool = False
@@ -197,7 +200,7 @@ class GrpodConfig(_Section):
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _parse_override(text: str) -> tuple[list[str], Any]:
+def parse_assignment(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. train.lr=1e-5")
     key, raw = text.split("=", 1)
@@ -213,7 +216,7 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
 
 def apply_override(tree: dict[str, Any], text: str) -> None:
     """Set one `a.b.c=value` key in a raw config tree (TOML syntax for the value)."""
-    path, value = _parse_override(text)
+    path, value = parse_assignment(text)
     node = tree
     for part in path[:-1]:
         child = node.setdefault(part, {})

@@ -70,7 +70,10 @@ class RunStore:
         info = resolve_resume(self.root, self.cfg.run.resume)
         if info is None:
             return Restored(trainer=Trainer(self.cfg, self.cfg.model.path))
-        trainer = Trainer(self.cfg, self.cfg.model.path, weights=info.path / "model")
+        if self.cfg.train.lora:
+            trainer = Trainer(self.cfg, self.cfg.model.path, adapter_path=info.path / "model")
+        else:
+            trainer = Trainer(self.cfg, info.path / "model")
         trainer.load_state_dict(load_tensors_state(info.path, "trainer_state.pt"))
         restore_rng(load_json(info.path, "rng.json"))
         state = load_json(info.path, "run_state.json")

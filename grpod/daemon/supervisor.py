@@ -33,8 +33,9 @@ import structlog
 
 from grpod.bridges import make_bridge
 from grpod.bridges.base import BridgeFailed
-from grpod.config import ConfigError, GrpodConfig
+from grpod.config import ConfigError, GrpodConfig, load_config
 from grpod.daemon.control import ControlError, ControlServer
+from grpod.daemon.live import SettingChange, diff_file, plan_changes
 from grpod.daemon.logs import MetricsLog, configure_logging
 from grpod.daemon.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
 from grpod.rollouts.buffer import RolloutBuffer
@@ -99,6 +100,7 @@ class Daemon:
         self.last_eval: dict[str, Any] = {}
         self.last_checkpoint: dict[str, Any] | None = None
         self.config_changes: list[dict[str, Any]] = []
+        self.pending_changes: list[tuple[SettingChange, str]] = []
         self.started_at = time.time()
         self._wait_scope: anyio.CancelScope | None = None
         self._fetch_scope: anyio.CancelScope | None = None
@@ -159,6 +161,53 @@ class Daemon:
         log.info("drain_requested", buffered=len(self.buffer), step=self.step)
         return {"draining": True, "buffered_groups": len(self.buffer), "step": self.step}
 
+    async def _ctl_set(self, args: dict[str, Any]) -> dict[str, Any]:
+        key, value = args.get("key"), args.get("value")
+        if not isinstance(key, str) or "value" not in args:
+            raise ControlError('expected args {"key": "train.lr", "value": 1e-5}')
+        try:
+            _, changes = plan_changes(self.cfg, {key: value}, "ctl set")
+        except ConfigError as exc:
+            raise ControlError(str(exc)) from None
+        self.pending_changes.extend((change, "ctl set") for change in changes)
+        self._wake()
+        return {
+            "accepted": [vars(c) for c in changes],
+            "effective": "at the next step boundary",
+            "unchanged": not changes,
+        }
+
+    def _reload_config_file(self) -> None:
+        """SIGHUP: re-read the config file; apply the live subset, refuse the rest (logged)."""
+        if self.config_path is None:
+            log.warning("reload_refused", reason="the daemon was started without --config")
+            return
+        try:
+            reloaded = load_config(self.config_path)
+            wanted = diff_file(self.cfg, reloaded)
+            _, changes = plan_changes(self.cfg, wanted, f"SIGHUP {self.config_path}")
+        except ConfigError as exc:
+            log.error("reload_refused", path=str(self.config_path), reason=str(exc))
+            return
+        log.info("reload_accepted", path=str(self.config_path), changes=[vars(c) for c in changes])
+        self.pending_changes.extend((change, "SIGHUP") for change in changes)
+        self._wake()
+
+    def _apply_changes(self) -> None:
+        """At a step boundary: apply accepted live changes to the running config and the trainer."""
+        while self.pending_changes:
+            change, origin = self.pending_changes.pop(0)
+            *sections, leaf = change.key.split(".")
+            node = self.cfg
+            for part in sections:
+                node = getattr(node, part)
+            setattr(node, leaf, change.new)
+            if change.key == "train.lr":
+                self.trainer.set_learning_rate(change.new)
+            record = {"version": len(self.config_changes) + 1, "step": self.step, "origin": origin, **vars(change)}
+            self.config_changes.append(record)
+            log.info("config_changed", **record)
+
     async def _ctl_stop(self, args: dict[str, Any]) -> dict[str, Any]:
         self.request_stop("ctl stop")
         return {"stopping": True, "step": self.step}
@@ -171,6 +220,7 @@ class Daemon:
             "sync": self._ctl_sync,
             "checkpoint": self._ctl_checkpoint,
             "drain": self._ctl_drain,
+            "set": self._ctl_set,
             "stop": self._ctl_stop,
         }
 
@@ -195,6 +245,7 @@ class Daemon:
             "last_metrics": self.last_metrics,
             "last_eval": self.last_eval,
             "last_checkpoint": self.last_checkpoint,
+            "config_changes": self.config_changes[-10:],
             "run_dir": str(self.run_dir),
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started_at, 1),
@@ -279,7 +330,7 @@ class Daemon:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
                 if signum == signal.SIGHUP:
-                    log.info("sighup_ignored", reason="hot reload is not available in this version")
+                    self._reload_config_file()
                     continue
                 self.request_stop(signal.Signals(signum).name)
 
@@ -327,7 +378,7 @@ class Daemon:
         while not self._stop_requested:
             await self._serve_pending()
             if self.paused:
-                await self._until(lambda: not self.paused or bool(self.pending))
+                await self._until(lambda: not self.paused or bool(self.pending) or bool(self.pending_changes))
                 continue
             if self.draining:
                 groups = await self.buffer.take_available(n)
@@ -432,6 +483,7 @@ class Daemon:
 
     async def _serve_pending(self) -> None:
         """Serve operator requests that wait for a step boundary (we are at one now)."""
+        self._apply_changes()
         if self._sync_pending():
             try:
                 record = await self.bridge.sync_now(forced=True)

@@ -14,18 +14,24 @@ Guarantees:
   hold no accelerator memory; each wait raises `ReleaseTimeoutError` after `release_timeout_s`.
 - The group leader is reaped only after the whole group is gone. Until then its PID (= the PGID)
   cannot be recycled by the kernel, so a signal to the group can never reach a stranger.
+- Each launch gets a scratch directory as its TMPDIR and ZMQ socket base, where vLLM leaves its
+  IPC sockets and `vllm_dist_*` rendezvous files; `stop` removes it with the group's vLLM-named
+  /dev/shm segments (only those its processes map).
 - Dev routes (`/pause`, `/collective_rpc`, ...) never listen on a non-loopback address without
   an API key (`UnsafeBindError`).
 """
 
 from __future__ import annotations
 
+import getpass
 import ipaddress
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -41,13 +47,20 @@ log = structlog.get_logger(__name__)
 
 SERVED_MODEL_NAME = "policy"
 LOG_TAIL_LINES = 30
-# During start-up vLLM's socket listens before uvicorn serves it: a probe then hangs until the
-# engine is up, so each probe gets its own short timeout and is simply retried.
+# A start-up probe that hangs is abandoned and retried, so an early exit is still noticed promptly.
 HEALTH_PROBE_TIMEOUT_S = 5.0
 
 
 class InferenceStartError(RuntimeError):
-    """vLLM did not become healthy; the message carries the reason and the tail of its log."""
+    """vLLM did not become healthy; the message carries the reason and the tail of its log.
+
+    `pgid` is the process group of the failed launch (None if nothing was launched); by the time
+    the error reaches the caller that group has been stopped.
+    """
+
+    def __init__(self, message: str, *, pgid: int | None = None) -> None:
+        super().__init__(message)
+        self.pgid = pgid
 
 
 class PortInUseError(InferenceStartError):
@@ -92,6 +105,7 @@ class InferenceProcess:
         self._popen: subprocess.Popen[bytes] | None = None
         self._port: int | None = None
         self._model_path: Path | None = None
+        self._scratch: Path | None = None
         self._log_offset = 0
         self._last_exit_code: int | None = None
 
@@ -213,31 +227,52 @@ class InferenceProcess:
         self._port = self._resolve_port()
         self._model_path = Path(model_path)
         argv = self.build_args(model_path, **build_kw)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log_file:
-            self._log_offset = log_file.tell()
-            header = f"=== grpod launch {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {shlex.join(argv)}\n"
-            log_file.write(header.encode())
-            log_file.flush()
-            self._popen = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **self.build_env()},
-                start_new_session=True,
-            )
+        self._launch(argv)
         self._last_exit_code = None
         log.info("inference_launched", pid=self.pid, port=self._port, model=str(model_path), log=str(self.log_path))
         started = time.monotonic()
         try:
             await self._wait_healthy()
         except BaseException as exc:
-            log.error("inference_start_failed", pid=self.pid, error=str(exc).splitlines()[0])
+            log.error("inference_start_failed", pid=self.pid, error=(str(exc).splitlines() or [repr(exc)])[0])
             with anyio.CancelScope(shield=True):
                 await self.stop()
             raise
         log.info("inference_healthy", pid=self.pid, port=self._port, elapsed_s=round(time.monotonic() - started, 2))
+
+    def _launch(self, argv: list[str]) -> None:
+        """Spawn the server in a new session (its own process group), output appended to the log."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Short on purpose: ZMQ IPC socket paths must fit in 107 bytes.
+        scratch = Path(tempfile.mkdtemp(prefix="grpod-vllm-"))
+        env = {
+            **os.environ,
+            "TMPDIR": str(scratch),
+            "VLLM_RPC_BASE_PATH": str(scratch),
+            # Keep torch.compile's cache where it would be without the TMPDIR above.
+            "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
+                "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+            ),
+            **self.build_env(),
+        }
+        try:
+            with self.log_path.open("ab") as log_file:
+                self._log_offset = log_file.tell()
+                header = f"=== grpod launch {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {shlex.join(argv)}\n"
+                log_file.write(header.encode())
+                log_file.flush()
+                self._popen = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise InferenceStartError(f"cannot launch vLLM with {argv[0]!r} (log {self.log_path}): {exc}") from exc
+        self._scratch = scratch
 
     async def _wait_healthy(self) -> None:
         timeout = self.cfg.start_timeout_s
@@ -248,14 +283,16 @@ class InferenceProcess:
                     if code is not None:
                         raise InferenceStartError(
                             f"vLLM exited with code {code} before becoming healthy "
-                            f"(model {self._model_path}, port {self._port}); {self._log_excerpt()}"
+                            f"(model {self._model_path}, port {self._port}); {self._log_excerpt()}",
+                            pgid=self.pgid,
                         )
                     if await client.health(timeout_s=min(HEALTH_PROBE_TIMEOUT_S, timeout)):
                         return
                     await anyio.sleep(self.cfg.health_interval_s)
         raise InferenceStartError(
             f"vLLM did not answer /health within inference.start_timeout_s = {timeout:g} s; "
-            f"raise it if start-up is just slow; {self._log_excerpt()}"
+            f"raise it if start-up is just slow; {self._log_excerpt()}",
+            pgid=self.pgid,
         )
 
     def _log_excerpt(self) -> str:
@@ -339,6 +376,9 @@ class InferenceProcess:
         if self.gpu:
             await release.wait_gpu_memory_released(member_pids, cfg.release_timeout_s)
         removed = release.remove_shm_segments(segments)
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
         log.info(
             "inference_stopped",
             pgid=pgid,

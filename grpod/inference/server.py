@@ -19,8 +19,6 @@ stock route, middleware and the engine lifecycle stay vLLM's. `/health` stays vL
 503 once the engine is dead.
 """
 
-from __future__ import annotations
-
 from typing import Any
 
 TOKEN_ID_PREFIX = "token_id:"

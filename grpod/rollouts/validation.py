@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import compress
 from numbers import Integral, Real
 from typing import Any
 
@@ -127,6 +128,12 @@ def _type_name(x: Any) -> str:
     return "None" if x is None else type(x).__name__
 
 
+def _show(x: Any) -> str:
+    """A value for a rejection detail, cut short: garbage can be huge."""
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _first_failing(values: Iterable[Any], ok: Callable[[Any], bool]) -> int | None:
     return next((j for j, x in enumerate(values) if not ok(x)), None)
 
@@ -137,11 +144,17 @@ def _require_list(name: str, value: Any) -> Sequence[Any]:
     return value
 
 
-def _require_elements(name: str, values: Sequence[Any], ok: Callable[[Any], bool], what: str) -> None:
+def _require_elements(
+    name: str, values: Sequence[Any], ok: Callable[[Any], bool], what: str, usual_type: type | None = None
+) -> None:
+    # Checking `type(x) is usual_type` first is ~5x faster on the common all-plain-ints/floats case.
+    if usual_type is not None and all(type(x) is usual_type for x in values):
+        return
     bad = _first_failing(values, ok)
     if bad is not None:
         raise _Invalid(
-            RejectionReason.BAD_TYPE, f"{name}[{bad}]: expected {what}, got {_type_name(values[bad])} {values[bad]!r:.40}"
+            RejectionReason.BAD_TYPE,
+            f"{name}[{bad}]: expected {what}, got {_type_name(values[bad])} {_show(values[bad])}",
         )
 
 
@@ -151,26 +164,32 @@ def _require_count(name: str, values: Sequence[Any], n: int) -> None:
 
 
 def _require_finite(name: str, values: Sequence[float], reason: RejectionReason) -> None:
+    try:
+        if math.isfinite(sum(values)):  # fast path; a sum that overflows falls through to the exact check
+            return
+    except OverflowError:
+        pass
     bad = _first_failing(values, _is_finite)
     if bad is not None:
-        raise _Invalid(reason, f"{name}[{bad}] = {values[bad]!r}")
+        raise _Invalid(reason, f"{name}[{bad}] = {_show(values[bad])}")
 
 
 def _check_sequence(
     i: int,
     tokens: Any,
     mask: Any,
-    logprobs: Any | None,
+    logprobs: Any,
     *,
+    has_logprobs: bool,
     vocab_size: int,
     max_seq_len: int,
 ) -> int:
-    """Check sequence i; return its number of loss tokens."""
+    """Check sequence i (and its logprobs row when the group has logprobs); return its loss tokens."""
     tokens = _require_list(f"tokens[{i}]", tokens)
     mask = _require_list(f"loss_mask[{i}]", mask)
     if len(tokens) != len(mask):
         raise _Invalid(RejectionReason.LENGTH_MISMATCH, f"sequence {i}: {len(tokens)} tokens, {len(mask)} mask entries")
-    if logprobs is not None:
+    if has_logprobs:
         logprobs = _require_list(f"inference_logprobs[{i}]", logprobs)
         if len(logprobs) != len(tokens):
             raise _Invalid(
@@ -179,46 +198,48 @@ def _check_sequence(
     if not tokens:
         raise _Invalid(RejectionReason.EMPTY_SEQUENCE, f"sequence {i} has no tokens")
     if len(tokens) > max_seq_len:
-        raise _Invalid(RejectionReason.SEQUENCE_TOO_LONG, f"sequence {i}: {len(tokens)} tokens > max_seq_len {max_seq_len}")
-    _require_elements(f"tokens[{i}]", tokens, _is_int, "an int token id")
-    bad = _first_failing(tokens, lambda t: 0 <= t < vocab_size)
-    if bad is not None:
+        raise _Invalid(
+            RejectionReason.SEQUENCE_TOO_LONG, f"sequence {i}: {len(tokens)} tokens > max_seq_len {max_seq_len}"
+        )
+    _require_elements(f"tokens[{i}]", tokens, _is_int, "an int token id", int)
+    if min(tokens) < 0 or max(tokens) >= vocab_size:
+        bad = _first_failing(tokens, lambda t: 0 <= t < vocab_size)
         raise _Invalid(
             RejectionReason.TOKEN_OUT_OF_VOCAB, f"tokens[{i}][{bad}] = {tokens[bad]} outside [0, {vocab_size})"
         )
-    _require_elements(f"loss_mask[{i}]", mask, _is_mask_value, "0 or 1")
-    bad = _first_failing(mask, lambda m: m == 0 or m == 1)
-    if bad is not None:
+    _require_elements(f"loss_mask[{i}]", mask, _is_mask_value, "0 or 1", int)
+    if not set(mask) <= {0, 1}:
+        bad = _first_failing(mask, lambda m: m == 0 or m == 1)
         raise _Invalid(RejectionReason.BAD_MASK_VALUE, f"loss_mask[{i}][{bad}] = {mask[bad]}, expected 0 or 1")
     if mask[0]:
         raise _Invalid(
             RejectionReason.LOSS_ON_FIRST_TOKEN, f"loss_mask[{i}][0] = 1: no token precedes position 0 to predict it"
         )
-    if logprobs is not None:
-        _require_elements(f"inference_logprobs[{i}]", logprobs, _is_number, "a number")
+    if has_logprobs:
+        _require_elements(f"inference_logprobs[{i}]", logprobs, _is_number, "a number", float)
         _require_finite(f"inference_logprobs[{i}]", logprobs, RejectionReason.NONFINITE_LOGPROB)
-        bad = next((t for t, (m, lp) in enumerate(zip(mask, logprobs)) if m and lp > LOGPROB_TOLERANCE), None)
-        if bad is not None:
+        if max(compress(logprobs, mask), default=-math.inf) > LOGPROB_TOLERANCE:
+            bad = next(t for t, (m, lp) in enumerate(zip(mask, logprobs)) if m and lp > LOGPROB_TOLERANCE)
             raise _Invalid(
                 RejectionReason.POSITIVE_LOGPROB,
-                f"inference_logprobs[{i}][{bad}] = {logprobs[bad]!r} > 0 at a loss position",
+                f"inference_logprobs[{i}][{bad}] = {_show(logprobs[bad])} > 0 at a loss position",
             )
-    return sum(1 for m in mask if m)
+    return sum(mask)
 
 
 def _check_scalars(group: RolloutGroup) -> None:
     t = group.temperature
     if not _is_number(t) or not _is_finite(t) or t <= 0:
-        raise _Invalid(RejectionReason.BAD_TEMPERATURE, f"temperature = {t!r}, expected a finite number > 0")
+        raise _Invalid(RejectionReason.BAD_TEMPERATURE, f"temperature = {_show(t)}, expected a finite number > 0")
     p = group.top_p
     if not _is_number(p) or not (0 < p <= 1):
-        raise _Invalid(RejectionReason.BAD_TOP_P, f"top_p = {p!r}, expected a number in (0, 1]")
+        raise _Invalid(RejectionReason.BAD_TOP_P, f"top_p = {_show(p)}, expected a number in (0, 1]")
     v = group.policy_version
     if not _is_int(v) or v < 0:
-        raise _Invalid(RejectionReason.BAD_POLICY_VERSION, f"policy_version = {v!r}, expected an int >= 0")
+        raise _Invalid(RejectionReason.BAD_POLICY_VERSION, f"policy_version = {_show(v)}, expected an int >= 0")
     w = group.weight
     if not _is_number(w) or not _is_finite(w) or w < 0:
-        raise _Invalid(RejectionReason.BAD_WEIGHT, f"weight = {w!r}, expected a finite number >= 0")
+        raise _Invalid(RejectionReason.BAD_WEIGHT, f"weight = {_show(w)}, expected a finite number >= 0")
     for name in ("group_id", "source"):
         if not isinstance(getattr(group, name), str):
             raise _Invalid(RejectionReason.BAD_TYPE, f"{name}: expected a str, got {_type_name(getattr(group, name))}")
@@ -273,6 +294,7 @@ def _check_group(
             tokens[i],
             mask[i],
             None if logprobs is None else logprobs[i],
+            has_logprobs=logprobs is not None,
             vocab_size=vocab_size,
             max_seq_len=max_seq_len,
         )
@@ -381,17 +403,19 @@ def _optional_dict(item: dict[str, Any], name: str) -> dict[str, Any]:
 def _number_field(where: str, value: Any) -> float:
     """float(value) for a JSON number; NaN and inf pass (validation rejects them with a reason)."""
     if not _is_number(value):
-        raise _Invalid(RejectionReason.BAD_TYPE, f"{where}: expected a number, got {_type_name(value)} {value!r:.40}")
+        raise _Invalid(RejectionReason.BAD_TYPE, f"{where}: expected a number, got {_type_name(value)} {_show(value)}")
     try:
         return float(value)
     except OverflowError:
-        raise _Invalid(RejectionReason.BAD_TYPE, f"{where}: {value!r:.40} does not fit a float") from None
+        raise _Invalid(RejectionReason.BAD_TYPE, f"{where}: {_show(value)} does not fit a float") from None
 
 
 def _atropos_loss_mask(i: int, tokens: Sequence[int], masks: Any) -> list[int]:
     masks = _require_list(f"masks[{i}]", masks)
     if len(masks) != len(tokens):
-        raise _Invalid(RejectionReason.LENGTH_MISMATCH, f"sequence {i}: {len(tokens)} tokens, {len(masks)} mask entries")
+        raise _Invalid(
+            RejectionReason.LENGTH_MISMATCH, f"sequence {i}: {len(tokens)} tokens, {len(masks)} mask entries"
+        )
     _require_elements(f"masks[{i}]", masks, _is_int, f"an int ({ATROPOS_NO_LOSS} or the token id)")
     bad = next((t for t, (tok, m) in enumerate(zip(tokens, masks)) if m != ATROPOS_NO_LOSS and m != tok), None)
     if bad is not None:
@@ -411,7 +435,10 @@ def _atropos_logprobs(i: int, tokens: Sequence[int], loss_mask: list[int], row: 
     bad = next((t for t, (m, lp) in enumerate(zip(loss_mask, row)) if m and lp is None), None)
     if bad is not None:
         raise _Invalid(RejectionReason.BAD_TYPE, f"inference_logprobs[{i}][{bad}] is null at a loss position")
-    return [_number_field(f"inference_logprobs[{i}][{t}]", lp) if m else 0.0 for t, (m, lp) in enumerate(zip(loss_mask, row))]
+    return [
+        _number_field(f"inference_logprobs[{i}][{t}]", lp) if m else 0.0
+        for t, (m, lp) in enumerate(zip(loss_mask, row))
+    ]
 
 
 def _atropos_advantage(i: int, loss_mask: list[int], row: Any) -> float:
@@ -453,7 +480,10 @@ def _atropos_sampling(
     temperatures = set()
     for i in range(n):
         per_seq = overrides[i].get("temperature") if overrides is not None else None
-        temperatures.add(_number_field(f"overrides[{i}].temperature", per_seq) if per_seq is not None else group_level["temperature"])
+        if per_seq is None:
+            temperatures.add(group_level["temperature"])
+        else:
+            temperatures.add(_number_field(f"overrides[{i}].temperature", per_seq))
     if len(temperatures) > 1:
         raise _Invalid(
             RejectionReason.MIXED_TEMPERATURE,

@@ -69,7 +69,9 @@ def _is_zero_variance(group: RolloutGroup, cfg: AdvantageConfig) -> bool:
 
 
 def _overridden_to_zero(group: RolloutGroup, i: int) -> bool:
-    return bool(group.overrides and i < len(group.overrides) and (group.overrides[i] or {}).get("set_advantage_to_zero"))
+    if not group.overrides or i >= len(group.overrides):
+        return False
+    return bool((group.overrides[i] or {}).get("set_advantage_to_zero"))
 
 
 def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig) -> AdvantageResult:

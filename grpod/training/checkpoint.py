@@ -283,7 +283,9 @@ def verify_checkpoint(path: Path) -> CheckpointInfo:
             raise CorruptCheckpointError(f"{file}: size {actual_size} bytes, manifest says {size}")
         actual_sha = _file_digest(file)
         if actual_sha != sha:
-            raise CorruptCheckpointError(f"{file}: sha256 {actual_sha[:12]}…, manifest says {sha[:12]}… (corrupted)")
+            raise CorruptCheckpointError(
+                f"{file}: sha256 {actual_sha[:12]}…, manifest says {sha[:12]}… (corrupted)"
+            )
     return CheckpointInfo(path=path, step=manifest["step"], manifest=manifest)
 
 

@@ -62,9 +62,8 @@ def restore_rng(state: dict[str, Any]) -> None:
         py = state["python"]
         random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
         npy = state["numpy"]
-        np.random.set_state(
-            (npy["kind"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
-        )
+        keys = np.asarray(npy["keys"], dtype=np.uint32)
+        np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
         torch.set_rng_state(_text_to_bytes(state["torch_cpu"]))
         cuda = [_text_to_bytes(text) for text in state.get("torch_cuda", [])]
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:

@@ -320,7 +320,8 @@ def _wait_for_line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> str
             raise TimeoutError(f"child {proc.pid} printed no {prefix!r} line within {timeout_s}s")
         line = proc.stdout.readline().decode()
         if not line:
-            raise AssertionError(f"child {proc.pid} exited early ({proc.wait(timeout=10)}): {proc.stderr.read().decode()}")
+            status = proc.wait(timeout=10)
+            raise AssertionError(f"child {proc.pid} exited early ({status}): {proc.stderr.read().decode()}")
         if line.startswith(prefix):
             return line
 

@@ -1,0 +1,242 @@
+"""Bridge mode `shared`: one copy of the weights, read by vLLM and written by the trainer.
+
+At start the trainer's parameters move into one buffer laid out the way vLLM holds the model
+(`grpod.training.attach`: qkv / gate_up fused, vocabulary padded to 64 rows, tied embeddings one
+slot) — a file in a run-scoped /dev/shm directory on CPU, CUDA IPC memory on a GPU — and become
+views into it. vLLM launches with grpod's worker extension (`grpod.inference.worker_ext`, which on
+CPU keeps linear weights as plain tensors), loads the checkpoint as usual, then
+`collective_rpc("attach_shared", dir)` re-points each of its parameters at the same memory and
+frees its own copy. From then on there is nothing to ship: the optimizer step *is* the sync.
+
+The fence: the trainer runs every optimizer step through `trainer.update_fence(step)`; this bridge
+sets it to `fence_update`, which (from the trainer's worker thread) runs the bridge's sync around
+the step:
+
+    /pause?mode=keep → optimizer.step() writes the shared tensors in place →
+    prefix-cache reset (running requests preempted, so their KV is recomputed with the new
+    weights) + weight version bump → /resume → alignment probe
+
+so no forward pass ever reads half-written weights, and generation is paused only for the step
+itself, not for the forward/backward before it. Every optimizer step is therefore a sync and
+`bridge.sync_every` does not apply; `after_step` reports the sync its step made. A skipped step
+(no optimizer step) makes none. `ctl sync` re-fences with nothing to write: a version bump and a
+probe. If the step or the version bump fails, vLLM stays paused (it never serves torn weights)
+and the bridge is FAILED.
+
+Recovery after a vLLM crash relaunches vLLM and re-attaches it to the same buffer (which holds the
+trained weights: the trainer owns it). `stop` stops vLLM and removes the /dev/shm directory; the
+trainer's mapping stays valid until the process exits, so a final checkpoint still works.
+
+Requirements, checked at construction: full fine-tuning in fp32 (`model.dtype = "float32"`, the
+dtype the trainer's master weights have), `inference.enforce_eager = true` (compiled graphs would
+keep the addresses of vLLM's own copy), and on a GPU the trainer and vLLM on the same device
+(checked by device UUID at attach).
+
+Transition table:
+
+    IDLE        --START------>  LAUNCHING     (share the trainer's weights, launch vLLM, attach)
+    LAUNCHING   --READY------>  PROBING
+    PROBING     --PROBE_OK--->  SERVING
+    PROBING     --PROBE_FAIL->  FAILED
+    SERVING     --SYNC------->  SAVING        (nothing to write: the buffer is the weights)
+    SAVING      --SAVED------>  FENCED        (paused; optimizer step; cache reset; version bump)
+    FENCED      --APPLIED---->  PROBING       (resumed)
+    SERVING     --LOST------->  RECOVERING    (relaunch vLLM, re-attach to the same buffer)
+    RECOVERING  --RECOVERED-->  PROBING
+    FAILED      --SYNC------->  SAVING        (an operator's `ctl sync` retries)
+    any         --FAIL------->  FAILED
+    any         --STOP------->  STOPPING --STOPPED--> STOPPED
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from grpod.bridges.base import Bridge, BridgeFailed, SyncRecord
+from grpod.bridges.common import lifecycle_rows
+from grpod.config import GrpodConfig
+from grpod.inference.client import InferenceRequestError
+from grpod.training.attach import SharedWeights, share_parameters
+
+log = structlog.get_logger(__name__)
+
+WORKER_EXTENSION = "grpod.inference.worker_ext.SharedWeightsExtension"
+SHM_ROOT = Path("/dev/shm")
+
+
+class SharedModeUnsupported(ValueError):
+    """The configuration cannot run bridge.mode = 'shared'; the message says which key to change."""
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    LAUNCHING = "launching"
+    PROBING = "probing"
+    SERVING = "serving"
+    SAVING = "saving"
+    FENCED = "fenced"
+    RECOVERING = "recovering"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Event(enum.Enum):
+    START = "start"
+    READY = "ready"
+    PROBE_OK = "probe_ok"
+    PROBE_FAIL = "probe_fail"
+    SYNC = "sync"
+    SAVED = "saved"
+    APPLIED = "applied"
+    LOST = "lost"
+    RECOVERED = "recovered"
+    FAIL = "fail"
+    STOP = "stop"
+    STOPPED = "stopped"
+
+
+TABLE = {
+    **lifecycle_rows(State, Event),
+    (State.SERVING, Event.SYNC): State.SAVING,
+    (State.SAVING, Event.SAVED): State.FENCED,
+    (State.FENCED, Event.APPLIED): State.PROBING,
+}
+
+
+def shared_dir(run_dir: Path) -> Path:
+    """The run's /dev/shm directory: named after the run directory, so a restart of the same run
+    finds (and replaces) what a killed predecessor left."""
+    digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return SHM_ROOT / f"grpod-shared-{digest}"
+
+
+def check_supported(cfg: GrpodConfig, trainer_device: str, vllm_on_gpu: bool) -> None:
+    """Refuse, before anything is launched, a configuration shared mode cannot serve."""
+    if cfg.train.lora:
+        raise SharedModeUnsupported("bridge.mode = 'shared' shares full weights; it needs train.lora = false")
+    if cfg.model.dtype != "float32":
+        raise SharedModeUnsupported(
+            f"bridge.mode = 'shared' needs model.dtype = 'float32' (the trainer's fp32 weights are what vLLM "
+            f"reads), not {cfg.model.dtype!r}; set model.dtype = 'float32' or use bridge.mode = 'none'"
+        )
+    if not cfg.inference.enforce_eager:
+        raise SharedModeUnsupported(
+            "bridge.mode = 'shared' needs inference.enforce_eager = true: compiled graphs keep the addresses "
+            "of vLLM's own weight copy, which attaching replaces"
+        )
+    on_gpu = trainer_device.startswith("cuda")
+    if on_gpu != vllm_on_gpu:
+        raise SharedModeUnsupported(
+            f"bridge.mode = 'shared' needs the trainer and vLLM on the same device: train.device = "
+            f"{trainer_device!r} but vLLM runs on {'a GPU' if vllm_on_gpu else 'the CPU'}"
+        )
+
+
+class SharedBridge(Bridge):
+    mode = "shared"
+    State = State
+    Event = Event
+    TABLE = TABLE
+
+    def __init__(self, cfg: GrpodConfig, run_dir: Path, trainer, *, policy_version: int = 0) -> None:
+        super().__init__(cfg, run_dir, trainer, policy_version=policy_version)
+        check_supported(cfg, str(trainer.device), self.inference.gpu)
+        self.shm_dir = shared_dir(run_dir)
+        self.shared: SharedWeights | None = None
+        self._update: Callable[[], object] | None = None
+        self._step_sync: SyncRecord | None = None
+        # vLLM's freshly loaded values equal the trainer's only before the first optimizer step
+        # of a run that did not resume; then attach also checks them, parameter by parameter.
+        self._verify_values = True
+
+    def _launch_kwargs(self) -> dict[str, Any]:
+        return {"worker_extension": WORKER_EXTENSION}
+
+    async def _initial_weights(self, resumed: bool) -> Path:
+        """vLLM loads the base checkpoint (for its shapes); attaching gives it the trainer's values."""
+        self._verify_values = not resumed
+        return self.cfg.model.path
+
+    def _share_trainer_weights(self) -> SharedWeights:
+        if self.shm_dir.exists():
+            log.warning("shared_stale_dir_removed", directory=str(self.shm_dir))
+            shutil.rmtree(self.shm_dir)
+        return share_parameters(self.trainer.model, self.shm_dir)
+
+    async def _launch(self, weights: Path) -> None:
+        """Launch vLLM on `weights`, then attach it to the shared buffer (made on first launch)."""
+        if self.shared is None:
+            self.shared = await anyio.to_thread.run_sync(self._share_trainer_weights)
+            self.trainer.update_fence = self.fence_update
+        await super()._launch(weights)
+        assert self.client is not None
+        began = time.perf_counter()
+        verify = "true" if self._verify_values else "false"
+        try:
+            answers = await self.client.collective_rpc("attach_shared", args=[str(self.shm_dir), verify])
+        except InferenceRequestError as exc:
+            raise BridgeFailed(f"vLLM could not attach the shared weights in {self.shm_dir}: {exc}") from exc
+        self._verify_values = False
+        log.info("shared_attached", workers=answers, seconds=round(time.perf_counter() - began, 3))
+
+    # ---- the fence: the optimizer step runs inside the sync -------------------------------
+    def fence_update(self, update: Callable[[], object]) -> None:
+        """Run `update` (the optimizer step) fenced; called in the trainer's anyio worker thread.
+
+        Blocks until the sync it makes has been probed; raises `BridgeFailed` / `ProbeMismatch`
+        as the sync does. Once the bridge is stopping, nothing reads the buffer: `update` runs as is.
+        """
+        if self.machine.state in (State.STOPPING, State.STOPPED):
+            update()
+            return
+        anyio.from_thread.run(self._fenced_sync, update)
+
+    async def _fenced_sync(self, update: Callable[[], object]) -> None:
+        self._update = update
+        try:
+            self._step_sync = await self.sync_now()
+        finally:
+            self._update = None
+
+    async def after_step(self, step: int) -> SyncRecord | None:
+        """The sync the step's optimizer update made (None: the step made no update)."""
+        record, self._step_sync = self._step_sync, None
+        return record
+
+    async def _save(self, version: int) -> Path:
+        return self.shm_dir
+
+    async def _apply(self, staged: Path, version: int, phases: dict[str, float]) -> None:
+        assert self.client is not None
+        update, self._update = self._update, None
+        self._close()
+        t = time.perf_counter()
+        await self.client.pause(mode="keep")
+        phases["pause"] = time.perf_counter() - t
+        if update is not None:
+            t = time.perf_counter()
+            await anyio.to_thread.run_sync(update)
+            phases["optimizer_step"] = time.perf_counter() - t
+        t = time.perf_counter()
+        await self._bump_version_and_reset_cache(version)
+        await self.client.resume()
+        phases["reset_resume"] = time.perf_counter() - t
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.shm_dir.exists():
+            await anyio.to_thread.run_sync(shutil.rmtree, self.shm_dir)
+            log.info("shared_dir_removed", directory=str(self.shm_dir))
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "shared": self.shared.describe() if self.shared else None}

@@ -1,0 +1,72 @@
+"""`grpod plot RUN_DIR`: one PNG of a run's curves, so a user can look instead of read.
+
+Reads `<run>/metrics.jsonl` (step and eval records) and draws reward, held-out accuracy, loss,
+KL, importance ratio, clipped fraction, staleness and sync latency against the step. A panel
+whose metric the run never recorded says so instead of disappearing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PANELS = (
+    ("reward", "step", ("reward_mean",)),
+    ("held-out accuracy", "eval", ("eval_accuracy",)),
+    ("loss", "step", ("loss",)),
+    ("KL", "step", ("kl",)),
+    ("importance ratio", "step", ("ratio_mean", "ratio_min", "ratio_max")),
+    ("clipped fraction", "step", ("clip_frac_low", "clip_frac_high", "clipped_fraction")),
+    ("staleness (versions)", "step", ("staleness_mean", "staleness_max")),
+    ("sync latency (s)", "step", ("sync_s",)),
+)
+
+
+class PlotError(Exception):
+    pass
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise PlotError(f"{path}: no metrics; is {run_dir} a grpod run directory?")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise PlotError(f"{path}:{number}: not a JSON line") from None
+    return records
+
+
+def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    out = Path(out) if out else Path(run_dir) / "metrics.png"
+    fig, axes = plt.subplots(4, 2, figsize=(12, 13))
+    for ax, (title, kind, keys) in zip(axes.flat, PANELS, strict=True):
+        drawn = False
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if r.get("kind") == kind and r.get(key) is not None]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
+                drawn = True
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(f"grpod run {Path(run_dir).resolve().name}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out

@@ -1,0 +1,43 @@
+"""Session fixtures for end-to-end tests: the tiny model on disk and one real vLLM serving it.
+
+A vLLM start costs ~25 s on these machines, so every e2e test that only needs *a* server shares
+`vllm_server` (one `InferenceProcess` for the whole session, stopped at the end). Tests that
+change the server's weights or adapters must restore them or start their own. The fixtures are
+synchronous (each lifecycle call runs in its own `anyio.run`), so any test style can use them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from grpod.config import InferenceConfig, ModelConfig
+from grpod.inference.process import InferenceProcess
+from grpod.models.tiny import build_model, save_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny built-in model, random weights from seed 0, saved in HF format (no warm-up)."""
+    out = tmp_path_factory.mktemp("tiny-model")
+    model, tokenizer = build_model(seed=0)
+    save_model(model, tokenizer, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir, tmp_path_factory) -> InferenceProcess:
+    """One healthy vLLM (grpod's server entry, dev routes on) on `tiny_model_dir`, on a free port."""
+    run_dir = tmp_path_factory.mktemp("vllm-session")
+    process = InferenceProcess(
+        InferenceConfig(start_timeout_s=300.0, request_timeout_s=60.0),
+        ModelConfig(path=tiny_model_dir),
+        run_dir,
+    )
+    anyio.run(process.start, tiny_model_dir)
+    try:
+        yield process
+    finally:
+        anyio.run(process.stop)

@@ -1,0 +1,206 @@
+"""A real vLLM (CPU build) under InferenceProcess: generation, scoring, the dev routes, grpod's
+Atropos `/generate` (with atroposlib's own client), start failures and a clean stop.
+
+Most tests share the session's `vllm_server`; the stop and crash tests launch their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+
+import aiohttp
+import anyio
+import pytest
+
+from grpod.config import InferenceConfig, ModelConfig
+from grpod.inference.client import InferenceClient
+from grpod.inference.process import InferenceProcess, InferenceStartError, PortInUseError
+from grpod.inference.release import group_members, port_is_free
+from tests.harness import start_decoy
+
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
+
+PROMPT = [3, 4, 5, 6, 7, 8]
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # atroposlib and aiohttp need asyncio
+
+
+async def test_generate_gives_n_completions_with_one_logprob_per_token(vllm_server):
+    async with vllm_server.client() as client:
+        completions = await client.generate(PROMPT, n=3, max_tokens=8, temperature=1.0, seed=11)
+        again = await client.generate(PROMPT, n=3, max_tokens=8, temperature=1.0, seed=11)
+    assert len(completions) == 3
+    for c in completions:
+        assert 1 <= len(c.token_ids) <= 8
+        assert len(c.logprobs) == len(c.token_ids)
+        assert all(lp <= 0.0 for lp in c.logprobs)
+        assert c.finish_reason in ("stop", "length")
+    assert again == completions, "a seeded request must repeat exactly"
+
+
+async def test_score_matches_sampled_logprobs_at_temperature_one(vllm_server):
+    async with vllm_server.client() as client:
+        (sample,) = await client.generate(PROMPT, n=1, max_tokens=6, temperature=1.0, seed=3)
+        scores = await client.score(PROMPT + sample.token_ids)
+        (cold,) = await client.generate(PROMPT, n=1, max_tokens=6, temperature=0.5, seed=3)
+        cold_scores = await client.score(PROMPT + cold.token_ids)
+    assert len(scores) == len(PROMPT) + len(sample.token_ids) - 1
+    assert scores[len(PROMPT) - 1 :] == pytest.approx(sample.logprobs, abs=1e-4)
+    # processed_logprobs: at T=0.5 vLLM reports logprobs of the sharpened distribution, not the
+    # temperature-1 ones scoring gives.
+    assert cold_scores[len(PROMPT) - 1 :] != pytest.approx(cold.logprobs, abs=1e-3)
+
+
+async def test_dev_routes_pause_holds_requests_until_resume(vllm_server):
+    async with vllm_server.client() as client:
+        await client.pause("keep")
+        try:
+            assert await client.is_paused()
+            results = []
+
+            async def generate():
+                results.append(await client.generate(PROMPT, n=1, max_tokens=4, temperature=1.0, seed=1))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(generate)
+                await anyio.sleep(1.5)
+                assert results == [], "a request completed while vLLM was paused"
+                await client.resume()
+                with anyio.fail_after(30):
+                    while not results:
+                        await anyio.sleep(0.05)
+        finally:
+            await client.resume()
+        assert not await client.is_paused()
+        assert len(results[0][0].token_ids) >= 1
+
+        assert await client.reset_prefix_cache() is True
+        await client.update_weight_version(7)
+        assert await client.weight_version() == "7"
+        inspection = await client.collective_rpc("get_model_inspection", timeout=30)
+        assert len(inspection) == 1 and "Qwen2ForCausalLM" in inspection[0]
+
+
+async def test_generate_route_matches_completions(vllm_server):
+    request = {"prompt": {"prompt_token_ids": PROMPT}, "logprobs": 0, "n": 2, "max_tokens": 6}
+    request |= {"temperature": 0.8, "top_p": 0.9, "seed": 21}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(vllm_server.base_url + "/generate", json=request) as response:
+            assert response.status == 200, await response.text()
+            answer = await response.json()
+    async with vllm_server.client() as client:
+        expected = await client.generate(PROMPT, n=2, max_tokens=6, temperature=0.8, top_p=0.9, seed=21)
+    assert answer["prompt_token_ids"] == PROMPT
+    assert answer["token_ids"] == [c.token_ids for c in expected]
+    assert answer["finish_reasons"] == [c.finish_reason for c in expected]
+    assert answer["text"] == [c.text for c in expected]
+    for seq, c in zip(answer["logprobs"], expected, strict=True):
+        assert [list(pos[0]) for pos in seq] == [[str(t)] for t in c.token_ids]
+        assert [next(iter(pos[0].values())) for pos in seq] == c.logprobs
+
+
+async def test_atroposlib_vllm_client_works_against_generate(vllm_server, tiny_model_dir):
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from atroposlib.envs.server_handling.vllm_server import VLLMServer
+
+    # The openai client it builds insists on a key; this server has none and ignores the header.
+    config = APIServerConfig(
+        base_url=vllm_server.base_url + "/v1", model_name=str(tiny_model_dir), api_key="unused", timeout=60
+    )
+    server = VLLMServer(config)
+    try:
+        prompt, tokens, logprobs, finish = await server.tokens_and_logprobs_completion(
+            input_ids=PROMPT, n=2, max_tokens=5, temperature=1.0, seed=4
+        )
+        prompt_lps = await server.get_logprobs(input_ids=PROMPT + tokens[0])
+        server.server_healthy = False
+        with anyio.fail_after(10):
+            while not server.server_healthy:  # its own /health poll brings it back
+                await anyio.sleep(0.1)
+    finally:
+        if server.check_task is not None:
+            server.check_task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await server.check_task
+    async with vllm_server.client() as client:
+        expected = await client.generate(PROMPT, n=2, max_tokens=5, temperature=1.0, seed=4)
+        scores = await client.score(PROMPT + tokens[0])
+    assert prompt == PROMPT
+    assert tokens == [c.token_ids for c in expected]
+    assert logprobs == [c.logprobs for c in expected]
+    assert finish == [c.finish_reason for c in expected]
+    assert prompt_lps["prompt_tokens"] == PROMPT + tokens[0]
+    # Each position lists the actual token first, then the top-1 when that is another token.
+    assert [ids[0] for ids in prompt_lps["prompt_topk_token_ids"][1:]] == (PROMPT + tokens[0])[1:]
+    assert [lps[0] for lps in prompt_lps["prompt_topk_logprobs"][1:]] == pytest.approx(scores, abs=1e-4)
+
+
+async def test_bad_model_path_fails_fast_with_log_tail_and_leaves_nothing(tmp_path):
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    proc = InferenceProcess(InferenceConfig(start_timeout_s=240), ModelConfig(path=empty), tmp_path / "run")
+    with pytest.raises(InferenceStartError, match="exited with code 1") as err:
+        await proc.start(empty)
+    assert "Invalid repository ID or local directory" in str(err.value)
+    assert group_members(err.value.pgid) == []
+    assert port_is_free("127.0.0.1", proc.port)
+    assert not proc.running
+
+
+async def test_fixed_port_in_use_is_refused(tmp_path, tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = InferenceProcess(InferenceConfig(port=port), ModelConfig(path=tiny_model_dir), tmp_path)
+        with pytest.raises(PortInUseError, match=str(port)):
+            await proc.start(tiny_model_dir)
+    assert proc.pid is None
+
+
+async def test_stop_leaves_no_process_no_port_and_spares_the_decoy(tmp_path, tiny_model_dir):
+    decoy = start_decoy(tmp_path)
+    proc = InferenceProcess(InferenceConfig(start_timeout_s=300), ModelConfig(path=tiny_model_dir), tmp_path / "run")
+    try:
+        await proc.start(tiny_model_dir)
+        pgid, port = proc.pgid, proc.port
+        names = {" ".join(p.cmdline())[:40] for p in group_members(pgid)}
+        assert any("VLLM::EngineCore" in n for n in names) and any("VLLM::Worker" in n for n in names), names
+        async with proc.client() as client:
+            assert await client.health()
+        await proc.stop()
+        assert group_members(pgid) == []
+        assert port_is_free("127.0.0.1", port)
+        assert not proc.running and proc.exit_code is not None
+        assert decoy.poll() is None, "stop() touched a process outside its own group"
+    finally:
+        await proc.stop()
+        decoy.kill()
+        decoy.wait(timeout=10)
+
+
+async def test_dead_engine_fails_health_and_ends_the_server(tmp_path, tiny_model_dir):
+    proc = InferenceProcess(InferenceConfig(start_timeout_s=300), ModelConfig(path=tiny_model_dir), tmp_path / "run")
+    try:
+        await proc.start(tiny_model_dir)
+        pgid = proc.pgid
+        (engine,) = [p for p in group_members(pgid) if "VLLM::EngineCore" in " ".join(p.cmdline())]
+        engine.send_signal(signal.SIGKILL)  # a member of the group this test's InferenceProcess created
+        async with InferenceClient(proc.base_url, 5.0) as client:
+            with anyio.fail_after(60):
+                while await client.health():
+                    await anyio.sleep(0.2)
+        # vLLM shuts its API server down once the engine is gone (exit code 0, measured): the
+        # supervisor's crash watch is the exit itself, whatever the code.
+        with anyio.fail_after(60):
+            await proc.wait_exit()
+        assert not proc.running
+        await proc.stop()
+        assert group_members(pgid) == []
+    finally:
+        await proc.stop()

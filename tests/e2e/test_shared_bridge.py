@@ -1,0 +1,305 @@
+"""Bridge mode `shared` with a real vLLM (CPU build): one copy of the weights for both sides.
+
+One SharedBridge (tiny model, tied embeddings, linear rope scaling) serves the tests in file
+order: the attach maps every vLLM parameter, a write through a trainer parameter is what vLLM
+reads with no reload, fenced training steps sync and probe, a generation in flight across a step
+is paused and resumed and leaves no stale cached prefix, a vLLM killed mid-run is relaunched and
+re-attached to the trained weights, a sync that did not reach vLLM fails the probe, and stop
+removes the /dev/shm directory. A second vLLM on a larger model measures resident memory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import aiohttp
+import anyio
+import psutil
+import pytest
+import torch
+
+from grpod.bridges.probe import ProbeMismatch, probe_sequences
+from grpod.bridges.shared import SharedBridge, shared_dir
+from grpod.config import GrpodConfig
+from grpod.inference.process import InferenceProcess
+from grpod.inference.release import group_members
+from grpod.models.tiny import build_model, save_model
+from grpod.rollouts.group import RolloutGroup
+from grpod.training.attach import share_parameters
+from grpod.training.trainer import Trainer
+
+pytestmark = pytest.mark.e2e
+
+ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+# Longer than one 128-token KV block, so generation from it can hit vLLM's prefix cache.
+LONG_PROMPT = "what is the sum of 3 and 4? it is 7. " * 5 + "and the sum of 5 and 9 is"
+
+
+def config(run_dir, model_dir, **train) -> GrpodConfig:
+    return GrpodConfig.model_validate(
+        {
+            "run": {"dir": str(run_dir)},
+            "model": {"path": str(model_dir), "init_if_missing": False},
+            "inference": {"start_timeout_s": 300.0, "request_timeout_s": 60.0},
+            "train": {"lr": 2e-3, "threads": 1, "advantages": {"drop_zero_variance": False}, **train},
+            "bridge": {"mode": "shared"},
+            "source": {"max_tokens": 8},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def portal():
+    """One event loop for the module: the bridge's HTTP client lives in it across tests."""
+    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
+        yield portal
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, portal):
+    root = tmp_path_factory.mktemp("shared-bridge")
+    model, tokenizer = build_model(seed=0, tie_word_embeddings=True, rope_scaling=ROPE)
+    save_model(model, tokenizer, root / "model")
+    cfg = config(root / "run", root / "model")
+    trainer = Trainer(cfg, root / "model")
+    bridge = SharedBridge(cfg, root / "run", trainer)
+    try:
+        portal.call(bridge.start)
+        yield bridge, trainer
+    finally:
+        portal.call(bridge.stop)
+
+
+def train_step(portal, trainer, groups):
+    """The daemon's way: the step in an anyio worker thread, so the fence can reach the loop."""
+    return portal.call(anyio.to_thread.run_sync, trainer.train_step, groups)
+
+
+async def rollout_groups(bridge, trainer, count: int, seed: int) -> list[RolloutGroup]:
+    groups = []
+    for i in range(count):
+        prompt = trainer.tokenizer(f"<|im_start|>user\n{i + 3}+{seed}<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+        completions = await bridge.client.generate(prompt, n=4, max_tokens=6, temperature=1.0, seed=seed + i)
+        groups.append(
+            RolloutGroup(
+                tokens=[prompt + c.token_ids for c in completions],
+                loss_mask=[[0] * len(prompt) + [1] * len(c.token_ids) for c in completions],
+                scores=[float(k) for k in range(len(completions))],
+                inference_logprobs=[[0.0] * len(prompt) + c.logprobs for c in completions],
+                policy_version=bridge.policy_version,
+            )
+        )
+    return groups
+
+
+async def served_and_own_scores(bridge, trainer) -> tuple[list[float], list[float]]:
+    ids = probe_sequences(trainer.tokenizer)[2]
+    served = await bridge.client.score(ids)
+    return served, trainer.score(ids)
+
+
+def max_diff(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def test_attach_maps_every_vllm_parameter_into_the_trainer_buffer(run, portal):
+    bridge, trainer = run
+    assert bridge.state == "SERVING"
+    assert bridge.shm_dir == shared_dir(bridge.run_dir) and (bridge.shm_dir / "weights.bin").exists()
+    (report,) = portal.call(bridge.client.collective_rpc, "shared_weights_report")
+    assert report["outside"] == [], f"vLLM parameters not in the shared buffer: {report['outside']}"
+    assert report["pid"] != os.getpid()
+    for name, param in trainer.model.named_parameters():
+        assert bridge.shared.holds(param), f"trainer parameter {name} is not a view of the shared buffer"
+    assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight
+    served, own = portal.call(served_and_own_scores, bridge, trainer)
+    assert max_diff(served, own) < 1e-4
+
+
+def test_a_write_through_a_trainer_parameter_is_read_by_vllm_without_reload(run, portal):
+    bridge, trainer = run
+    before, _ = portal.call(served_and_own_scores, bridge, trainer)
+    embed = trainer.model.model.embed_tokens.weight  # also the output head: tied
+    k_bias = trainer.model.model.layers[1].self_attn.k_proj.bias
+    saved = embed.detach().clone(), k_bias.detach().clone()
+    try:
+        with torch.no_grad():
+            embed.mul_(1.7)
+            k_bias.add_(0.3)
+        served, own = portal.call(served_and_own_scores, bridge, trainer)
+        assert max_diff(served, before) > 0.05, "vLLM did not see the trainer's write"
+        assert max_diff(served, own) < 1e-4
+    finally:
+        with torch.no_grad():
+            embed.copy_(saved[0])
+            k_bias.copy_(saved[1])
+    restored, _ = portal.call(served_and_own_scores, bridge, trainer)
+    assert max_diff(restored, before) < 1e-5
+
+
+def test_fenced_training_steps_sync_and_pass_the_probe(run, portal):
+    bridge, trainer = run
+    start_version = bridge.policy_version
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    for step in range(1, 3):
+        groups = portal.call(rollout_groups, bridge, trainer, 2, 10 * step)
+        metrics = train_step(portal, trainer, groups)
+        assert metrics["skipped"] == 0.0
+        record = portal.call(bridge.after_step, trainer.step)
+        assert record is not None, "an optimizer step must make a sync"
+        assert record.version == start_version + step == bridge.policy_version
+        assert record.probe["ok"] and record.probe["max_abs_diff"] < 1e-4
+        assert {"pause", "optimizer_step", "reset_resume", "probe"} <= set(record.phases)
+        assert portal.call(bridge.after_step, trainer.step) is None, "one sync per step"
+    assert portal.call(bridge.client.weight_version) == str(bridge.policy_version)
+    moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, initial[n])]
+    assert len(moved) == len(initial), "every parameter should have trained"
+    served, own = portal.call(served_and_own_scores, bridge, trainer)
+    assert max_diff(served, own) < 1e-4
+
+
+async def long_generation(base_url: str) -> tuple[float, dict]:
+    body = {"model": "policy", "prompt": [3, 4, 5, 6], "n": 32, "max_tokens": 240, "ignore_eos": True, "temperature": 1.0}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(base_url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
+            answer = await r.json()
+    return time.monotonic(), answer
+
+
+async def sampled_after(bridge, ids: list[int]) -> tuple[int, float]:
+    (c,) = await bridge.client.generate(ids, n=1, max_tokens=1, temperature=1.0, seed=5)
+    return c.token_ids[0], c.logprobs[0]
+
+
+def test_a_generation_in_flight_is_paused_across_the_step_and_no_stale_prefix_survives(run, portal):
+    bridge, trainer = run
+    ids = trainer.tokenizer(LONG_PROMPT)["input_ids"]
+    assert len(ids) > 128
+    portal.call(sampled_after, bridge, ids)  # caches the prompt's first KV block (old weights)
+    groups = portal.call(rollout_groups, bridge, trainer, 2, 77)
+    in_flight = portal.start_task_soon(long_generation, bridge.inference.base_url)
+    time.sleep(0.2)
+    train_step(portal, trainer, groups)
+    step_done = time.monotonic()
+    finished, answer = in_flight.result(timeout=120)
+    assert finished > step_done, "the generation was not in flight across the fenced step"
+    assert all(len(c["text"]) > 0 and c["finish_reason"] == "length" for c in answer["choices"])
+    record = portal.call(bridge.after_step, trainer.step)
+    assert record.probe["ok"]
+
+    token, served = portal.call(sampled_after, bridge, ids)
+    own = trainer.score(ids + [token])[-1]
+    assert abs(served - own) < 1e-3, f"vLLM served a cached prefix of the old weights ({served} vs {own})"
+
+
+def test_a_killed_vllm_is_relaunched_onto_the_trained_weights(run, portal):
+    bridge, trainer = run
+    fresh, _ = build_model(seed=0, tie_word_embeddings=True, rope_scaling=ROPE)
+    assert not torch.equal(fresh.model.norm.weight, trainer.model.model.norm.weight), "trainer should have trained"
+    old_pid = bridge.inference.pid
+    os.killpg(bridge.inference.pgid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while group_members(old_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    portal.call(bridge.recover)
+    assert bridge.state == "SERVING" and bridge.inference.pid != old_pid and bridge.stats.restarts == 1
+    assert not bridge.weights_root.exists(), "recovery must not need a checkpoint of the trained weights"
+    (report,) = portal.call(bridge.client.collective_rpc, "shared_weights_report")
+    assert report["outside"] == []
+    served, own = portal.call(served_and_own_scores, bridge, trainer)
+    assert max_diff(served, own) < 1e-4
+    assert portal.call(bridge.client.weight_version) == str(bridge.policy_version)
+
+
+def test_the_probe_catches_a_sync_that_did_not_reach_vllm(run, portal):
+    bridge, trainer = run
+    groups = portal.call(rollout_groups, bridge, trainer, 2, 99)
+    for param in trainer.model.parameters():  # the trainer now writes memory vLLM does not read
+        param.data = param.data.clone()
+    with pytest.raises(ProbeMismatch, match="alignment probe failed"):
+        train_step(portal, trainer, groups)
+    assert bridge.state == "FAILED"
+
+
+def test_stop_removes_the_shared_directory_and_vllm(run, portal):
+    bridge, trainer = run
+    pgid = bridge.inference.pgid
+    portal.call(bridge.stop)
+    assert not bridge.shm_dir.exists()
+    assert group_members(pgid) == []
+    assert bridge.state == "STOPPED"
+    assert len(trainer.score([3, 4, 5, 6])) == 3  # the trainer's weights outlive the directory
+
+
+def outside_and_shared_rss(pid: int, shm_dir, model_dir) -> dict[str, int]:
+    """Resident bytes of `pid` from /proc/<pid>/smaps (psutil): in the shared weights file, in the
+    checkpoint's files, and everything else."""
+    out = {"shm_rss": 0, "shm_pss": 0, "checkpoint_rss": 0, "other_rss": 0}
+    for m in psutil.Process(pid).memory_maps(grouped=True):
+        if m.path.startswith(str(shm_dir)):
+            out["shm_rss"] += m.rss
+            out["shm_pss"] += m.pss
+        elif m.path.startswith(str(model_dir)):
+            out["checkpoint_rss"] += m.rss
+        else:
+            out["other_rss"] += m.rss
+    return out
+
+
+def test_trainer_and_vllm_hold_one_copy_of_the_weights(tmp_path):
+    """Resident weight memory of both processes, shared pages counted once, <= 1.05 x one copy.
+
+    Each side's own copy is what leaves its non-shared resident memory when it attaches; what
+    does not leave is counted as a second copy, as is any page of the checkpoint still mapped.
+    """
+    model, tokenizer = build_model(seed=0, hidden_size=1024, layers=4)
+    save_model(model, tokenizer, tmp_path / "model")
+    del model
+    cfg = config(tmp_path / "run", tmp_path / "model")
+    shm = shared_dir(tmp_path / "run")
+    trainer = Trainer(cfg, tmp_path / "model")
+    me = os.getpid()
+    process = InferenceProcess(cfg.inference, cfg.model, tmp_path / "run")
+
+    async def measure() -> dict:
+        before_trainer = outside_and_shared_rss(me, shm, tmp_path / "model")
+        shared = share_parameters(trainer.model, shm)
+        after_trainer = outside_and_shared_rss(me, shm, tmp_path / "model")
+        await process.start(tmp_path / "model", worker_extension="grpod.inference.worker_ext.SharedWeightsExtension")
+        async with process.client() as client:
+            (report,) = await client.collective_rpc("shared_weights_report")
+            worker = report["pid"]
+            before_vllm = outside_and_shared_rss(worker, shm, tmp_path / "model")
+            await client.collective_rpc("attach_shared", args=[str(shm), "true"])
+            after_vllm = outside_and_shared_rss(worker, shm, tmp_path / "model")
+            after_trainer_both = outside_and_shared_rss(me, shm, tmp_path / "model")
+        one_copy = shared.layout.nbytes
+        trainer_released = sum(before_trainer[k] - after_trainer[k] for k in ("other_rss", "checkpoint_rss"))
+        vllm_released = before_vllm["other_rss"] - after_vllm["other_rss"]
+        trainer_left = max(0, one_copy - trainer_released)
+        vllm_left = max(0, one_copy - vllm_released)
+        shm_once = max(after_vllm["shm_rss"], after_trainer_both["shm_rss"])
+        total = shm_once + trainer_left + vllm_left + after_vllm["checkpoint_rss"] + after_trainer_both["checkpoint_rss"]
+        return {
+            "one_copy_mib": one_copy / 2**20,
+            "total_mib": total / 2**20,
+            "shm_once_mib": shm_once / 2**20,
+            "shm_pss_sum_mib": (after_vllm["shm_pss"] + after_trainer_both["shm_pss"]) / 2**20,
+            "trainer_left_mib": trainer_left / 2**20,
+            "vllm_left_mib": vllm_left / 2**20,
+            "trainer_released_mib": trainer_released / 2**20,
+            "vllm_released_mib": vllm_released / 2**20,
+        }
+
+    try:
+        result = anyio.run(measure)
+    finally:
+        anyio.run(process.stop)
+        shutil.rmtree(shm, ignore_errors=True)
+    print("shared weight memory:", {k: round(v, 1) for k, v in result.items()})
+    assert result["shm_once_mib"] >= 0.99 * result["one_copy_mib"], "the shared file should be resident once"
+    assert result["shm_pss_sum_mib"] == pytest.approx(result["shm_once_mib"], rel=0.02)
+    assert result["total_mib"] <= 1.05 * result["one_copy_mib"], result

@@ -1,0 +1,161 @@
+"""Test harness for running a real `grpod start` as a child process and talking to it.
+
+The tests signal only what they start, by PID; `DaemonProcess.close` SIGKILLs a daemon that is
+still alive at the end of a test and then stops the vLLM process group it had launched, found
+through the daemon's `ctl status` (vLLM's pid) recorded while it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from grpod.daemon.control import ControlError, request
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return json.dumps(str(value))
+
+
+def write_config(path: Path, settings: dict[str, Any]) -> Path:
+    """Write a TOML config from {"section.key": value} (nested sections with dots)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in settings.items():
+        section, _, name = key.rpartition(".")
+        sections.setdefault(section, {})[name] = value
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items())
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def base_settings(run_dir: Path, model_dir: Path) -> dict[str, Any]:
+    return {
+        "run.dir": str(run_dir),
+        "run.progress": True,
+        "model.path": str(model_dir),
+        "model.init_if_missing": False,
+        "source.group_size": 4,
+        "source.max_tokens": 6,
+        "source.prefetch_groups": 4,
+        "source.concurrency": 2,
+        "train.steps": 4,
+        "train.groups_per_step": 2,
+        "train.lr": 3e-4,
+        "train.threads": 1,
+        "train.advantages.drop_zero_variance": False,
+        "checkpoint.every": 0,
+        "eval.size": 0,
+        "inference.start_timeout_s": 240.0,
+    }
+
+
+def group_processes(pgid: int) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                found.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return found
+
+
+class DaemonProcess:
+    def __init__(self, config: Path, run_dir: Path, extra_args: list[str] | None = None, env: dict | None = None):
+        self.config = config
+        self.run_dir = run_dir
+        self.socket = run_dir / "grpod.sock"
+        self.vllm_pgids: set[int] = set()
+        self.output = run_dir.parent / f"{run_dir.name}-daemon.out"
+        self._out = open(self.output, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "grpod", "start", "--config", str(config), *(extra_args or [])],
+            cwd=ROOT,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+
+    def ctl(self, cmd: str, timeout_s: float = 300.0) -> dict[str, Any]:
+        reply = request(self.socket, cmd, timeout_s=timeout_s)
+        if cmd == "status" and reply.get("ok"):
+            pid = ((reply["result"].get("bridge") or {}).get("vllm") or {}).get("pid")
+            if pid:
+                self.vllm_pgids.add(pid)  # vLLM leads its own process group: pgid == pid
+        return reply
+
+    def wait_for(self, predicate, timeout_s: float, what: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited ({self.proc.returncode}) while waiting for {what}:\n{self.tail()}")
+            try:
+                reply = self.ctl("status", timeout_s=10)
+            except ControlError:
+                time.sleep(0.5)
+                continue
+            last = reply["result"]
+            if predicate(last):
+                return last
+            time.sleep(0.3)
+        raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last status {last}\n{self.tail()}")
+
+    def wait_exit(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"daemon still running after {timeout_s}s\n{self.tail()}") from None
+
+    def tail(self, n: int = 60) -> str:
+        self._out.flush()
+        return "\n".join(self.output.read_text(errors="replace").splitlines()[-n:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        for pgid in self.vllm_pgids:
+            if group_processes(pgid):
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self._out.close()
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def start_decoy(tmp_path: Path) -> subprocess.Popen:
+    """A process whose command line says "vllm" and "grpod" that grpod must never touch."""
+    script = tmp_path / "vllm_grpod_decoy.py"
+    script.write_text("import time\ntime.sleep(3600)\n")
+    return subprocess.Popen(
+        [sys.executable, str(script), "--model", "vllm.entrypoints.openai.api_server", "grpod"],
+        start_new_session=True,
+    )

@@ -1,0 +1,59 @@
+"""A stand-in server process for the failures a real vLLM cannot produce on demand.
+
+`python stub_server.py --port P [--exit-code N] [--no-health] [--ignore-term] [--orphan]`:
+serves `GET /health` on 127.0.0.1:P, or exits with code N after a message, or never serves;
+`--ignore-term` makes it (and its helper) ignore SIGTERM, as a vLLM waiting on open connections
+does; `--orphan` forks a helper in the same process group that outlives the server, as vLLM's
+EngineCore and Worker do when the API server alone dies.
+"""
+
+import argparse
+import http.server
+import os
+import signal
+import sys
+import tempfile
+import time
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--exit-code", type=int)
+    parser.add_argument("--no-health", action="store_true")
+    parser.add_argument("--ignore-term", action="store_true")
+    parser.add_argument("--orphan", action="store_true")
+    args = parser.parse_args()
+    print(f"stub server pid {os.getpid()} port {args.port}", flush=True)
+    # Litter the temp dir as vLLM does with its rendezvous files and IPC sockets.
+    scratch = tempfile.gettempdir()
+    with open(os.path.join(scratch, "vllm_dist_stub"), "w") as f:
+        f.write("rendezvous")
+    print(f"stub tmpdir {scratch}", flush=True)
+    if args.exit_code is not None:
+        print("stub failure: model directory has no config.json", flush=True)
+        sys.exit(args.exit_code)
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.orphan and os.fork() == 0:
+        print(f"stub helper pid {os.getpid()}", flush=True)
+        while True:
+            time.sleep(60)
+    if args.no_health:
+        while True:
+            time.sleep(60)
+    http.server.HTTPServer(("127.0.0.1", args.port), Health).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

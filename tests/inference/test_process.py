@@ -1,0 +1,211 @@
+"""InferenceProcess: its argv and env, the loopback/API-key rule, and the launch/stop lifecycle.
+
+The lifecycle cases here run a stub server (tests/inference/stub_server.py) in place of vLLM for
+what a real vLLM cannot do on demand: exit at once, never answer, ignore SIGTERM, leave an orphan.
+The same lifecycle with a real vLLM is in tests/e2e/test_inference_process.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from grpod.config import InferenceConfig, ModelConfig
+from grpod.inference.process import (
+    InferenceProcess,
+    InferenceStartError,
+    PortInUseError,
+    UnsafeBindError,
+    is_loopback,
+)
+from grpod.inference.release import group_members, port_is_free
+from tests.harness import start_decoy
+
+STUB = Path(__file__).with_name("stub_server.py")
+MODEL = ModelConfig(path=Path("/models/tiny"), dtype="bfloat16", max_seq_len=128)
+
+
+def _value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_args_run_grpod_server_with_model_settings_on_cpu():
+    proc = InferenceProcess(InferenceConfig(port=8123, kv_cache_bytes="96M"), MODEL, Path("run"), gpu=False)
+    args = proc.build_args("/ckpt/step-3")
+    assert args[:3] == [sys.executable, "-m", "grpod.inference.server"]
+    assert _value(args, "--model") == "/ckpt/step-3"
+    assert _value(args, "--host") == "127.0.0.1"
+    assert _value(args, "--port") == "8123"
+    assert _value(args, "--dtype") == "bfloat16"
+    assert _value(args, "--max-model-len") == "128"
+    assert _value(args, "--kv-cache-memory-bytes") == "96M"
+    assert "--gpu-memory-utilization" not in args
+    assert _value(args, "--logprobs-mode") == "processed_logprobs"
+    assert _value(args, "--served-model-name") == "policy"
+    assert "--enforce-eager" in args
+    assert "--enable-lora" not in args and "--worker-extension-cls" not in args
+
+
+def test_args_on_gpu_size_kv_cache_by_memory_fraction():
+    cfg = InferenceConfig(gpu_memory_utilization=0.3, enforce_eager=False)
+    args = InferenceProcess(cfg, MODEL, Path("run"), gpu=True).build_args("/m")
+    assert _value(args, "--gpu-memory-utilization") == "0.3"
+    assert "--kv-cache-memory-bytes" not in args
+    assert "--enforce-eager" not in args
+
+
+def test_args_lora_extension_and_extra_args_last():
+    cfg = InferenceConfig(extra_args=["--max-num-seqs", "8"])
+    args = InferenceProcess(cfg, MODEL, Path("run"), gpu=False).build_args(
+        "/m", lora_modules={"policy-v2": "/a/v2"}, max_lora_rank=32, worker_extension="grpod.inference.ext.Ext"
+    )
+    assert "--enable-lora" in args
+    assert _value(args, "--max-lora-rank") == "32"
+    assert _value(args, "--lora-modules") == "policy-v2=/a/v2"
+    assert _value(args, "--worker-extension-cls") == "grpod.inference.ext.Ext"
+    assert args[-2:] == ["--max-num-seqs", "8"]
+    plain = InferenceProcess(InferenceConfig(), MODEL, Path("run"), gpu=False).build_args("/m", enable_lora=True)
+    assert _value(plain, "--max-lora-rank") == "16" and "--lora-modules" not in plain
+
+
+def test_env_enables_dev_routes_runtime_lora_and_config_env():
+    cfg = InferenceConfig(env={"VLLM_CPU_OMP_THREADS_BIND": "all"})
+    env = InferenceProcess(cfg, MODEL, Path("run"), gpu=False).build_env()
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "all"
+    assert "VLLM_API_KEY" not in env
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.5", "localhost", "::1"])
+def test_loopback_hosts_need_no_key(host):
+    assert is_loopback(host)
+    InferenceProcess(InferenceConfig(host=host), MODEL, Path("run"), gpu=False)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.7", "::", "gpu-node-3"])
+def test_network_host_without_key_is_refused(host):
+    with pytest.raises(UnsafeBindError, match="api_key"):
+        InferenceProcess(InferenceConfig(host=host), MODEL, Path("run"), gpu=False)
+
+
+def test_network_host_with_key_passes_key_outside_argv():
+    proc = InferenceProcess(InferenceConfig(host="0.0.0.0", api_key="s3cret"), MODEL, Path("run"), gpu=False)
+    assert proc.build_env()["VLLM_API_KEY"] == "s3cret"
+    assert "s3cret" not in " ".join(proc.build_args("/m"))
+
+
+class StubProcess(InferenceProcess):
+    """The real lifecycle code launching the stub server instead of vLLM."""
+
+    def __init__(self, run_dir: Path, *stub_flags: str, **cfg) -> None:
+        cfg = {"start_timeout_s": 20.0, "stop_grace_s": 0.5, "release_timeout_s": 10.0, "health_interval_s": 0.05} | cfg
+        super().__init__(InferenceConfig(**cfg), MODEL, run_dir, gpu=False)
+        self.stub_flags = list(stub_flags)
+
+    def build_args(self, model_path, **kw) -> list[str]:
+        return [sys.executable, str(STUB), "--port", str(self.port), *self.stub_flags]
+
+
+def _assert_released(pgid: int, port: int) -> None:
+    assert group_members(pgid) == [], f"left in group {pgid}: {group_members(pgid)}"
+    assert port_is_free("127.0.0.1", port)
+
+
+@pytest.mark.anyio
+async def test_early_exit_raises_with_code_and_log_tail(tmp_path):
+    proc = StubProcess(tmp_path, "--exit-code", "3")
+    with pytest.raises(InferenceStartError) as err:
+        await proc.start("/models/none")
+    message = str(err.value)
+    assert "exited with code 3" in message
+    assert "stub failure: model directory has no config.json" in message
+    assert not proc.running and proc.exit_code == 3
+    _assert_released(err.value.pgid, proc.port)
+    assert proc.log_path.read_text().startswith("=== grpod launch ")
+
+
+@pytest.mark.anyio
+async def test_start_timeout_names_timeout_and_stops_everything(tmp_path):
+    proc = StubProcess(tmp_path, "--no-health", "--orphan", start_timeout_s=1.5)
+    with pytest.raises(InferenceStartError, match=r"start_timeout_s = 1\.5 s") as err:
+        await proc.start("/m")
+    assert "stub helper pid" in str(err.value)
+    assert err.value.pgid is not None
+    _assert_released(err.value.pgid, proc.port)
+
+
+@pytest.mark.anyio
+async def test_stop_escalates_to_sigkill_and_waits_for_orphans(tmp_path):
+    decoy = start_decoy(tmp_path)
+    try:
+        proc = StubProcess(tmp_path, "--ignore-term", "--orphan")
+        await proc.start("/m")
+        assert proc.running
+        pgid, port = proc.pgid, proc.port
+        assert len(group_members(pgid)) == 2
+        await proc.stop()
+        _assert_released(pgid, port)
+        assert proc.exit_code == -signal.SIGKILL
+        assert not proc.running
+        assert decoy.poll() is None, "stop() touched a process outside its group"
+        scratch = Path(proc.log_path.read_text().split("stub tmpdir ")[1].split()[0])
+        assert scratch.name.startswith("grpod-vllm-") and not scratch.exists()
+        await proc.stop()  # idempotent
+    finally:
+        decoy.kill()
+        decoy.wait(timeout=10)
+
+
+@pytest.mark.anyio
+async def test_wait_exit_reports_a_crash(tmp_path):
+    proc = StubProcess(tmp_path)
+    await proc.start("/m")
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        with anyio.fail_after(10):
+            assert await proc.wait_exit() == -signal.SIGKILL
+        assert not proc.running
+    finally:
+        await proc.stop()
+
+
+@pytest.mark.anyio
+async def test_wait_exit_can_be_cancelled_and_process_stays_up(tmp_path):
+    proc = StubProcess(tmp_path)
+    await proc.start("/m")
+    try:
+        with anyio.move_on_after(0.3):
+            await proc.wait_exit()
+        assert proc.running
+    finally:
+        await proc.stop()
+
+
+@pytest.mark.anyio
+async def test_fixed_port_taken_raises_before_launch(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = StubProcess(tmp_path, port=port)
+        with pytest.raises(PortInUseError, match=f"inference.port {port} "):
+            await proc.start("/m")
+    assert proc.pid is None and not proc.log_path.exists()
+
+
+@pytest.mark.anyio
+async def test_cancelled_start_stops_what_it_launched(tmp_path):
+    proc = StubProcess(tmp_path, "--no-health")
+    with anyio.move_on_after(1.0):
+        await proc.start("/m")
+    assert proc.pid is None
+    text = proc.log_path.read_text()
+    pgid = int(text.split("stub server pid ")[1].split()[0])
+    _assert_released(pgid, proc.port)

@@ -1,0 +1,140 @@
+"""grpod's additions to vLLM's server: the Atropos `/generate` shape and the all-routes key check.
+
+The translation functions are checked on answers shaped as vLLM 0.32 gives them; the route and
+middleware on a FastAPI app with vLLM's real middleware classes. `/generate` against a real
+engine (and atroposlib's own client) is in tests/e2e/test_inference_process.py.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from grpod.inference.server import (
+    GenerateRequestError,
+    _add_grpod_routes,
+    atropos_response,
+    completion_request_body,
+)
+
+ATROPOS_REQUEST = {"prompt": {"prompt_token_ids": [3, 4, 5]}, "logprobs": 0, "n": 2, "max_tokens": 2, "seed": 1}
+
+
+def _completion(top_logprobs=None, prompt_logprobs=None) -> dict:
+    """A /v1/completions answer as vLLM 0.32 dumps it (return_token_ids, token ids as logprob keys)."""
+    return {
+        "choices": [
+            {
+                "index": 1,
+                "text": "zz",
+                "finish_reason": "stop",
+                "token_ids": [40, 2],
+                "prompt_token_ids": [3, 4, 5],
+                "logprobs": {"token_logprobs": [-0.5, -0.25], "top_logprobs": top_logprobs, "tokens": []},
+                "prompt_logprobs": prompt_logprobs,
+            },
+            {
+                "index": 0,
+                "text": "ab",
+                "finish_reason": "length",
+                "token_ids": [27, 28],
+                "prompt_token_ids": [3, 4, 5],
+                "logprobs": {"token_logprobs": [-1.5, -2.5], "top_logprobs": top_logprobs, "tokens": []},
+                "prompt_logprobs": prompt_logprobs,
+            },
+        ]
+    }
+
+
+def test_request_becomes_a_token_id_completion_request():
+    body = completion_request_body(ATROPOS_REQUEST)
+    assert body["prompt"] == [3, 4, 5]
+    assert body["return_token_ids"] is True and body["return_tokens_as_token_ids"] is True
+    assert {k: body[k] for k in ("logprobs", "n", "max_tokens", "seed")} == {"logprobs": 0, "n": 2, "max_tokens": 2, "seed": 1}
+    assert ATROPOS_REQUEST["prompt"] == {"prompt_token_ids": [3, 4, 5]}, "the caller's body must not change"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"n": 1}, 'missing "prompt"'),
+        ({"prompt": {"ids": [1]}}, "without \"prompt_token_ids\""),
+        ({"prompt": [1], "stream": True}, "streaming is not supported"),
+        ([1, 2], "JSON object"),
+    ],
+)
+def test_bad_requests_say_what_is_wrong(body, message):
+    with pytest.raises(GenerateRequestError, match=message):
+        completion_request_body(body)
+
+
+def test_answer_in_the_shape_atropos_reads():
+    answer = atropos_response(_completion(), ATROPOS_REQUEST)
+    assert answer["text"] == ["ab", "zz"]
+    assert answer["finish_reasons"] == ["length", "stop"]
+    assert answer["token_ids"] == [[27, 28], [40, 2]]
+    assert answer["prompt_token_ids"] == [3, 4, 5]
+    assert answer["logprobs"] == [[[{"27": -1.5}], [{"28": -2.5}]], [[{"40": -0.5}], [{"2": -0.25}]]]
+    assert "prompt_logprobs" not in answer
+    # What atroposlib's VLLMServer does with it:
+    ids = [[int(next(iter(item[0]))) for item in seq] for seq in answer["logprobs"]]
+    lps = [[next(iter(item[0].values())) for item in seq] for seq in answer["logprobs"]]
+    assert ids == answer["token_ids"] and lps == [[-1.5, -2.5], [-0.5, -0.25]]
+
+
+def test_top_k_entries_follow_the_sampled_token():
+    top = [{"token_id:27": -1.5, "token_id:9": -1.0}, {"token_id:7": -0.1, "token_id:28": -2.5}]
+    answer = atropos_response(_completion(top_logprobs=top), ATROPOS_REQUEST | {"logprobs": 2})
+    assert answer["logprobs"][0] == [[{"27": -1.5, "9": -1.0}], [{"28": -2.5, "7": -0.1}]]
+
+
+def test_prompt_logprobs_when_asked():
+    prompt_lps = [None, {4: {"logprob": -3.0, "rank": 2, "decoded_token": "1"}}, {5: {"logprob": -1.0, "rank": 1}}]
+    request = {"prompt": {"prompt_token_ids": [3, 4, 5]}, "prompt_logprobs": 1}
+    answer = atropos_response(_completion(prompt_logprobs=prompt_lps), request)
+    assert answer["prompt_logprobs"] == [None, [{"4": -3.0}], [{"5": -1.0}]]
+    assert "logprobs" not in answer
+
+
+def _app(api_key: list[str] | None) -> TestClient:
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.post("/pause")
+    async def pause():
+        return {"status": "paused"}
+
+    _add_grpod_routes(app, Namespace(api_key=api_key))
+    return TestClient(app)
+
+
+def test_key_guards_every_route_but_health(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    client = _app(["s3cret"])
+    assert client.get("/health").status_code == 200
+    assert client.post("/pause").status_code == 401
+    assert client.post("/generate", json=ATROPOS_REQUEST).status_code == 401
+    assert client.post("/pause", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.post("/pause", headers={"Authorization": "Bearer s3cret"}).json() == {"status": "paused"}
+
+
+def test_key_from_environment_guards_too(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    client = _app(None)
+    assert client.post("/pause").status_code == 401
+    assert client.post("/pause", headers={"Authorization": "Bearer from-env"}).status_code == 200
+
+
+def test_no_key_no_check_and_bad_generate_body_is_400(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    client = _app(None)
+    assert client.post("/pause").status_code == 200
+    answer = client.post("/generate", json={"prompt": {"ids": [1]}})
+    assert answer.status_code == 400 and "prompt_token_ids" in answer.json()["error"]["message"]
+    assert client.post("/generate", content=b"not json").status_code == 400

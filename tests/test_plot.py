@@ -1,0 +1,27 @@
+import json
+
+import pytest
+
+from grpod.plot import PlotError, plot_run
+
+
+def test_plot_writes_a_png_with_every_panel(tmp_path):
+    lines = []
+    for step in range(1, 6):
+        lines.append({"kind": "step", "step": step, "reward_mean": step / 10, "loss": 0.1, "kl": 0.01,
+                      "ratio_mean": 1.0, "ratio_min": 0.9, "ratio_max": 1.1, "staleness_mean": 0.5,
+                      "staleness_max": 1, "sync_s": 0.01})
+    lines.append({"kind": "eval", "step": 0, "eval_accuracy": 0.2})
+    lines.append({"kind": "eval", "step": 5, "eval_accuracy": 0.4})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    out = plot_run(tmp_path)
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_errors_name_the_problem(tmp_path):
+    with pytest.raises(PlotError, match="no metrics"):
+        plot_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "step"}\nnot json\n')
+    with pytest.raises(PlotError, match=":2: not a JSON line"):
+        plot_run(tmp_path)

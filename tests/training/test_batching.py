@@ -1,0 +1,124 @@
+import math
+import random
+
+import pytest
+import torch
+
+from grpod.models.tiny import build_model
+from grpod.rollouts.group import RolloutGroup
+from grpod.training.advantages import AdvantageResult
+from grpod.training.batching import TrainingSequence, collate, plan_micro_batches, training_sequences
+
+
+@pytest.mark.parametrize("budget", [16, 64, 100, 512, 100_000])
+def test_plan_covers_every_sequence_once_within_the_budget(budget):
+    rng = random.Random(budget)
+    lengths = [rng.randint(5, 60) for _ in range(50)]
+    plan = plan_micro_batches(lengths, budget)
+    assert sorted(i for batch in plan.batches for i in batch) == list(range(50))
+    processed = 0
+    for batch in plan.batches:
+        width = max(lengths[i] for i in batch)
+        assert len(batch) == 1 or len(batch) * width <= budget
+        processed += len(batch) * width
+    assert plan.processed_tokens == processed
+    assert plan.real_tokens == sum(lengths)
+    assert plan.efficiency == pytest.approx(sum(lengths) / processed)
+    # Sorted: every micro-batch's sequences are no longer than the next micro-batch's.
+    flat = [lengths[i] for batch in plan.batches for i in batch]
+    assert flat == sorted(flat)
+
+
+@pytest.mark.parametrize("floor", [0.5, 0.9, 0.95, 1.0])
+def test_efficiency_floor_holds_for_every_micro_batch(floor):
+    rng = random.Random(7)
+    lengths = [rng.randint(17, 41) for _ in range(64)]
+    plan = plan_micro_batches(lengths, 4096, min_efficiency=floor)
+    for batch in plan.batches:
+        width = max(lengths[i] for i in batch)
+        assert sum(lengths[i] for i in batch) >= floor * len(batch) * width
+    assert plan.efficiency >= floor
+    assert len(plan_micro_batches(lengths, 4096, min_efficiency=0.0).batches) == 1
+
+
+def test_plan_known_example():
+    plan = plan_micro_batches([10, 3, 4, 10, 4], micro_batch_tokens=12)
+    assert plan.batches == [[1, 2, 4], [0], [3]]
+    assert (plan.real_tokens, plan.processed_tokens) == (31, 12 + 10 + 10)
+    # With room for all, a floor of 0.8 still separates the 3-4 run from the 10s: (11 + 10) / 40 < 0.8.
+    plan = plan_micro_batches([10, 3, 4, 10, 4], micro_batch_tokens=1000, min_efficiency=0.8)
+    assert plan.batches == [[1, 2, 4], [0, 3]]
+
+
+def test_sequence_longer_than_budget_gets_its_own_micro_batch():
+    plan = plan_micro_batches([5, 50, 5], micro_batch_tokens=16)
+    assert plan.batches == [[0, 2], [1]]
+
+
+def test_plan_refuses_a_non_positive_budget():
+    with pytest.raises(ValueError, match="micro_batch_tokens must be >= 1"):
+        plan_micro_batches([3], 0)
+
+
+def _result(**group_kwargs):
+    g = RolloutGroup(
+        tokens=[[5, 6, 7, 8], [5, 6, 9], [5, 6, 7]],
+        loss_mask=[[0, 0, 1, 1], [0, 0, 1], [1, 0, 0]],
+        scores=[1.0, 0.0, 0.0],
+        inference_logprobs=[[0.0, 0.0, -0.1, -0.2], [0.0, 0.0, -0.3], [0.0, 0.0, 0.0]],
+        temperature=0.7,
+        **group_kwargs,
+    )
+    return AdvantageResult(groups=[g], advantages=[[1.0, -0.5, -0.5]])
+
+
+def test_training_sequences_flatten_and_drop_sequences_without_loss_tokens():
+    sequences = training_sequences(_result(), mask_truncated=False)
+    # The third has loss only at position 0, which nothing predicts: dropped.
+    assert [s.tokens for s in sequences] == [[5, 6, 7, 8], [5, 6, 9]]
+    assert [s.advantage for s in sequences] == [1.0, -0.5]
+    assert [s.loss_positions for s in sequences] == [[2, 3], [2]]
+    assert all(s.temperature == 0.7 for s in sequences)
+
+
+def test_per_sequence_temperature_override_wins_over_the_group_temperature():
+    sequences = training_sequences(_result(overrides=[{"temperature": 1.3}, None, {}]), mask_truncated=False)
+    assert [s.temperature for s in sequences] == [1.3, 0.7]
+
+
+def test_truncated_sequences_are_dropped_when_masked():
+    result = _result(truncated=[True, False, False])
+    assert len(training_sequences(result, mask_truncated=False)) == 2
+    assert [s.tokens for s in training_sequences(result, mask_truncated=True)] == [[5, 6, 9]]
+
+
+def test_collate_gathers_loss_tokens_from_the_padded_block():
+    seqs = [
+        TrainingSequence([5, 6, 7, 8], [0, 0, 1, 1], 1.0, 0.7, [0.0, 0.0, -0.1, -0.2]),
+        TrainingSequence([5, 9], [0, 1], -0.5, 1.0, None),
+    ]
+    batch = collate(seqs, pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8], [5, 9, 0, 0]]
+    assert batch.rows.tolist() == [0, 0, 1]
+    assert batch.positions.tolist() == [2, 3, 1]
+    assert batch.targets.tolist() == [7, 8, 9]
+    assert batch.temperatures.tolist() == pytest.approx([0.7, 0.7, 1.0])
+    assert batch.advantages.tolist() == [1.0, 1.0, -0.5]
+    assert batch.sequence_loss_tokens.tolist() == [2, 2, 1]
+    inference = batch.inference_logprobs.tolist()
+    assert inference[:2] == pytest.approx([-0.1, -0.2]) and math.isnan(inference[2])
+    assert (batch.real_tokens, batch.processed_tokens) == (6, 8)
+
+
+def test_right_padding_without_attention_mask_leaves_real_positions_unchanged():
+    """The module's claim: with a causal LM, a padded row's real positions see only real tokens."""
+    model, _ = build_model(seed=3)
+    model.eval()
+    long, short = [1, 7, 8, 9, 10, 11, 12], [1, 13, 14]
+    batch = collate(
+        [TrainingSequence(long, [1] * 7, 0.0, 1.0), TrainingSequence(short, [1] * 3, 0.0, 1.0)], pad_id=0
+    )
+    with torch.no_grad():
+        padded = model(input_ids=batch.input_ids).logits
+        alone = model(input_ids=torch.tensor([short])).logits
+    torch.testing.assert_close(padded[1, :3], alone[0], rtol=1e-5, atol=1e-5)

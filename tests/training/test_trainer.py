@@ -1,0 +1,325 @@
+"""The trainer on the tiny built-in model: learning direction, split invariance, save/load, resume."""
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpod.config import parse_config
+from grpod.models.tiny import build_model, save_model
+from grpod.rollouts.group import RolloutGroup
+from grpod.training.optim import OptimizerUnavailable
+from grpod.training.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    save_model(*build_model(seed=0), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-tied")
+    save_model(*build_model(seed=0, tie_word_embeddings=True), out)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def config(lora=False, **train):
+    tree = {"train": {"threads": 1, "lora": lora, **train}}
+    if lora:
+        tree["bridge"] = {"mode": "lora_only"}
+    return parse_config(tree)
+
+
+def random_groups(n_groups=4, size=4, seed=0, temperature=1.0):
+    """Groups shaped like the arithmetic task's: a 15-25 token prompt, 2-16 token completions."""
+    rng = random.Random(seed)
+    groups = []
+    for _ in range(n_groups):
+        prompt = [rng.randrange(3, 52) for _ in range(rng.randint(15, 25))]
+        tokens, masks, logprobs = [], [], []
+        for _ in range(size):
+            completion = [rng.randrange(3, 52) for _ in range(rng.randint(2, 16))]
+            tokens.append(prompt + completion)
+            masks.append([0] * len(prompt) + [1] * len(completion))
+            logprobs.append([0.0] * len(prompt) + [rng.uniform(-4.5, -3.5) for _ in completion])
+        scores = [1.0, 0.0] + [float(rng.random() < 0.5) for _ in range(size - 2)]
+        groups.append(RolloutGroup(tokens, masks, scores, inference_logprobs=logprobs, temperature=temperature))
+    return groups
+
+
+def params(trainer):
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+def completion_logprob(trainer, prompt, completion):
+    return sum(trainer.score(prompt + completion)[len(prompt) - 1 :])
+
+
+def test_positive_advantage_completion_rises_and_negative_falls(model_dir):
+    trainer = Trainer(config(lr=1e-3, loss={"tis_cap": None}), model_dir)
+    prompt, good, bad = [1, 10, 11, 12, 13], [20, 21, 22], [30, 31, 32]
+    group = RolloutGroup(
+        tokens=[prompt + good, prompt + bad], loss_mask=[[0] * 5 + [1] * 3] * 2, scores=[1.0, 0.0]
+    )
+    before = completion_logprob(trainer, prompt, good), completion_logprob(trainer, prompt, bad)
+    metrics = trainer.train_step([group])
+    after = completion_logprob(trainer, prompt, good), completion_logprob(trainer, prompt, bad)
+    assert metrics["skipped"] == 0.0 and trainer.step == 1
+    assert after[0] > before[0]
+    assert after[1] < before[1]
+
+
+def step_with_gradients(trainer, groups):
+    """Run `train_step` and capture the accumulated gradients as the optimizer is about to use them."""
+    grads = {}
+
+    def snapshot(optimizer, args, kwargs):
+        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+
+    handle = trainer.optimizer.register_step_pre_hook(snapshot)
+    try:
+        metrics = trainer.train_step(groups)
+    finally:
+        handle.remove()
+    return metrics, grads
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_micro_batch_split_gives_the_same_step(model_dir, aggregation):
+    """Accumulating over micro-batches equals one big batch.
+
+    Tolerances (fp32; the splits differ only in summation order and padded shapes; measured
+    differences are below 1e-6): the accumulated gradient of every tensor to 5e-6 relative (norm of
+    the difference over the norm), which catches any normaliser error; the parameters after the
+    AdamW step to 5 % of one step (lr) absolute, because Adam's update g / (|g| + eps) turns
+    float noise on near-zero gradient entries into differences of a sizable fraction of lr.
+    """
+    lr = 2e-5
+    groups = random_groups(seed=1)
+    results = []
+    for budget, floor in ((16, 0.0), (200, 0.0), (100_000, 0.0), (100_000, 0.95)):
+        cfg = config(
+            lr=lr, micro_batch_tokens=budget, micro_batch_min_efficiency=floor,
+            loss={"aggregation": aggregation, "kl_coef": 0.01},
+        )
+        trainer = Trainer(cfg, model_dir)
+        metrics, grads = step_with_gradients(trainer, groups)
+        results.append((metrics, grads, params(trainer)))
+    micro_batches = [m["micro_batches"] for m, _, _ in results]
+    assert micro_batches[0] == 16 and micro_batches[2] == 1
+    assert 1 < micro_batches[1] < 16 and 1 < micro_batches[3] < 16 and micro_batches[1] != micro_batches[3]
+    base_metrics, base_grads, base_params = results[0]
+    for metrics, grads, after in results[1:]:
+        assert metrics["grad_norm"] == pytest.approx(base_metrics["grad_norm"], rel=5e-6)
+        assert metrics["loss"] == pytest.approx(base_metrics["loss"], rel=5e-6)
+        assert grads.keys() == base_grads.keys()
+        for name, grad in grads.items():
+            assert (grad - base_grads[name]).norm() <= 5e-6 * base_grads[name].norm(), name
+        for name, value in after.items():
+            torch.testing.assert_close(value, base_params[name], rtol=0, atol=0.05 * lr, msg=name)
+
+
+def test_gradient_checkpointing_gives_the_same_step(model_dir):
+    groups = random_groups(seed=2)
+    plain = Trainer(config(), model_dir).train_step(groups)
+    cfg = config()
+    cfg.model.gradient_checkpointing = True
+    checkpointed = Trainer(cfg, model_dir).train_step(groups)
+    assert checkpointed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+
+
+def test_inference_logprobs_equal_to_the_trainers_give_zero_diff_at_any_temperature(model_dir):
+    trainer = Trainer(config(), model_dir)
+    groups = random_groups(n_groups=2, seed=3, temperature=0.7)
+    for g in groups:
+        g.inference_logprobs = [[0.0] + trainer.score(seq, temperature=0.7) for seq in g.tokens]
+    metrics = trainer.train_step(groups)
+    assert metrics["logprob_diff_max"] < 1e-5
+    assert metrics["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["kl"] < 1e-9
+
+
+def test_score_is_the_temperature_scaled_fp32_logprob_of_each_next_token(model_dir):
+    trainer = Trainer(config(), model_dir)
+    ids = [1, 20, 21, 22, 2, 30]
+    got = trainer.score(ids, temperature=0.8)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=torch.tensor([ids])).logits[0, :-1]
+    want = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    assert len(got) == len(ids) - 1
+    assert got == pytest.approx(want.tolist(), abs=1e-6)
+
+
+def test_all_zero_variance_batch_is_skipped_without_touching_the_weights(model_dir):
+    trainer = Trainer(config(), model_dir)
+    before = params(trainer)
+    groups = random_groups(n_groups=2)
+    for g in groups:
+        g.scores = [1.0] * len(g.scores)
+    metrics = trainer.train_step(groups)
+    assert metrics["skipped"] == 1.0 and metrics["dropped_zero_variance"] == 2.0 and metrics["sequences"] == 0.0
+    assert trainer.step == 0
+    for name, value in params(trainer).items():
+        assert torch.equal(value, before[name])
+
+
+def test_non_finite_gradient_skips_the_update(model_dir):
+    trainer = Trainer(config(advantages={"use_source_advantages": True}), model_dir)
+    before = params(trainer)
+    groups = random_groups(n_groups=1)
+    groups[0].advantages = [float("inf"), 1.0, -1.0, 0.0]
+    metrics = trainer.train_step(groups)
+    assert metrics["skipped"] == 1.0 and not math.isfinite(metrics["grad_norm"])
+    assert trainer.step == 0
+    for name, value in params(trainer).items():
+        assert torch.equal(value, before[name])
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_step_metrics_are_reported(model_dir):
+    metrics = Trainer(config(), model_dir).train_step(random_groups())
+    for key in (
+        "loss", "reward_mean", "ratio_mean", "ratio_min", "ratio_max", "clipped_low_fraction",
+        "clipped_high_fraction", "kl", "entropy", "grad_norm", "lr", "tokens", "padding_efficiency",
+        "sequences", "dropped_zero_variance", "logprob_diff_mean", "logprob_diff_abs_mean", "logprob_diff_max",
+    ):
+        assert isinstance(metrics[key], float), key
+    assert metrics["sequences"] == 16.0 and metrics["lr"] == pytest.approx(2e-5)
+    assert 0 < metrics["padding_efficiency"] <= 1 and metrics["entropy"] > 0
+
+
+def test_tied_embeddings_stay_one_parameter_after_a_step_and_a_save(tied_model_dir, tmp_path):
+    trainer = Trainer(config(lr=1e-3), tied_model_dir)
+    model = trainer.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    before = model.lm_head.weight.detach().clone()
+    trainer.train_step(random_groups())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not torch.equal(model.lm_head.weight, before)
+    # One optimizer state for the shared matrix, not two.
+    assert len(trainer.optimizer.state) == len(list(model.parameters()))
+
+    trainer.save_weights(tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
+
+
+def test_full_save_loads_with_from_pretrained_and_the_copied_tokenizer(model_dir, tmp_path):
+    trainer = Trainer(config(lr=1e-3), model_dir)
+    trainer.train_step(random_groups())
+    out = tmp_path / "weights"
+    trainer.save_weights(out)
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert (out / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = [1, 20, 21, 22, 2, 30]
+    with torch.no_grad():
+        got = torch.log_softmax(loaded(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+        got = got.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    assert got.tolist() == pytest.approx(trainer.score(ids), abs=1e-6)
+    assert AutoTokenizer.from_pretrained(out)("12+3=")["input_ids"] == trainer.tokenizer("12+3=")["input_ids"]
+
+
+def test_lora_adapter_loads_in_peft_and_matches_the_trainer(model_dir, tmp_path):
+    trainer = Trainer(config(lora=True, lr=1e-2), model_dir)
+    trainer.train_step(random_groups())
+    out = tmp_path / "adapter"
+    trainer.save_weights(out)
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        base_logits = base(input_ids=torch.tensor([[1, 20, 21, 22, 2, 30]])).logits
+    peft_model = PeftModel.from_pretrained(base, out).eval()
+    ids = torch.tensor([[1, 20, 21, 22, 2, 30]])
+    trainer.model.eval()
+    with torch.no_grad():
+        loaded_logits = peft_model(input_ids=ids).logits
+        own_logits = trainer.model(input_ids=ids).logits
+    assert (loaded_logits - base_logits).abs().max() > 1e-3  # the adapter does something
+    torch.testing.assert_close(loaded_logits, own_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_trains_only_adapters_with_no_dropout_by_default(model_dir):
+    trainer = Trainer(config(lora=True), model_dir)
+    names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    dropouts = [m for n, m in trainer.model.named_modules() if n.endswith("lora_dropout.default")]
+    assert dropouts and all(isinstance(m, torch.nn.Identity) for m in dropouts)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_resume_from_saved_weights_and_state_continues_identically(model_dir, tmp_path, lora):
+    cfg = config(lora=lora, lr=1e-3, warmup_steps=3)
+    first, second = random_groups(seed=4), random_groups(seed=5)
+    original = Trainer(cfg, model_dir)
+    original.train_step(first)
+    original.save_weights(tmp_path / "w")
+    state = copy.deepcopy(original.state_dict())  # as if written to disk: no shared tensors
+    if lora:
+        resumed = Trainer(cfg, model_dir, adapter_path=tmp_path / "w")
+    else:
+        resumed = Trainer(cfg, tmp_path / "w")
+    resumed.load_state_dict(state)
+    assert resumed.step == 1
+    a, b = original.train_step(second), resumed.train_step(second)
+    assert a["lr"] == b["lr"] == pytest.approx(2 / 3 * 1e-3)
+    for (name, p), (_, q) in zip(original.model.named_parameters(), resumed.model.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_kl_to_a_frozen_reference_model_starts_at_zero_and_grows(model_dir, lora):
+    cfg = config(lora=lora, lr=1e-2, loss={"kl_coef": 0.1, "kl_reference": "model"})
+    cfg.model.path = model_dir
+    trainer = Trainer(cfg, model_dir)
+    groups = random_groups()
+    first = trainer.train_step(groups)
+    second = trainer.train_step(groups)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-9)
+    assert second["kl"] > 1e-6
+
+
+def test_kl_reference_model_is_the_initial_policy_even_after_resume(model_dir, tmp_path):
+    cfg = config(lr=1e-2, loss={"kl_coef": 0.1, "kl_reference": "model"})
+    cfg.model.path = model_dir
+    trainer = Trainer(cfg, model_dir)
+    trainer.train_step(random_groups())
+    trainer.save_weights(tmp_path / "w")
+    resumed = Trainer(cfg, tmp_path / "w")
+    assert resumed.train_step(random_groups(seed=9))["kl"] > 1e-6
+
+
+def test_kl_reference_model_missing_is_a_clear_error(model_dir, tmp_path):
+    cfg = config(loss={"kl_coef": 0.1, "kl_reference": "model"})
+    cfg.model.path = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match="kl_reference = 'model' needs the initial policy"):
+        Trainer(cfg, model_dir)
+
+
+def test_adafactor_takes_a_step(model_dir):
+    trainer = Trainer(config(optimizer="adafactor", lr=1e-3), model_dir)
+    before = params(trainer)
+    metrics = trainer.train_step(random_groups())
+    assert metrics["skipped"] == 0.0
+    assert any(not torch.equal(v, before[k]) for k, v in params(trainer).items())
+
+
+def test_adamw_8bit_without_bitsandbytes_or_cuda_fails_at_start(model_dir):
+    with pytest.raises(OptimizerUnavailable, match="adamw_8bit"):
+        Trainer(config(optimizer="adamw_8bit"), model_dir)
