@@ -32,6 +32,8 @@ class RunConfig(_Section):
     resume: str = "auto"  # "auto" | "never" | path of a checkpoint directory
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     progress: bool = True
+    # Append every group the trainer consumes to <run.dir>/rollouts.jsonl (replayable).
+    record_rollouts: bool = False
 
 
 class ModelConfig(_Section):
@@ -64,7 +66,7 @@ class InferenceConfig(_Section):
 
 
 class SourceConfig(_Section):
-    kind: Literal["builtin", "atropos"] = "builtin"
+    kind: Literal["builtin", "atropos", "replay"] = "builtin"
     group_size: int = Field(8, ge=1)
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, gt=0)
@@ -77,6 +79,8 @@ class SourceConfig(_Section):
     atropos_url: str = "http://127.0.0.1:8000"
     atropos_poll_s: float = Field(0.5, gt=0)
     task_seed: int = 1234
+    # source.kind = "replay": a rollouts.jsonl recorded by an earlier run (run.record_rollouts).
+    replay_path: Path | None = None
 
 
 class LossConfig(_Section):
@@ -186,6 +190,8 @@ class GrpodConfig(_Section):
             raise ValueError(
                 f"train.lora = true needs bridge.mode 'lora_only' or 'lora_restart', not {self.bridge.mode!r}"
             )
+        if self.source.kind == "replay" and self.source.replay_path is None:
+            raise ValueError("source.kind = 'replay' needs source.replay_path (a rollouts.jsonl)")
         if self.train.loss.clip_low >= 1:
             raise ValueError("train.loss.clip_low must be < 1 (the ratio floor is 1 - clip_low)")
         return self

@@ -85,7 +85,7 @@ class DaemonProcess:
         self.config = config
         self.run_dir = run_dir
         self.socket = run_dir / "grpod.sock"
-        self.vllm_pgids: set[int] = set()
+        self._status_pgids: set[int] = set()
         self.output = run_dir.parent / f"{run_dir.name}-daemon.out"
         self._out = open(self.output, "ab")
         self.proc = subprocess.Popen(
@@ -101,8 +101,22 @@ class DaemonProcess:
         if cmd == "status" and reply.get("ok"):
             pid = ((reply["result"].get("bridge") or {}).get("vllm") or {}).get("pid")
             if pid:
-                self.vllm_pgids.add(pid)  # vLLM leads its own process group: pgid == pid
+                self._status_pgids.add(pid)  # vLLM leads its own process group: pgid == pid
         return reply
+
+    @property
+    def vllm_pgids(self) -> set[int]:
+        """Every vLLM process group this daemon launched (its log's launch events, and status)."""
+        found = set(self._status_pgids)
+        log = self.run_dir / "grpod.log"
+        if log.exists():
+            for line in log.read_text(errors="replace").splitlines():
+                if '"inference_launched"' in line:
+                    try:
+                        found.add(int(json.loads(line)["pid"]))
+                    except (ValueError, KeyError):
+                        continue
+        return found
 
     def wait_for(self, predicate, timeout_s: float, what: str) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
@@ -128,20 +142,27 @@ class DaemonProcess:
             raise AssertionError(f"daemon still running after {timeout_s}s\n{self.tail()}") from None
 
     def tail(self, n: int = 60) -> str:
-        self._out.flush()
+        if not self._out.closed:
+            self._out.flush()
         return "\n".join(self.output.read_text(errors="replace").splitlines()[-n:])
 
-    def close(self) -> None:
+    def close(self, *, stop_vllm: bool = True) -> None:
+        """Kill the daemon if still alive; then (unless told not to) any vLLM group it left."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=30)
+        if not self._out.closed:
+            self._out.close()
+        if stop_vllm:
+            self.stop_vllm_groups()
+
+    def stop_vllm_groups(self) -> None:
         for pgid in self.vllm_pgids:
             if group_processes(pgid):
                 try:
                     os.killpg(pgid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        self._out.close()
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:

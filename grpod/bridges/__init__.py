@@ -12,4 +12,12 @@ def make_bridge(cfg: GrpodConfig, run_dir: Path, trainer, *, policy_version: int
         from grpod.bridges.none import NoneBridge
 
         return NoneBridge(cfg, run_dir, trainer, policy_version=policy_version)
+    if cfg.bridge.mode == "lora_only":
+        from grpod.bridges.lora_only import LoraOnlyBridge
+
+        return LoraOnlyBridge(cfg, run_dir, trainer, policy_version=policy_version)
+    if cfg.bridge.mode == "lora_restart":
+        from grpod.bridges.lora_restart import LoraRestartBridge
+
+        return LoraRestartBridge(cfg, run_dir, trainer, policy_version=policy_version)
     raise NotImplementedError(f"bridge.mode = {cfg.bridge.mode!r} is not available in this build")

@@ -13,11 +13,11 @@ sets it to `fence_update`, which (from the trainer's worker thread) runs the bri
 the step:
 
     /pause?mode=keep → optimizer.step() writes the shared tensors in place →
-    prefix-cache reset (running requests preempted, so their KV is recomputed with the new
-    weights) + weight version bump → /resume → alignment probe
+    prefix-cache reset + weight version bump → /resume → alignment probe
 
 so no forward pass ever reads half-written weights, and generation is paused only for the step
-itself, not for the forward/backward before it. Every optimizer step is therefore a sync and
+itself, not for the forward/backward before it. vLLM's pause clears its caches and preempts the
+frozen requests, so a generation in flight resumes by recomputing its KV with the new weights. Every optimizer step is therefore a sync and
 `bridge.sync_every` does not apply; `after_step` reports the sync its step made. A skipped step
 (no optimizer step) makes none. `ctl sync` re-fences with nothing to write: a version bump and a
 probe. If the step or the version bump fails, vLLM stays paused (it never serves torn weights)
@@ -121,9 +121,8 @@ def shared_dir(run_dir: Path) -> Path:
 
 
 def check_supported(cfg: GrpodConfig, trainer_device: str, vllm_on_gpu: bool) -> None:
-    """Refuse, before anything is launched, a configuration shared mode cannot serve."""
-    if cfg.train.lora:
-        raise SharedModeUnsupported("bridge.mode = 'shared' shares full weights; it needs train.lora = false")
+    """Refuse, before anything is launched, a configuration shared mode cannot serve (LoRA is
+    refused by the config itself)."""
     if cfg.model.dtype != "float32":
         raise SharedModeUnsupported(
             f"bridge.mode = 'shared' needs model.dtype = 'float32' (the trainer's fp32 weights are what vLLM "
@@ -151,6 +150,8 @@ class SharedBridge(Bridge):
     def __init__(self, cfg: GrpodConfig, run_dir: Path, trainer, *, policy_version: int = 0) -> None:
         super().__init__(cfg, run_dir, trainer, policy_version=policy_version)
         check_supported(cfg, str(trainer.device), self.inference.gpu)
+        if cfg.bridge.sync_every != 1:
+            log.warning("shared_sync_every_ignored", sync_every=cfg.bridge.sync_every, reason="every optimizer step is a sync")
         self.shm_dir = shared_dir(run_dir)
         self.shared: SharedWeights | None = None
         self._update: Callable[[], object] | None = None

@@ -45,6 +45,17 @@ class _NullLogger:
 
 
 def configure_logging(run_dir: Path | None, level: str = "info", console: TextIO | None = None) -> None:
+    """structlog events: all of them to <run>/grpod.log, those at `level` and above to the console."""
+    import os
+
+    # Saving weights every sync would otherwise draw a progress bar each time.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
     file = None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -69,7 +80,7 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
-        record = {"kind": kind, "step": step, "time": time.time(), **values}
+        record = {**values, "kind": kind, "step": step, "time": time.time()}
         with open(self.path, "a") as f:
             f.write(json.dumps(record, default=float) + "\n")
 

@@ -116,6 +116,10 @@ class RunStore:
         return write_checkpoint(self.root, step, populate, meta, self.cfg.checkpoint.keep_last)
 
     def make_source(self, tokenizer, bridge, cursor: dict[str, Any] | None):
+        if self.cfg.source.kind == "replay":
+            from grpod.rollouts.replay import ReplaySource
+
+            return ReplaySource(self.cfg, cursor=cursor)
         if self.cfg.source.kind == "atropos":
             from grpod.rollouts.atropos import AtroposSource
 

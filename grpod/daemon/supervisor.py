@@ -40,6 +40,7 @@ from grpod.daemon.logs import MetricsLog, configure_logging
 from grpod.daemon.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.replay import record_groups
 from grpod.rollouts.staleness import StalenessStats, apply_staleness
 from grpod.rollouts.validation import RejectionCounter, validate_batch
 
@@ -105,6 +106,7 @@ class Daemon:
         self._wait_scope: anyio.CancelScope | None = None
         self._fetch_scope: anyio.CancelScope | None = None
         self._stop_requested = False
+        self.source_exhausted = False
         self.trainer = None
         self.bridge = None
         self.source = None
@@ -363,6 +365,9 @@ class Daemon:
             if self.draining:
                 return
             await self.source.run(self.buffer, self._may_generate)
+            # Only a finite source (replay) returns: the run ends once the buffer is used up.
+            self.source_exhausted = True
+            self._wake()
 
     async def _until(self, condition, timeout_s: float = 1.0) -> None:
         """Wait until `condition()` holds; re-checked whenever `_wake` is called or each timeout_s."""
@@ -380,11 +385,12 @@ class Daemon:
             if self.paused:
                 await self._until(lambda: not self.paused or bool(self.pending) or bool(self.pending_changes))
                 continue
-            if self.draining:
+            if self.draining or (self.source_exhausted and len(self.buffer) < n):
                 groups = await self.buffer.take_available(n)
                 return groups or None
             if not self.cfg.source.overlap and len(self.buffer) < n:
                 await self.source.fill(self.buffer, n - len(self.buffer))
+                self.source_exhausted = getattr(self.source.stats, "exhausted", False)
                 continue
             with anyio.CancelScope() as scope:
                 self._wait_scope = scope
@@ -409,9 +415,13 @@ class Daemon:
             self.stop_reason = self.stop_reason or "steps done"
         elif self.draining and not self._stop_requested:
             self.stop_reason = "drained"
+        elif self.source_exhausted and not self._stop_requested:
+            self.stop_reason = "source exhausted"
 
     async def _train_one(self, groups: list[RolloutGroup]) -> None:
         started = time.perf_counter()
+        if self.cfg.run.record_rollouts:
+            record_groups(self.run_dir / "rollouts.jsonl", self.step + 1, groups)
         valid, rejected = validate_batch(
             groups,
             vocab_size=self.trainer.vocab_size,
@@ -438,7 +448,7 @@ class Daemon:
         if self._sync_pending():
             sync = await self.bridge.sync_now(forced=True)
             self._complete_pending("sync", sync.as_dict())
-        else:
+        elif not metrics.get("skipped"):
             sync = await self.bridge.after_step(self.step)
         self.heartbeat.progress()
         record = {
@@ -451,6 +461,7 @@ class Daemon:
             "train_s": round(train_s, 4),
             "step_s": round(time.perf_counter() - started, 4),
             "queue_depth": len(self.buffer),
+            "group_ids": [g.group_id for g in trainable],
             "sync_s": round(sync.total_s, 4) if sync else None,
             "probe_max_abs_diff": sync.probe["max_abs_diff"] if sync else None,
         }
@@ -463,9 +474,10 @@ class Daemon:
         if not self.cfg.run.progress:
             return
         elapsed = max(time.time() - self.started_at, 1e-6)
+        loss = "skipped" if record.get("skipped") else f"{record.get('loss', float('nan')):+.4f}"
         line = (
             f"step {self.step:>4}/{self.cfg.train.steps}  reward {record.get('reward_mean', float('nan')):6.3f}  "
-            f"loss {record.get('loss', float('nan')):+.4f}  {self.step / elapsed:5.2f} steps/s  "
+            f"loss {loss}  {self.step / elapsed:5.2f} steps/s  "
             f"v{self.bridge.policy_version} {self.bridge.state}"
         )
         if record.get("sync_s") is not None:

@@ -242,3 +242,8 @@ class InferenceClient:
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._request("POST", "/v1/unload_lora_adapter", json_body={"lora_name": name})
+
+    async def set_generate_model(self, model: str | None) -> None:
+        """Make `/generate` requests that name no model (Atropos environments) use `model`, e.g.
+        the current LoRA adapter; None restores the base model."""
+        await self._request("POST", "/grpod/generate_model", json_body={"model": model})

@@ -17,6 +17,11 @@ Guarantees:
 - Each launch gets a scratch directory as its TMPDIR and ZMQ socket base, where vLLM leaves its
   IPC sockets and `vllm_dist_*` rendezvous files; `stop` removes it with the group's vLLM-named
   /dev/shm segments (only those its processes map).
+- A launch is recorded in `<run>/vllm.launch.json` (pgid, scratch directory) until its stop
+  completes. If a previous grpod of the same run directory was killed (SIGKILL, OOM) and left
+  its vLLM running, the next `start` stops that group first — only the processes that are in
+  the recorded group AND carry the recorded scratch directory in their environment, so a
+  recycled PID can never make it signal a stranger.
 - Dev routes (`/pause`, `/collective_rpc`, ...) never listen on a non-loopback address without
   an API key (`UnsafeBindError`).
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import getpass
 import ipaddress
+import json
 import os
 import shlex
 import shutil
@@ -37,6 +43,7 @@ from collections import deque
 from pathlib import Path
 
 import anyio
+import psutil
 import structlog
 
 from grpod.config import InferenceConfig, ModelConfig
@@ -224,6 +231,7 @@ class InferenceProcess:
         """
         if self._popen is not None:
             raise InferenceStartError(f"vLLM is already launched (pid {self.pid}); stop() it first")
+        await self._stop_left_behind()
         self._port = self._resolve_port()
         self._model_path = Path(model_path)
         argv = self.build_args(model_path, **build_kw)
@@ -235,8 +243,7 @@ class InferenceProcess:
             await self._wait_healthy()
         except BaseException as exc:
             log.error("inference_start_failed", pid=self.pid, error=(str(exc).splitlines() or [repr(exc)])[0])
-            with anyio.CancelScope(shield=True):
-                await self.stop()
+            await self.stop()
             raise
         log.info("inference_healthy", pid=self.pid, port=self._port, elapsed_s=round(time.monotonic() - started, 2))
 
@@ -273,6 +280,37 @@ class InferenceProcess:
             shutil.rmtree(scratch, ignore_errors=True)
             raise InferenceStartError(f"cannot launch vLLM with {argv[0]!r} (log {self.log_path}): {exc}") from exc
         self._scratch = scratch
+        self._launch_record.write_text(json.dumps({"pgid": self._popen.pid, "scratch": str(scratch)}))
+
+    @property
+    def _launch_record(self) -> Path:
+        return self.run_dir / "vllm.launch.json"
+
+    async def _stop_left_behind(self) -> None:
+        """Stop the vLLM a killed predecessor of this run launched, identified beyond doubt."""
+        try:
+            record = json.loads(self._launch_record.read_text())
+            pgid, scratch = int(record["pgid"]), str(record["scratch"])
+        except FileNotFoundError:
+            return
+        except (ValueError, KeyError, TypeError):
+            log.warning("launch_record_unreadable", path=str(self._launch_record))
+            self._launch_record.unlink(missing_ok=True)
+            return
+        ours = [p for p in release.group_members(pgid) if release.process_env(p, "VLLM_RPC_BASE_PATH") == scratch]
+        if ours:
+            log.warning("inference_left_behind", pgid=pgid, processes=len(ours), scratch=scratch)
+            for sig, wait_s in ((signal.SIGTERM, self.cfg.stop_grace_s), (signal.SIGKILL, self.cfg.release_timeout_s)):
+                for proc in ours:
+                    try:
+                        proc.send_signal(sig)
+                    except psutil.NoSuchProcess:
+                        pass
+                _, alive = await anyio.to_thread.run_sync(lambda: psutil.wait_procs(ours, timeout=wait_s))
+                if not alive:
+                    break
+        shutil.rmtree(scratch, ignore_errors=True)
+        self._launch_record.unlink(missing_ok=True)
 
     async def _wait_healthy(self) -> None:
         timeout = self.cfg.start_timeout_s
@@ -351,7 +389,13 @@ class InferenceProcess:
         """Stop the server and wait until its processes, port and GPU memory are released.
 
         Idempotent; safe after a crash (what is left of the group is stopped the same way).
+        Shielded from cancellation: a half-done stop would leak the very processes it exists to
+        end, and every wait inside is bounded by `stop_grace_s` / `release_timeout_s`.
         """
+        with anyio.CancelScope(shield=True):
+            await self._stop()
+
+    async def _stop(self) -> None:
         if self._popen is None:
             return
         pgid, port, cfg = self.pgid, self._port, self.cfg
@@ -376,6 +420,7 @@ class InferenceProcess:
         if self.gpu:
             await release.wait_gpu_memory_released(member_pids, cfg.release_timeout_s)
         removed = release.remove_shm_segments(segments)
+        self._launch_record.unlink(missing_ok=True)
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None

@@ -50,6 +50,14 @@ def group_members(pgid: int) -> list[psutil.Process]:
     return members
 
 
+def process_env(proc: psutil.Process, name: str) -> str | None:
+    """One environment variable of another process (None if gone or unreadable)."""
+    try:
+        return proc.environ().get(name)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
 def port_is_free(host: str, port: int) -> bool:
     """True when a new server could listen on `host:port` now.
 

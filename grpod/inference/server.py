@@ -10,6 +10,9 @@ editing installed files:
   `logprobs` (per generated token, a list holding one dict `{"<token id>": logprob}`, sampled token
   first), plus `prompt_token_ids`, and `prompt_logprobs` when asked for. The request is served by
   vLLM's own `/v1/completions` handler, so both routes sample and score identically.
+- `POST /grpod/generate_model` `{"model": name | null}`: the served model `/generate` uses when a
+  request names none. Atropos environments never name one, so in LoRA modes the bridge points
+  this at the current adapter; otherwise they would sample from the base model.
 - An API-key check on every route but `/health` when the server has a key (`--api-key` or
   `VLLM_API_KEY`): vLLM's own check guards only `/v1`, `/v2`, `/inference` and `/cohere`, which
   leaves the dev routes (`/pause`, `/collective_rpc`, ...) and `/generate` open.
@@ -22,6 +25,7 @@ stock route, middleware and the engine lifecycle stay vLLM's. `/health` stays vL
 from typing import Any
 
 TOKEN_ID_PREFIX = "token_id:"
+GENERATE_MODEL_ROUTE = "/grpod/generate_model"
 UNGUARDED_ROUTES = frozenset({"/health"})
 
 
@@ -29,8 +33,9 @@ class GenerateRequestError(ValueError):
     """A `/generate` body that cannot be turned into a completion request."""
 
 
-def completion_request_body(body: dict[str, Any]) -> dict[str, Any]:
-    """Translate an Atropos `/generate` body into a `/v1/completions` body.
+def completion_request_body(body: dict[str, Any], default_model: str | None = None) -> dict[str, Any]:
+    """Translate an Atropos `/generate` body into a `/v1/completions` body (`default_model` when
+    the body names no model).
 
     Token ids and their logprobs come back as ids (`return_token_ids`, `return_tokens_as_token_ids`)
     so that no detokenise/retokenise step can change them.
@@ -48,6 +53,8 @@ def completion_request_body(body: dict[str, Any]) -> dict[str, Any]:
     if request.pop("stream", False):
         raise GenerateRequestError("streaming is not supported on /generate; use /v1/completions")
     request["prompt"] = prompt
+    if request.get("model") is None and default_model is not None:
+        request["model"] = default_model
     request["return_token_ids"] = True
     request["return_tokens_as_token_ids"] = True
     return request
@@ -89,10 +96,12 @@ def _output_logprobs(choice: dict[str, Any]) -> list[list[dict[str, float]]]:
 
 
 def _add_grpod_routes(app: Any, args: Any) -> None:
-    """Add `/generate` and, when the server has an API key, the all-routes key check."""
+    """Add `/generate`, its default-model route and, when the server has an API key, the
+    all-routes key check."""
     from fastapi import Request
     from fastapi.responses import JSONResponse
     from pydantic import ValidationError
+    from starlette.datastructures import Headers
     from vllm import envs
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -105,7 +114,8 @@ def _add_grpod_routes(app: Any, args: Any) -> None:
     @with_cancellation
     async def serve_generate(body: dict[str, Any], raw_request: Request) -> JSONResponse:
         try:
-            request = CompletionRequest.model_validate(completion_request_body(body))
+            default_model = raw_request.app.state.grpod_generate_model
+            request = CompletionRequest.model_validate(completion_request_body(body, default_model))
         except GenerateRequestError as exc:
             return bad_request(str(exc))
         except ValidationError as exc:
@@ -127,25 +137,31 @@ def _add_grpod_routes(app: Any, args: Any) -> None:
             return bad_request(f"body is not JSON: {exc}")
         return await serve_generate(body, raw_request)
 
+    async def set_generate_model(raw_request: Request) -> Any:
+        try:
+            model = (await raw_request.json())["model"]
+        except (ValueError, KeyError, TypeError):
+            return bad_request('expected {"model": "<served model or adapter name>" | null}')
+        if model is not None and not isinstance(model, str):
+            return bad_request(f'"model" must be a string or null, not {model!r}')
+        raw_request.app.state.grpod_generate_model = model
+        return JSONResponse({"model": model})
+
+    app.state.grpod_generate_model = None
     app.add_api_route("/generate", generate, methods=["POST"])
+    app.add_api_route(GENERATE_MODEL_ROUTE, set_generate_model, methods=["POST"])
 
     class KeyOnEveryRoute(AuthenticationMiddleware):
         def __call__(self, scope, receive, send):
             if scope["type"] in ("http", "websocket") and scope.get("method") != "OPTIONS":
                 path = scope["path"].removeprefix(scope.get("root_path", ""))
-                if path not in UNGUARDED_ROUTES and not self.verify_token(_headers(scope)):
+                if path not in UNGUARDED_ROUTES and not self.verify_token(Headers(scope=scope)):
                     return JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
             return self.app(scope, receive, send)
 
     tokens = [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]
     if tokens:
         app.add_middleware(KeyOnEveryRoute, tokens=tokens)
-
-
-def _headers(scope: Any) -> Any:
-    from starlette.datastructures import Headers
-
-    return Headers(scope=scope)
 
 
 def main() -> None:

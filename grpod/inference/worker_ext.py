@@ -32,6 +32,7 @@ from grpod.training.attach import (
     SharedLayout,
     SharedLayoutError,
     device_uuid,
+    lies_within,
     open_shared_buffer,
     return_freed_memory_to_os,
 )
@@ -147,16 +148,7 @@ def attach_model(model: torch.nn.Module, directory: Path, *, verify_values: bool
 def shared_report(model: torch.nn.Module) -> dict:
     """Which of vLLM's parameters lie outside the attached shared buffer (none, once attached)."""
     flat = _attached.get("flat")
-    outside = []
-    for name, param in model.named_parameters():
-        inside = False
-        if flat is not None and param.device == flat.device:
-            start = flat.data_ptr()
-            end = start + flat.numel() * flat.element_size()
-            ptr = param.data_ptr()
-            inside = start <= ptr and ptr + param.numel() * param.element_size() <= end
-        if not inside:
-            outside.append(name)
+    outside = [name for name, p in model.named_parameters() if flat is None or not lies_within(p, flat)]
     return {"pid": os.getpid(), "outside": outside}
 
 

@@ -292,6 +292,14 @@ def return_freed_memory_to_os() -> None:
         pass
 
 
+def lies_within(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """True when all of `tensor`'s memory lies inside `buffer`'s (same device, same mapping)."""
+    start = buffer.data_ptr()
+    end = start + buffer.numel() * buffer.element_size()
+    ptr = tensor.data_ptr()
+    return tensor.device == buffer.device and start <= ptr and ptr + tensor.numel() * tensor.element_size() <= end
+
+
 class SharedWeights:
     """The trainer's shared buffer and the layout of its parameters in it."""
 
@@ -302,10 +310,7 @@ class SharedWeights:
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """True when `tensor`'s memory lies inside the shared buffer."""
-        start = self.flat.data_ptr()
-        end = start + self.flat.numel() * self.flat.element_size()
-        ptr = tensor.data_ptr()
-        return tensor.device == self.flat.device and start <= ptr and ptr + tensor.numel() * tensor.element_size() <= end
+        return lies_within(tensor, self.flat)
 
     def describe(self) -> dict:
         return {

@@ -128,7 +128,7 @@ class Trainer:
         }
         if not sequences:
             log.info("train_step_skipped", reason="no_trainable_sequences", groups=len(groups), **metrics)
-            return metrics | {"skipped": 1.0, "step": float(self.step)}
+            return metrics | {"skipped": 1.0, "optimizer_steps": float(self.step)}
 
         plan = plan_micro_batches(
             [len(s.tokens) for s in sequences], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency
@@ -147,7 +147,7 @@ class Trainer:
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             log.warning("train_step_skipped", reason="non_finite_grad_norm", grad_norm=grad_norm, step=self.step)
-            return metrics | {"skipped": 1.0, "grad_norm": grad_norm, "step": float(self.step)}
+            return metrics | {"skipped": 1.0, "grad_norm": grad_norm, "optimizer_steps": float(self.step)}
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -155,7 +155,7 @@ class Trainer:
 
         metrics |= stats.as_metrics()
         metrics |= {
-            "step": float(self.step),
+            "optimizer_steps": float(self.step),
             "skipped": 0.0,
             "grad_norm": grad_norm,
             "tokens": float(plan.real_tokens),

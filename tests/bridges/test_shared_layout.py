@@ -169,3 +169,14 @@ def test_a_non_empty_directory_is_refused(untied, tmp_path):
     (tmp_path / "shm" / "leftover").write_text("x")
     with pytest.raises(SharedLayoutError, match="not empty"):
         share_parameters(untied, tmp_path / "shm")
+
+
+def test_an_already_fused_parameter_maps_to_itself():
+    model = torch.nn.Module()
+    model.attn = torch.nn.Module()
+    model.attn.qkv_proj = torch.nn.Linear(8, 24)
+    layout = plan_layout(model)
+    assert [(s.name, s.shape, [p.source for p in s.parts]) for s in layout.slots] == [
+        ("attn.qkv_proj.weight", (24, 8), ["attn.qkv_proj.weight"]),
+        ("attn.qkv_proj.bias", (24,), ["attn.qkv_proj.bias"]),
+    ]

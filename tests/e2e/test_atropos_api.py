@@ -102,7 +102,12 @@ def test_bad_items_are_rejected_with_a_reason_and_the_rest_of_the_batch_kept(tmp
                 tg.start_soon(source.run, buffer, _never_paused)
                 await env.register()
                 await env.post_many([good[0], wrong_mask, short_logprobs, good[1]])
-                await wait_until(lambda: source.stats.batches == 1, 10, "the batch", lambda: vars(source.stats))
+                await wait_until(
+                    lambda: source.stats.batches == 1 and source.stats.pending_groups == 0,
+                    10,
+                    "the batch, delivered",
+                    lambda: vars(source.stats),
+                )
                 tg.cancel_scope.cancel()
             return await buffer.take_available(100)
 

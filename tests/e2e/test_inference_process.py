@@ -104,6 +104,21 @@ async def test_generate_route_matches_completions(vllm_server):
         assert [next(iter(pos[0].values())) for pos in seq] == c.logprobs
 
 
+async def test_generate_uses_the_default_model_when_the_request_names_none(vllm_server):
+    request = {"prompt": {"prompt_token_ids": PROMPT}, "logprobs": 0, "max_tokens": 2}
+    async with vllm_server.client() as client, aiohttp.ClientSession() as session:
+        try:
+            await client.set_generate_model("policy-v9")  # no such adapter is loaded
+            async with session.post(vllm_server.base_url + "/generate", json=request) as response:
+                assert response.status == 404 and "policy-v9" in await response.text()
+            async with session.post(vllm_server.base_url + "/generate", json=request | {"model": "policy"}) as response:
+                assert response.status == 200
+        finally:
+            await client.set_generate_model(None)
+        async with session.post(vllm_server.base_url + "/generate", json=request) as response:
+            assert response.status == 200
+
+
 async def test_atroposlib_vllm_client_works_against_generate(vllm_server, tiny_model_dir):
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
     from atroposlib.envs.server_handling.vllm_server import VLLMServer

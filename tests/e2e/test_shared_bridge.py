@@ -10,9 +10,11 @@ removes the /dev/shm directory. A second vLLM on a larger model measures residen
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import threading
 import time
 
 import aiohttp
@@ -161,12 +163,21 @@ def test_fenced_training_steps_sync_and_pass_the_probe(run, portal):
     assert max_diff(served, own) < 1e-4
 
 
-async def long_generation(base_url: str) -> tuple[float, dict]:
-    body = {"model": "policy", "prompt": [3, 4, 5, 6], "n": 32, "max_tokens": 240, "ignore_eos": True, "temperature": 1.0}
+async def long_generation(base_url: str, streaming: threading.Event) -> tuple[float, dict[int, str]]:
+    """Stream a long generation; `streaming` is set at its first token. Returns when it ended and
+    each choice's finish reason."""
+    body = {"model": "policy", "prompt": [3, 4, 5, 6], "n": 16, "max_tokens": 240, "ignore_eos": True, "stream": True}
+    reasons: dict[int, str] = {}
     async with aiohttp.ClientSession() as session:
         async with session.post(base_url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
-            answer = await r.json()
-    return time.monotonic(), answer
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                streaming.set()
+                for choice in json.loads(line[6:])["choices"]:
+                    if choice.get("finish_reason"):
+                        reasons[choice["index"]] = choice["finish_reason"]
+    return time.monotonic(), reasons
 
 
 async def sampled_after(bridge, ids: list[int]) -> tuple[int, float]:
@@ -180,13 +191,25 @@ def test_a_generation_in_flight_is_paused_across_the_step_and_no_stale_prefix_su
     assert len(ids) > 128
     portal.call(sampled_after, bridge, ids)  # caches the prompt's first KV block (old weights)
     groups = portal.call(rollout_groups, bridge, trainer, 2, 77)
-    in_flight = portal.start_task_soon(long_generation, bridge.inference.base_url)
-    time.sleep(0.2)
-    train_step(portal, trainer, groups)
-    step_done = time.monotonic()
-    finished, answer = in_flight.result(timeout=120)
-    assert finished > step_done, "the generation was not in flight across the fenced step"
-    assert all(len(c["text"]) > 0 and c["finish_reason"] == "length" for c in answer["choices"])
+
+    streaming = threading.Event()
+    fenced_at: list[float] = []
+    bridge_fence = trainer.update_fence
+
+    def fence_while_generating(update):
+        assert streaming.wait(60), "the long generation never started"
+        fenced_at.append(time.monotonic())
+        return bridge_fence(update)
+
+    trainer.update_fence = fence_while_generating
+    try:
+        in_flight = portal.start_task_soon(long_generation, bridge.inference.base_url, streaming)
+        train_step(portal, trainer, groups)
+        finished, reasons = in_flight.result(timeout=120)
+    finally:
+        trainer.update_fence = bridge_fence
+    assert finished > fenced_at[0], "the generation was not in flight when the fence paused vLLM"
+    assert reasons == {i: "length" for i in range(16)}, "every choice must run to max_tokens after the resume"
     record = portal.call(bridge.after_step, trainer.step)
     assert record.probe["ok"]
 
@@ -252,8 +275,10 @@ def outside_and_shared_rss(pid: int, shm_dir, model_dir) -> dict[str, int]:
 def test_trainer_and_vllm_hold_one_copy_of_the_weights(tmp_path):
     """Resident weight memory of both processes, shared pages counted once, <= 1.05 x one copy.
 
-    Each side's own copy is what leaves its non-shared resident memory when it attaches; what
-    does not leave is counted as a second copy, as is any page of the checkpoint still mapped.
+    vLLM's own copy is what leaves its non-shared resident memory when it attaches; what does not
+    leave counts as a second copy. The trainer's weights start as a private mapping of the
+    checkpoint (transformers maps safetensors), made resident by a forward pass: any of it still
+    resident after sharing, and any growth of its other memory, counts as a second copy.
     """
     model, tokenizer = build_model(seed=0, hidden_size=1024, layers=4)
     save_model(model, tokenizer, tmp_path / "model")
@@ -264,42 +289,44 @@ def test_trainer_and_vllm_hold_one_copy_of_the_weights(tmp_path):
     me = os.getpid()
     process = InferenceProcess(cfg.inference, cfg.model, tmp_path / "run")
 
-    async def measure() -> dict:
-        before_trainer = outside_and_shared_rss(me, shm, tmp_path / "model")
+    def measure(pid: int) -> dict[str, int]:
+        return outside_and_shared_rss(pid, shm, tmp_path / "model")
+
+    async def measure_both() -> dict:
+        trainer.score([3, 4, 5, 6])
+        before_trainer = measure(me)
         shared = share_parameters(trainer.model, shm)
-        after_trainer = outside_and_shared_rss(me, shm, tmp_path / "model")
+        after_trainer = measure(me)
         await process.start(tmp_path / "model", worker_extension="grpod.inference.worker_ext.SharedWeightsExtension")
         async with process.client() as client:
             (report,) = await client.collective_rpc("shared_weights_report")
-            worker = report["pid"]
-            before_vllm = outside_and_shared_rss(worker, shm, tmp_path / "model")
+            before_vllm = measure(report["pid"])
             await client.collective_rpc("attach_shared", args=[str(shm), "true"])
-            after_vllm = outside_and_shared_rss(worker, shm, tmp_path / "model")
-            after_trainer_both = outside_and_shared_rss(me, shm, tmp_path / "model")
+            after_vllm = measure(report["pid"])
         one_copy = shared.layout.nbytes
-        trainer_released = sum(before_trainer[k] - after_trainer[k] for k in ("other_rss", "checkpoint_rss"))
+        trainer_left = after_trainer["checkpoint_rss"] + max(0, after_trainer["other_rss"] - before_trainer["other_rss"])
         vllm_released = before_vllm["other_rss"] - after_vllm["other_rss"]
-        trainer_left = max(0, one_copy - trainer_released)
-        vllm_left = max(0, one_copy - vllm_released)
-        shm_once = max(after_vllm["shm_rss"], after_trainer_both["shm_rss"])
-        total = shm_once + trainer_left + vllm_left + after_vllm["checkpoint_rss"] + after_trainer_both["checkpoint_rss"]
+        vllm_left = max(0, one_copy - vllm_released) + after_vllm["checkpoint_rss"]
+        shm_once = max(after_vllm["shm_rss"], after_trainer["shm_rss"])
+        mib = 2**20
         return {
-            "one_copy_mib": one_copy / 2**20,
-            "total_mib": total / 2**20,
-            "shm_once_mib": shm_once / 2**20,
-            "shm_pss_sum_mib": (after_vllm["shm_pss"] + after_trainer_both["shm_pss"]) / 2**20,
-            "trainer_left_mib": trainer_left / 2**20,
-            "vllm_left_mib": vllm_left / 2**20,
-            "trainer_released_mib": trainer_released / 2**20,
-            "vllm_released_mib": vllm_released / 2**20,
+            "one_copy_mib": one_copy / mib,
+            "total_mib": (shm_once + trainer_left + vllm_left) / mib,
+            "shm_once_mib": shm_once / mib,
+            "shm_pss_sum_mib": (after_vllm["shm_pss"] + measure(me)["shm_pss"]) / mib,
+            "trainer_checkpoint_before_mib": before_trainer["checkpoint_rss"] / mib,
+            "trainer_left_mib": trainer_left / mib,
+            "vllm_released_mib": vllm_released / mib,
+            "vllm_left_mib": vllm_left / mib,
         }
 
     try:
-        result = anyio.run(measure)
+        result = anyio.run(measure_both)
     finally:
         anyio.run(process.stop)
         shutil.rmtree(shm, ignore_errors=True)
     print("shared weight memory:", {k: round(v, 1) for k, v in result.items()})
+    assert result["trainer_checkpoint_before_mib"] >= 0.95 * result["one_copy_mib"], "trainer weights were not resident"
     assert result["shm_once_mib"] >= 0.99 * result["one_copy_mib"], "the shared file should be resident once"
     assert result["shm_pss_sum_mib"] == pytest.approx(result["shm_once_mib"], rel=0.02)
     assert result["total_mib"] <= 1.05 * result["one_copy_mib"], result

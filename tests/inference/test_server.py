@@ -53,8 +53,15 @@ def test_request_becomes_a_token_id_completion_request():
     body = completion_request_body(ATROPOS_REQUEST)
     assert body["prompt"] == [3, 4, 5]
     assert body["return_token_ids"] is True and body["return_tokens_as_token_ids"] is True
-    assert {k: body[k] for k in ("logprobs", "n", "max_tokens", "seed")} == {"logprobs": 0, "n": 2, "max_tokens": 2, "seed": 1}
+    sampling = {k: body[k] for k in ("logprobs", "n", "max_tokens", "seed")}
+    assert sampling == {"logprobs": 0, "n": 2, "max_tokens": 2, "seed": 1}
     assert ATROPOS_REQUEST["prompt"] == {"prompt_token_ids": [3, 4, 5]}, "the caller's body must not change"
+
+
+def test_default_model_applies_only_when_the_request_names_none():
+    assert completion_request_body(ATROPOS_REQUEST, "policy-v3")["model"] == "policy-v3"
+    assert completion_request_body(ATROPOS_REQUEST | {"model": "policy"}, "policy-v3")["model"] == "policy"
+    assert "model" not in completion_request_body(ATROPOS_REQUEST)
 
 
 @pytest.mark.parametrize(
@@ -138,3 +145,14 @@ def test_no_key_no_check_and_bad_generate_body_is_400(monkeypatch):
     answer = client.post("/generate", json={"prompt": {"ids": [1]}})
     assert answer.status_code == 400 and "prompt_token_ids" in answer.json()["error"]["message"]
     assert client.post("/generate", content=b"not json").status_code == 400
+
+
+def test_generate_model_route_sets_the_default(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    client = _app(None)
+    assert client.post("/grpod/generate_model", json={"model": "policy-v2"}).json() == {"model": "policy-v2"}
+    assert client.app.state.grpod_generate_model == "policy-v2"
+    assert client.post("/grpod/generate_model", json={"model": None}).json() == {"model": None}
+    assert client.app.state.grpod_generate_model is None
+    assert client.post("/grpod/generate_model", json={"model": 3}).status_code == 400
+    assert client.post("/grpod/generate_model", json={}).status_code == 400

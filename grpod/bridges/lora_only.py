@@ -1,0 +1,133 @@
+"""Bridge mode `lora_only`: vLLM runs the base model once and swaps adapters at runtime.
+
+vLLM is launched once on the frozen base (`model.path`, `--enable-lora`, `--max-lora-rank` from
+`train.lora_config.rank`) with the trainer's initial adapter preloaded as `policy-v0` (or
+`policy-vN` when resuming at version N). Every `bridge.sync_every` steps:
+
+    save the adapter to a NEW directory (<run>/adapters/v000007) →
+    /v1/load_lora_adapter as a NEW name (policy-v7) → requests switch to it (`request_model`) →
+    /v1/unload_lora_adapter of the previous name → prefix-cache reset + weight version bump →
+    alignment probe on policy-v7 → prune old adapter directories to `bridge.keep_adapters`
+
+A new name per version rather than `load_inplace` under one name: a request vLLM already admitted
+keeps the adapter it resolved, so every completion is sampled by one policy version from its first
+token to its last (its inference logprobs are that version's), and vLLM's prefix cache, keyed by
+adapter name and path, cannot answer a new version's prompt with an old version's blocks. An
+in-place load would switch admitted requests mid-generation, reuse stale cached prefixes, and
+make the worker re-read that adapter from disk at every engine step that serves it (vLLM 0.32,
+`vllm/lora/worker_manager.py`, `add_adapter`). The
+unloaded name only leaves vLLM's registry; requests still running on it finish (vLLM reloads an
+evicted adapter from its directory, which is why pruning keeps at least the previous one).
+
+New generations wait at the availability gate from the load until the probe passed, so nothing
+is sampled from an adapter the probe has not vouched for. vLLM itself never restarts on a sync;
+recovery after a crash relaunches it with the current adapter preloaded. Transition table:
+
+    IDLE        --START------>  LAUNCHING     (write the initial adapter, launch with it preloaded)
+    LAUNCHING   --READY------>  PROBING
+    PROBING     --PROBE_OK--->  SERVING
+    PROBING     --PROBE_FAIL->  FAILED
+    SERVING     --SYNC------->  SAVING        (adapter → new versioned directory)
+    SAVING      --SAVED------>  SWAPPING      (load new name, switch requests, unload old, reset cache)
+    SWAPPING    --APPLIED---->  PROBING
+    SERVING     --LOST------->  RECOVERING    (relaunch on the base with the current adapter)
+    RECOVERING  --RECOVERED-->  PROBING
+    FAILED      --SYNC------->  SAVING        (an operator's `ctl sync` retries)
+    any         --FAIL------->  FAILED
+    any         --STOP------->  STOPPING --STOPPED--> STOPPED
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from http import HTTPStatus
+from pathlib import Path
+
+from grpod.bridges.adapters import Adapter, LoraBridge
+from grpod.bridges.common import lifecycle_rows
+from grpod.inference.client import InferenceRequestError
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    LAUNCHING = "launching"
+    PROBING = "probing"
+    SERVING = "serving"
+    SAVING = "saving"
+    SWAPPING = "swapping"
+    RECOVERING = "recovering"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Event(enum.Enum):
+    START = "start"
+    READY = "ready"
+    PROBE_OK = "probe_ok"
+    PROBE_FAIL = "probe_fail"
+    SYNC = "sync"
+    SAVED = "saved"
+    APPLIED = "applied"
+    LOST = "lost"
+    RECOVERED = "recovered"
+    FAIL = "fail"
+    STOP = "stop"
+    STOPPED = "stopped"
+
+
+TABLE = {
+    **lifecycle_rows(State, Event),
+    (State.SERVING, Event.SYNC): State.SAVING,
+    (State.SAVING, Event.SAVED): State.SWAPPING,
+    (State.SWAPPING, Event.APPLIED): State.PROBING,
+}
+
+
+class LoraOnlyBridge(LoraBridge):
+    mode = "lora_only"
+    State = State
+    Event = Event
+    TABLE = TABLE
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Adapter names the running vLLM may have registered (a load that timed out may have).
+        self._registered: set[str] = set()
+
+    async def _launch(self, weights: Path) -> None:
+        await super()._launch(weights)
+        assert self.adapter is not None
+        self._registered = {self.adapter.name}
+
+    async def _apply(self, staged: Path, version: int, phases: dict[str, float]) -> None:
+        assert self.client is not None
+        new = Adapter(version, staged)
+        self._close()
+        t = time.perf_counter()
+        if new.name in self._registered:
+            # A retried sync (FAILED --SYNC-->) at a version an interrupted attempt registered.
+            # Unload rather than `load_inplace`: vLLM would reload an in-place adapter from disk
+            # at every engine step for as long as it is served.
+            await self._unload(new.name)
+        self._registered.add(new.name)
+        await self.client.load_lora_adapter(new.name, str(new.path))
+        phases["load"] = time.perf_counter() - t
+        self.adapter = new
+        t = time.perf_counter()
+        for name in sorted(self._registered - {new.name}):
+            await self._unload(name)
+        await self._bump_version_and_reset_cache(version)
+        phases["unload_reset"] = time.perf_counter() - t
+        self._prune_adapters()
+
+    async def _unload(self, name: str) -> None:
+        """Retire `name` from vLLM's registry; a name vLLM never registered counts as retired."""
+        assert self.client is not None
+        try:
+            await self.client.unload_lora_adapter(name)
+        except InferenceRequestError as exc:
+            if exc.status != HTTPStatus.NOT_FOUND:
+                raise
+        self._registered.discard(name)

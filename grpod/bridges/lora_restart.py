@@ -1,0 +1,87 @@
+"""Bridge mode `lora_restart`: every sync relaunches vLLM on the base with the new adapter preloaded.
+
+The restart counterpart of `lora_only`: it needs no runtime adapter API, and each vLLM process
+only ever serves one adapter. Every `bridge.sync_every` steps:
+
+    save the adapter to a NEW directory (<run>/adapters/v000007) → stop vLLM (process group) →
+    wait until its processes, port and memory are released → launch it on the base model with
+    `--lora-modules policy-v7=<dir>` → wait healthy → prefix-cache reset + weight version bump →
+    alignment probe on policy-v7 → prune old adapter directories to `bridge.keep_adapters`
+
+The stop and launch are the lifecycle every restarting mode shares (`Bridge._relaunch`, as `none`
+with `reload = "restart"`); only the launch arguments differ. Requests wait at the availability
+gate while vLLM is down; requests in flight when it stops fail and their groups are dropped.
+Recovery after a crash relaunches the same way with the current adapter. Transition table:
+
+    IDLE        --START------>  LAUNCHING     (write the initial adapter, launch with it preloaded)
+    LAUNCHING   --READY------>  PROBING
+    PROBING     --PROBE_OK--->  SERVING
+    PROBING     --PROBE_FAIL->  FAILED
+    SERVING     --SYNC------->  SAVING        (adapter → new versioned directory)
+    SAVING      --SAVED------>  RESTARTING    (stop, wait released, launch with the new adapter)
+    RESTARTING  --APPLIED---->  PROBING
+    SERVING     --LOST------->  RECOVERING    (relaunch on the base with the current adapter)
+    RECOVERING  --RECOVERED-->  PROBING
+    FAILED      --SYNC------->  SAVING        (an operator's `ctl sync` retries)
+    any         --FAIL------->  FAILED
+    any         --STOP------->  STOPPING --STOPPED--> STOPPED
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+
+from grpod.bridges.adapters import Adapter, LoraBridge
+from grpod.bridges.common import lifecycle_rows
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    LAUNCHING = "launching"
+    PROBING = "probing"
+    SERVING = "serving"
+    SAVING = "saving"
+    RESTARTING = "restarting"
+    RECOVERING = "recovering"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Event(enum.Enum):
+    START = "start"
+    READY = "ready"
+    PROBE_OK = "probe_ok"
+    PROBE_FAIL = "probe_fail"
+    SYNC = "sync"
+    SAVED = "saved"
+    APPLIED = "applied"
+    LOST = "lost"
+    RECOVERED = "recovered"
+    FAIL = "fail"
+    STOP = "stop"
+    STOPPED = "stopped"
+
+
+TABLE = {
+    **lifecycle_rows(State, Event),
+    (State.SERVING, Event.SYNC): State.SAVING,
+    (State.SAVING, Event.SAVED): State.RESTARTING,
+    (State.RESTARTING, Event.APPLIED): State.PROBING,
+}
+
+
+class LoraRestartBridge(LoraBridge):
+    mode = "lora_restart"
+    State = State
+    Event = Event
+    TABLE = TABLE
+
+    async def _apply(self, staged: Path, version: int, phases: dict[str, float]) -> None:
+        # The adapter to preload is part of the launch arguments (`_launch_kwargs`); from here
+        # on it is the one vLLM is asked to serve, also by a retry or a recovery.
+        self.adapter = Adapter(version, staged)
+        await self._relaunch(self.current_weights, phases)
+        await self._bump_version_and_reset_cache(version)
+        self._prune_adapters()
