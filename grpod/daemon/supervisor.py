@@ -35,7 +35,7 @@ from grpod.bridges import make_bridge
 from grpod.bridges.base import BridgeFailed
 from grpod.config import ConfigError, GrpodConfig, load_config
 from grpod.daemon.control import ControlError, ControlServer
-from grpod.daemon.live import SettingChange, diff_file, plan_changes
+from grpod.daemon.live import LIVE_KEYS, SettingChange, diff_file, plan_changes
 from grpod.daemon.logs import MetricsLog, configure_logging
 from grpod.daemon.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
 from grpod.rollouts.buffer import RolloutBuffer
@@ -187,10 +187,19 @@ class Daemon:
         try:
             reloaded = load_config(self.config_path)
             wanted = diff_file(self.cfg, reloaded)
-            _, changes = plan_changes(self.cfg, wanted, f"SIGHUP {self.config_path}")
+            refused = sorted(key for key in wanted if key not in LIVE_KEYS)
+            live = {key: value for key, value in wanted.items() if key in LIVE_KEYS}
+            _, changes = plan_changes(self.cfg, live, f"SIGHUP {self.config_path}")
         except ConfigError as exc:
             log.error("reload_refused", path=str(self.config_path), reason=str(exc))
             return
+        if refused:
+            log.warning(
+                "reload_refused",
+                path=str(self.config_path),
+                keys=refused,
+                reason="these keys cannot change while running (restart grpod to apply them)",
+            )
         log.info("reload_accepted", path=str(self.config_path), changes=[vars(c) for c in changes])
         self.pending_changes.extend((change, "SIGHUP") for change in changes)
         self._wake()
@@ -273,6 +282,10 @@ class Daemon:
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(control.serve)
+                if self.cfg.metrics.prometheus_port is not None:
+                    from grpod.daemon.exporter import serve_metrics
+
+                    await tg.start(serve_metrics, self, self.cfg.metrics.prometheus_host, self.cfg.metrics.prometheus_port)
                 tg.start_soon(self._signals)
                 await self._start_components()
                 tg.start_soon(self._watchdog)

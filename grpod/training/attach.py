@@ -24,7 +24,7 @@ Where the buffer lives:
 cannot be mapped (a fused shard missing, mixed dtypes, a shape vLLM does not share) is a
 `SharedLayoutError` naming the parameter: a parameter is never left out or zero-filled.
 
-Only torch and the standard library are imported here: vLLM's worker imports this module.
+Only torch, structlog and the standard library are imported here: vLLM's worker imports this module.
 """
 
 from __future__ import annotations

@@ -1,0 +1,106 @@
+"""Overlapped vs synchronous generate/train loop on the builtin task (real vLLM, CPU build).
+
+Runs `grpod start` twice on the same settings — `source.overlap = false` (generate a step's
+groups, then train on them) and `true` (generation runs ahead while the trainer trains) — and
+reads the steady-state step period from metrics.jsonl (wall time between consecutive steps,
+first steps dropped). From the synchronous run it also derives the generate time and the train
+(+ sync) time per step; the ideal overlapped period is max(generate, train).
+
+    .venv/bin/python bench/overlap.py [--steps 16] [--model models/tiny-arith]
+
+Prints a table and writes bench/results/overlap.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.harness import write_config  # noqa: E402
+
+
+def run(mode_overlap: bool, model: Path, steps: int, workdir: Path) -> list[dict]:
+    run_dir = workdir / ("overlap" if mode_overlap else "sync")
+    settings = {
+        "run.dir": str(run_dir),
+        "run.progress": False,
+        "model.path": str(model),
+        "source.overlap": mode_overlap,
+        "source.group_size": 8,
+        "source.prefetch_groups": 16,
+        "source.concurrency": 4,
+        "train.steps": steps,
+        "train.groups_per_step": 8,
+        "train.max_staleness": 2,
+        "checkpoint.every": 0,
+        "checkpoint.at_shutdown": False,
+        "eval.size": 0,
+    }
+    config = write_config(workdir / f"{run_dir.name}.toml", settings)
+    subprocess.run([sys.executable, "-m", "grpod", "start", "--config", str(config)], cwd=ROOT, check=True, timeout=1800)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind": "step"' in line]
+
+
+def steady(records: list[dict], skip: int) -> dict:
+    times = [r["time"] for r in records]
+    periods = [b - a for a, b in zip(times, times[1:], strict=False)][skip:]
+    train = [r["step_s"] for r in records][skip + 1 :]
+    return {
+        "period_s": statistics.median(periods),
+        "period_spread_s": (min(periods), max(periods)),
+        "train_sync_s": statistics.median(train),
+        "staleness_mean": statistics.mean(r["staleness_mean"] for r in records[skip + 1 :]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--skip", type=int, default=3, help="first step periods dropped (warm-up)")
+    parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-arith")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="grpod-bench-") as tmp:
+        sync = steady(run(False, args.model, args.steps, Path(tmp)), args.skip)
+        over = steady(run(True, args.model, args.steps, Path(tmp)), args.skip)
+    generate = sync["period_s"] - sync["train_sync_s"]
+    ideal = max(generate, sync["train_sync_s"])
+    result = {
+        "steps": args.steps,
+        "synchronous_period_s": sync["period_s"],
+        "overlapped_period_s": over["period_s"],
+        "generate_s": generate,
+        "train_sync_s": sync["train_sync_s"],
+        "ideal_period_s": ideal,
+        "speedup": sync["period_s"] / over["period_s"],
+        "overlapped_vs_ideal": over["period_s"] / ideal,
+        "overlapped_staleness_mean": over["staleness_mean"],
+        "spread": {"synchronous": sync["period_spread_s"], "overlapped": over["period_spread_s"]},
+    }
+    rows = [
+        ("synchronous step period (s)", f"{sync['period_s']:.3f}"),
+        ("  of which generate (s)", f"{generate:.3f}"),
+        ("  of which train + sync (s)", f"{sync['train_sync_s']:.3f}"),
+        ("overlapped step period (s)", f"{over['period_s']:.3f}"),
+        ("max(generate, train) (s)", f"{ideal:.3f}"),
+        ("speed-up over synchronous", f"{result['speedup']:.2f}x  (target >= 1.6x)"),
+        ("overlapped / max(generate, train)", f"{result['overlapped_vs_ideal']:.2f}  (target <= 1.15)"),
+        ("overlapped mean staleness", f"{over['staleness_mean']:.2f} versions"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print("\n".join(f"| {a:<{width}} | {b} |" for a, b in rows))
+    out = ROOT / "bench" / "results" / "overlap.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

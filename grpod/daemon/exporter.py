@@ -1,0 +1,96 @@
+"""Optional Prometheus text endpoint (`metrics.prometheus_port`), bound to 127.0.0.1 by default.
+
+The numbers come from the daemon's own state at scrape time (a custom prometheus_client
+collector), so there is one source of truth: what `ctl status` shows is what Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import structlog
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+log = structlog.get_logger(__name__)
+
+SYNC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+def _histogram(name: str, doc: str, values: list[float], buckets: tuple[float, ...]) -> HistogramMetricFamily:
+    counts = []
+    for bound in buckets:
+        counts.append((str(bound), sum(1 for v in values if v <= bound)))
+    counts.append(("+Inf", len(values)))
+    return HistogramMetricFamily(name, doc, buckets=counts, sum_value=float(sum(values)))
+
+
+class DaemonCollector:
+    def __init__(self, daemon) -> None:
+        self.daemon = daemon
+
+    def collect(self):
+        d = self.daemon
+        status: dict[str, Any] = d.status()
+        yield GaugeMetricFamily("grpod_step", "Optimizer steps done in this run", value=status["step"])
+        yield GaugeMetricFamily("grpod_policy_version", "Policy version vLLM serves", value=status["policy_version"] or 0)
+        yield GaugeMetricFamily("grpod_queue_depth", "Rollout groups buffered, not yet trained", value=status["queue_depth"])
+        state = GaugeMetricFamily("grpod_bridge_state", "1 for the bridge's current state", labels=["mode", "state"])
+        bridge = status.get("bridge") or {}
+        if bridge:
+            state.add_metric([bridge["mode"], bridge["state"]], 1)
+        yield state
+        yield CounterMetricFamily("grpod_vllm_restarts", "vLLM crash recoveries", value=bridge.get("restarts", 0))
+        yield CounterMetricFamily("grpod_syncs", "Weight syncs completed", value=bridge.get("syncs", 0))
+        sync_seconds = list(d.bridge.stats.sync_seconds) if d.bridge is not None else []
+        yield _histogram("grpod_sync_seconds", "Weight sync latency", sync_seconds, SYNC_BUCKETS)
+        histogram = d.staleness.histogram
+        ages = [float(age) for age, count in histogram.items() for _ in range(count)]
+        yield _histogram(
+            "grpod_staleness_versions", "Policy versions a group lagged at training time", ages, (0, 1, 2, 3, 4, 6, 8, 16, 32)
+        )
+        rejected = CounterMetricFamily("grpod_rejected_groups", "Rollout groups rejected, by reason", labels=["reason"])
+        for reason, count in status["rejected"].items():
+            rejected.add_metric([reason], count)
+        yield rejected
+        age = None
+        if status.get("last_checkpoint"):
+            age = time.time() - status["last_checkpoint"]["time"]
+        yield GaugeMetricFamily(
+            "grpod_last_checkpoint_age_seconds", "Seconds since the last checkpoint (NaN: none yet)", value=age if age is not None else float("nan")
+        )
+        metrics = status.get("last_metrics") or {}
+        tokens, seconds = metrics.get("tokens"), metrics.get("step_s")
+        yield GaugeMetricFamily(
+            "grpod_tokens_per_second", "Trained tokens per second over the last step",
+            value=tokens / seconds if tokens and seconds else 0.0,
+        )
+        yield GaugeMetricFamily("grpod_reward_mean", "Mean reward of the last step", value=metrics.get("reward_mean") or 0.0)
+        if status.get("last_eval"):
+            yield GaugeMetricFamily("grpod_eval_accuracy", "Last held-out accuracy", value=status["last_eval"]["eval_accuracy"])
+
+
+async def serve_metrics(daemon, host: str, port: int, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(daemon))
+
+    async def handle(_: web.Request) -> web.Response:
+        body = generate_latest(registry)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("metrics_listening", host=host, port=port)
+    task_status.started()
+    try:
+        await anyio.sleep_forever()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()

@@ -1,0 +1,54 @@
+import socket
+import urllib.request
+
+import anyio
+from prometheus_client import CollectorRegistry, generate_latest
+
+from grpod.config import load_config
+from grpod.daemon.exporter import DaemonCollector, serve_metrics
+from grpod.daemon.supervisor import Daemon
+from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.staleness import apply_staleness
+from grpod.rollouts.validation import Rejection
+
+
+def _daemon(tmp_path):
+    daemon = Daemon(load_config(None, [f"run.dir={str(tmp_path)!r}"]))
+    daemon.step = 7
+    daemon.rejections.add(Rejection(reason="length_mismatch", detail="x"))
+    daemon.rejections.add(Rejection(reason="length_mismatch", detail="y"))
+    groups = [RolloutGroup([[1]], [[1]], [0.0], policy_version=v) for v in (5, 4, 1)]
+    apply_staleness(groups, 5, 2, "drop", daemon.staleness)
+    daemon.last_metrics = {"reward_mean": 0.25, "tokens": 100, "step_s": 0.5}
+    return daemon
+
+
+def test_collector_exposes_the_daemon_state(tmp_path):
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(_daemon(tmp_path)))
+    text = generate_latest(registry).decode()
+    assert "grpod_step 7.0" in text
+    assert 'grpod_rejected_groups_total{reason="length_mismatch"} 2.0' in text
+    assert 'grpod_staleness_versions_bucket{le="0"} 1.0' in text
+    assert "grpod_staleness_versions_count 3.0" in text
+    assert "grpod_tokens_per_second 200.0" in text
+    assert "grpod_reward_mean 0.25" in text
+
+
+def test_endpoint_serves_text_on_loopback(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = _daemon(tmp_path)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            await tg.start(serve_metrics, daemon, "127.0.0.1", port)
+            body = await anyio.to_thread.run_sync(
+                lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            )
+            tg.cancel_scope.cancel()
+        return body
+
+    body = anyio.run(main)
+    assert "grpod_step 7.0" in body and "# TYPE grpod_sync_seconds histogram" in body
