@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from grpod.config import GrpodConfig
 
+BRIDGES = {
+    "none": ("grpod.bridges.none", "NoneBridge"),
+    "lora_only": ("grpod.bridges.lora_only", "LoraOnlyBridge"),
+    "lora_restart": ("grpod.bridges.lora_restart", "LoraRestartBridge"),
+    "shared": ("grpod.bridges.shared", "SharedBridge"),
+}
+
 
 def make_bridge(cfg: GrpodConfig, run_dir: Path, trainer, *, policy_version: int = 0):
-    if cfg.bridge.mode == "none":
-        from grpod.bridges.none import NoneBridge
-
-        return NoneBridge(cfg, run_dir, trainer, policy_version=policy_version)
-    if cfg.bridge.mode == "lora_only":
-        from grpod.bridges.lora_only import LoraOnlyBridge
-
-        return LoraOnlyBridge(cfg, run_dir, trainer, policy_version=policy_version)
-    if cfg.bridge.mode == "lora_restart":
-        from grpod.bridges.lora_restart import LoraRestartBridge
-
-        return LoraRestartBridge(cfg, run_dir, trainer, policy_version=policy_version)
-    raise NotImplementedError(f"bridge.mode = {cfg.bridge.mode!r} is not available in this build")
+    module, name = BRIDGES[cfg.bridge.mode]
+    bridge_class = getattr(importlib.import_module(module), name)
+    return bridge_class(cfg, run_dir, trainer, policy_version=policy_version)

@@ -1,12 +1,30 @@
-"""Table fragments every mode's transition table contains (start-up, recovery, stop, failure).
+"""What every mode's state machine shares: the events, and the table rows for start-up,
+recovery, stop and failure.
 
-Each mode module builds its full table from these plus its own sync path, so that what differs
-between modes is visible in that module and what does not is written once.
+The events are the same in every mode because the sync sequence that fires them lives once
+(`grpod.bridges.base`); each mode module defines its own states and builds its full table from
+these rows plus its own sync path, so what differs between modes is visible in that module.
 """
 
 from __future__ import annotations
 
 import enum
+
+
+class Event(enum.Enum):
+    START = "start"
+    READY = "ready"
+    PROBE_OK = "probe_ok"
+    PROBE_FAIL = "probe_fail"
+    SYNC = "sync"
+    SAVED = "saved"
+    APPLIED = "applied"
+    LOST = "lost"
+    RECOVERED = "recovered"
+    FAIL = "fail"
+    STOP = "stop"
+    STOPPED = "stopped"
+
 
 
 def lifecycle_rows(S: type[enum.Enum], E: type[enum.Enum]) -> dict:

@@ -45,7 +45,7 @@ from http import HTTPStatus
 from pathlib import Path
 
 from grpod.bridges.adapters import Adapter, LoraBridge
-from grpod.bridges.common import lifecycle_rows
+from grpod.bridges.common import Event, lifecycle_rows
 from grpod.inference.client import InferenceRequestError
 
 
@@ -59,21 +59,6 @@ class State(enum.Enum):
     RECOVERING = "recovering"
     FAILED = "failed"
     STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-class Event(enum.Enum):
-    START = "start"
-    READY = "ready"
-    PROBE_OK = "probe_ok"
-    PROBE_FAIL = "probe_fail"
-    SYNC = "sync"
-    SAVED = "saved"
-    APPLIED = "applied"
-    LOST = "lost"
-    RECOVERED = "recovered"
-    FAIL = "fail"
-    STOP = "stop"
     STOPPED = "stopped"
 
 

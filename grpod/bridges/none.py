@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from grpod.bridges.base import Bridge
-from grpod.bridges.common import lifecycle_rows
+from grpod.bridges.common import Event, lifecycle_rows
 
 
 class State(enum.Enum):
@@ -45,21 +45,6 @@ class State(enum.Enum):
     RECOVERING = "recovering"
     FAILED = "failed"
     STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-class Event(enum.Enum):
-    START = "start"
-    READY = "ready"
-    PROBE_OK = "probe_ok"
-    PROBE_FAIL = "probe_fail"
-    SYNC = "sync"
-    SAVED = "saved"
-    APPLIED = "applied"
-    LOST = "lost"
-    RECOVERED = "recovered"
-    FAIL = "fail"
-    STOP = "stop"
     STOPPED = "stopped"
 
 

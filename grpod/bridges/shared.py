@@ -62,7 +62,7 @@ import anyio
 import structlog
 
 from grpod.bridges.base import Bridge, BridgeFailed, SyncRecord
-from grpod.bridges.common import lifecycle_rows
+from grpod.bridges.common import Event, lifecycle_rows
 from grpod.config import GrpodConfig
 from grpod.inference.client import InferenceRequestError
 from grpod.training.attach import SharedWeights, share_parameters
@@ -87,21 +87,6 @@ class State(enum.Enum):
     RECOVERING = "recovering"
     FAILED = "failed"
     STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-class Event(enum.Enum):
-    START = "start"
-    READY = "ready"
-    PROBE_OK = "probe_ok"
-    PROBE_FAIL = "probe_fail"
-    SYNC = "sync"
-    SAVED = "saved"
-    APPLIED = "applied"
-    LOST = "lost"
-    RECOVERED = "recovered"
-    FAIL = "fail"
-    STOP = "stop"
     STOPPED = "stopped"
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,10 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )
+
+
+def _run_unfenced(update: Callable[[], object]) -> object:
+    return update()
 
 
 def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
@@ -88,6 +93,10 @@ class Trainer:
 
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.trainable, cfg.train)
+        # Every optimizer step (the only place the weights change) runs as `update_fence(step)`.
+        # A bridge whose vLLM reads these parameters in place (`shared`) sets a fence that pauses
+        # generation around the step; train_step must then run in an anyio worker thread.
+        self.update_fence: Callable[[Callable[[], object]], object] = _run_unfenced
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
         self.vocab_size: int = self.model.config.vocab_size
@@ -148,7 +157,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             log.warning("train_step_skipped", reason="non_finite_grad_norm", grad_norm=grad_norm, step=self.step)
             return metrics | {"skipped": 1.0, "grad_norm": grad_norm, "optimizer_steps": float(self.step)}
-        self.optimizer.step()
+        self.update_fence(self.optimizer.step)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

@@ -161,6 +161,7 @@ def test_greedy_answers_match_hf(stock_vllm, hf_policy, warm_model_dir):
             logits = model(input_ids=torch.tensor([ids + hf_ids[:common]])).logits[0, -1].float()
         top2 = logits.topk(2).values
         mismatches.append((problem.question, choice["text"], hf_text, (top2[0] - top2[1]).item()))
+    print(f"vLLM greedy == HF greedy on {len(problems) - len(mismatches)}/{len(problems)} problems")
     real = [m for m in mismatches if m[3] > NEAR_TIE]
     assert not real, f"vLLM greedy differs from HF greedy (question, vLLM, HF, HF top-2 margin): {real}"
     assert len(mismatches) <= 1, f"too many near-tie disagreements: {mismatches}"
