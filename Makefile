@@ -42,6 +42,7 @@ test-fast: setup
 bench: setup model
 	$(PY) bench/padding.py
 	$(PY) bench/sync_latency.py
+	$(PY) bench/overlap.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,0 +1,113 @@
+"""The daemon's step path without vLLM: validation and the staleness bound before the loss.
+
+The bridge is a stand-in (a policy version and a no-op sync): what is under test is which groups
+reach `Trainer.train_step`, and what the metrics and `ctl status` say about the others.
+"""
+
+import random
+
+import anyio
+import pytest
+
+from grpod.config import load_config
+from grpod.daemon.logs import MetricsLog
+from grpod.daemon.supervisor import Daemon
+from grpod.models.tiny import build_model, save_model
+from grpod.rollouts.group import RolloutGroup
+from grpod.training.trainer import Trainer
+
+
+class VersionOnlyBridge:
+    state = "SERVING"
+
+    def __init__(self, version):
+        self.policy_version = version
+
+    async def after_step(self, step):
+        return None
+
+    def describe(self):
+        return {"mode": "stand-in", "state": self.state, "policy_version": self.policy_version}
+
+
+def _group(gid, version, rng):
+    prompt = [1, 53, 25, 10, 4, 11, 2, 25, 1, 54, 25]
+    tokens, masks, logprobs = [], [], []
+    for _ in range(4):
+        completion = [rng.randrange(3, 20) for _ in range(3)] + [2]
+        tokens.append(prompt + completion)
+        masks.append([0] * len(prompt) + [1] * len(completion))
+        logprobs.append([0.0] * len(prompt) + [-rng.uniform(0.1, 3.0) for _ in completion])
+    return RolloutGroup(tokens, masks, [0.0, 1.0, 0.0, 1.0], logprobs, policy_version=version, group_id=gid)
+
+
+@pytest.fixture()
+def daemon(tmp_path):
+    model, tok = build_model(seed=0)
+    save_model(model, tok, tmp_path / "model")
+    cfg = load_config(None, [f"run.dir={str(tmp_path / 'run')!r}", f"model.path={str(tmp_path / 'model')!r}",
+                             "train.max_staleness=2", "run.progress=false"])
+    d = Daemon(cfg)
+    d.trainer = Trainer(cfg, cfg.model.path)
+    d.bridge = VersionOnlyBridge(10)
+    d.metrics = MetricsLog(tmp_path / "run" / "metrics.jsonl")
+    return d
+
+
+def _trained_ids(daemon, monkeypatch):
+    seen = []
+    real = daemon.trainer.train_step
+
+    def spy(groups):
+        seen.append([g.group_id for g in groups])
+        return real(groups)
+
+    monkeypatch.setattr(daemon.trainer, "train_step", spy)
+    return seen
+
+
+def test_stale_groups_never_reach_the_loss(daemon, monkeypatch):
+    rng = random.Random(0)
+    seen = _trained_ids(daemon, monkeypatch)
+    groups = [_group("fresh", 10, rng), _group("edge", 8, rng), _group("stale", 7, rng), _group("ancient", 1, rng)]
+    anyio.run(daemon._train_one, groups)
+    assert seen == [["fresh", "edge"]]
+    status = daemon.status()
+    assert status["staleness"]["dropped"] == 2
+    assert status["staleness"]["histogram"] == {"0": 1, "2": 1, "3": 1, "9": 1}
+    record = daemon.metrics.read()[-1]
+    assert record["staleness_max"] == 9 and record["group_ids"] == ["fresh", "edge"]
+
+
+def test_downweight_policy_trains_them_with_smaller_weight(daemon, monkeypatch):
+    daemon.cfg.train.stale_policy = "downweight"
+    rng = random.Random(1)
+    weights = []
+    real = daemon.trainer.train_step
+    monkeypatch.setattr(daemon.trainer, "train_step", lambda gs: weights.append([g.weight for g in gs]) or real(gs))
+    anyio.run(daemon._train_one, [_group("fresh", 10, rng), _group("stale", 6, rng)])
+    assert weights == [[1.0, pytest.approx(1 / 3)]]
+    assert daemon.status()["staleness"]["downweighted"] == 1
+
+
+def test_malformed_groups_are_rejected_and_the_rest_trains(daemon, monkeypatch):
+    rng = random.Random(2)
+    seen = _trained_ids(daemon, monkeypatch)
+    good = _group("good", 10, rng)
+    short = _group("short-mask", 10, rng)
+    short.loss_mask[1] = short.loss_mask[1][:-1]
+    outside = _group("out-of-vocab", 10, rng)
+    outside.tokens[0][-2] = 10_000
+    anyio.run(daemon._train_one, [good, short, outside])
+    assert seen == [["good"]]
+    assert sum(daemon.status()["rejected"].values()) == 2
+
+
+def test_a_batch_with_nothing_valid_is_skipped_not_fatal(daemon, monkeypatch):
+    rng = random.Random(3)
+    seen = _trained_ids(daemon, monkeypatch)
+    bad = _group("bad", 10, rng)
+    bad.scores = [float("nan")] * 4
+    anyio.run(daemon._train_one, [bad])
+    assert seen == []
+    assert daemon.step == 1 and daemon.metrics.read()[-1]["skipped"] == 1
