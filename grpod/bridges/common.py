@@ -27,6 +27,15 @@ class Event(enum.Enum):
 
 
 
+LIFECYCLE_STATES = ("IDLE", "LAUNCHING", "PROBING", "SERVING", "SAVING", "RECOVERING", "FAILED", "STOPPING", "STOPPED")
+
+
+def mode_states(sync_state: str) -> type[enum.Enum]:
+    """A mode's State enum: the shared lifecycle states plus the state its sync is applied in."""
+    names = [*LIFECYCLE_STATES[:5], sync_state, *LIFECYCLE_STATES[5:]]
+    return enum.Enum("State", [(name, name.lower()) for name in names])
+
+
 def lifecycle_rows(S: type[enum.Enum], E: type[enum.Enum]) -> dict:
     rows = {
         (S.IDLE, E.START): S.LAUNCHING,

@@ -39,27 +39,17 @@ recovery after a crash relaunches it with the current adapter preloaded. Transit
 
 from __future__ import annotations
 
-import enum
 import time
 from http import HTTPStatus
 from pathlib import Path
 
 from grpod.bridges.adapters import Adapter, LoraBridge
-from grpod.bridges.common import Event, lifecycle_rows
+from grpod.bridges.common import Event, lifecycle_rows, mode_states
 from grpod.inference.client import InferenceRequestError
 
 
-class State(enum.Enum):
-    IDLE = "idle"
-    LAUNCHING = "launching"
-    PROBING = "probing"
-    SERVING = "serving"
-    SAVING = "saving"
-    SWAPPING = "swapping"
-    RECOVERING = "recovering"
-    FAILED = "failed"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
+# The lifecycle states every mode has, plus the one this mode's sync passes through.
+State = mode_states("SWAPPING")
 
 
 TABLE = {

@@ -29,24 +29,14 @@ Recovery after a crash relaunches the same way with the current adapter. Transit
 
 from __future__ import annotations
 
-import enum
 from pathlib import Path
 
 from grpod.bridges.adapters import Adapter, LoraBridge
-from grpod.bridges.common import Event, lifecycle_rows
+from grpod.bridges.common import Event, lifecycle_rows, mode_states
 
 
-class State(enum.Enum):
-    IDLE = "idle"
-    LAUNCHING = "launching"
-    PROBING = "probing"
-    SERVING = "serving"
-    SAVING = "saving"
-    RESTARTING = "restarting"
-    RECOVERING = "recovering"
-    FAILED = "failed"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
+# The lifecycle states every mode has, plus the one this mode's sync passes through.
+State = mode_states("RESTARTING")
 
 
 TABLE = {

@@ -27,25 +27,15 @@ Either way the sync ends with the alignment probe. Transition table:
 
 from __future__ import annotations
 
-import enum
 import time
 from pathlib import Path
 
 from grpod.bridges.base import Bridge
-from grpod.bridges.common import Event, lifecycle_rows
+from grpod.bridges.common import Event, lifecycle_rows, mode_states
 
 
-class State(enum.Enum):
-    IDLE = "idle"
-    LAUNCHING = "launching"
-    PROBING = "probing"
-    SERVING = "serving"
-    SAVING = "saving"
-    APPLYING = "applying"
-    RECOVERING = "recovering"
-    FAILED = "failed"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
+# The lifecycle states every mode has, plus the one this mode's sync passes through.
+State = mode_states("APPLYING")
 
 
 TABLE = {

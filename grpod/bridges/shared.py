@@ -50,7 +50,6 @@ Transition table:
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import shutil
 import time
@@ -62,7 +61,7 @@ import anyio
 import structlog
 
 from grpod.bridges.base import Bridge, BridgeFailed, SyncRecord
-from grpod.bridges.common import Event, lifecycle_rows
+from grpod.bridges.common import Event, lifecycle_rows, mode_states
 from grpod.config import GrpodConfig
 from grpod.inference.client import InferenceRequestError
 from grpod.training.attach import SharedWeights, share_parameters
@@ -77,17 +76,8 @@ class SharedModeUnsupported(ValueError):
     """The configuration cannot run bridge.mode = 'shared'; the message says which key to change."""
 
 
-class State(enum.Enum):
-    IDLE = "idle"
-    LAUNCHING = "launching"
-    PROBING = "probing"
-    SERVING = "serving"
-    SAVING = "saving"
-    FENCED = "fenced"
-    RECOVERING = "recovering"
-    FAILED = "failed"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
+# The lifecycle states every mode has, plus the one this mode's sync passes through.
+State = mode_states("FENCED")
 
 
 TABLE = {

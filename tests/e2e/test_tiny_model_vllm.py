@@ -95,9 +95,10 @@ def stock_vllm(warm_model_dir: Path, tmp_path_factory) -> str:
             if time.monotonic() > deadline:
                 pytest.fail(f"vLLM /health not 200 after {START_TIMEOUT_S:g} s; log tail:\n{_log_tail(log_path)}")
             time.sleep(0.5)
+        segments = vllm_shm_segments(group_members(pgid))
         yield base
     finally:
-        segments = vllm_shm_segments(group_members(pgid))
+        segments |= vllm_shm_segments(group_members(pgid))
         try:
             os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
