@@ -13,7 +13,6 @@ case it must still be alive (case 7), and it is killed by its PID at the end.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -165,17 +164,4 @@ def fault_model_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fault-model") / "tiny"
     model, tokenizer = build_model(seed=0)
     save_model(model, tokenizer, out)
-    return out
-
-
-@pytest.fixture(scope="session")
-def unservable_model_dir(fault_model_dir, tmp_path_factory) -> Path:
-    """The same weights declared with 8 heads of 16 dims: transformers loads it, vLLM's CPU
-    attention refuses head_dim 16 at start-up (notes/vllm-cpu.md), so vLLM exits before /health."""
-    out = tmp_path_factory.mktemp("unservable-model") / "tiny-head16"
-    shutil.copytree(fault_model_dir, out)
-    config = json.loads((out / "config.json").read_text())
-    heads = config["hidden_size"] // 16
-    config.update(num_attention_heads=heads, num_key_value_heads=heads, head_dim=16)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
     return out

@@ -90,6 +90,21 @@ def wait_until(condition: Callable[[], Any], timeout_s: float, what: str, poll_s
         time.sleep(poll_s)
 
 
+def follow_to_exit(daemon, timeout_s: float, last: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    """Keep reading `ctl status` until the daemon exits; (exit code, the last status it gave)."""
+    last = dict(last or {})
+    deadline = time.monotonic() + timeout_s
+    while daemon.proc.poll() is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"daemon still running after {timeout_s:g}s\n{daemon.tail()}")
+        try:
+            last = daemon.ctl("status", timeout_s=10)["result"]
+        except Exception:  # noqa: BLE001 — the socket goes away while the daemon exits
+            pass
+        time.sleep(0.2)
+    return daemon.proc.returncode, last
+
+
 # ---- what the run directory says ------------------------------------------------------------
 def log_events(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
     path = run_dir / "grpod.log"

@@ -22,6 +22,7 @@ import pytest
 from tests.faults.injection import (
     alive,
     checkpoint_steps,
+    follow_to_exit,
     generations_running,
     log_events,
     run_state,
@@ -121,13 +122,7 @@ def test_vllm_worker_then_api_server_sigkill_recovered(tmp_path, fault_model_dir
         server_row.recovery_s = time.monotonic() - killed_at
         assert back["bridge"]["vllm"]["pid"] not in (first_pgid, second_pgid)
         last = daemon.wait_for(lambda s: s["step"] > back["step"], 120, "training after recovery 2")
-        while daemon.proc.poll() is None:
-            try:
-                last = daemon.ctl("status", timeout_s=10)["result"]
-            except Exception:  # noqa: BLE001 — the daemon is exiting
-                break
-            time.sleep(0.2)
-        code = daemon.wait_exit(300)
+        code, last = follow_to_exit(daemon, 300, last)
     finally:
         daemon.close()
 

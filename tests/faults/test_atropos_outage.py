@@ -1,0 +1,128 @@
+"""Case 4: the Atropos trajectory API (real `run-api`) goes down for 30 s in the middle of a run.
+
+A minimal environment keeps a few synthetic, well-formed scored groups queued in run-api. Once
+the daemon has trained two steps, run-api is stopped by its PID; 30 s later a fresh one starts on
+the same port (it has forgotten the trainer and the environment, as after a crash). Meanwhile
+`ctl status` shows the source `waiting_for_api`; afterwards the daemon registers again, training
+continues, the run finishes with exit 0, and every group the daemon received was trained (or is
+in the final checkpoint's buffer) exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+
+from tests.atropos_env import ScoredGroupEnv, TrajectoryApiProcess, api_get, scored_group
+from tests.faults.injection import checkpoint_steps, follow_to_exit, log_events, run_state, step_records
+from tests.harness import DaemonProcess, base_settings, write_config
+
+pytestmark = pytest.mark.faults
+
+STEPS = 8
+GROUP_SIZE = 4
+DOWN_S = 30.0
+QUEUED_GROUPS = 4
+
+
+class Environment(threading.Thread):
+    """Keeps `QUEUED_GROUPS` scored groups queued in run-api; survives run-api restarts by
+    registering again. Runs its own event loop in a thread; `stop()` ends it."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.posted = 0
+        self.registrations = 0
+        self.errors = 0
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.join(timeout=30)
+
+    def run(self) -> None:
+        anyio.run(self._feed)
+
+    async def _feed(self) -> None:
+        env = ScoredGroupEnv(self.url, group_size=GROUP_SIZE)
+        while not self._stop.is_set():
+            try:
+                if env.env_id is None:
+                    if await env.try_register() is None:
+                        await anyio.sleep(0.1)
+                        continue
+                    self.registrations += 1
+                status = await api_get(self.url, "/status")
+                if status.get("queue_size", 0) < QUEUED_GROUPS:
+                    await env.post(scored_group(1000 + self.posted, group_size=GROUP_SIZE))
+                    self.posted += 1
+                    continue
+            except Exception:  # noqa: BLE001 — run-api is down: register again once it is back
+                self.errors += 1
+                env.env_id = None
+            await anyio.sleep(0.1)
+
+
+@pytest.mark.timeout(600)
+def test_run_api_down_30_s_daemon_waits_and_finishes(tmp_path, fault_model_dir, fault_case):
+    row = fault_case("4 Atropos run-api down 30 s")
+    run_dir = tmp_path / "run"
+    with TrajectoryApiProcess(tmp_path) as api:
+        settings = base_settings(run_dir, fault_model_dir) | {
+            "train.steps": STEPS,
+            "source.kind": "atropos",
+            "source.atropos_url": api.url,
+            "source.group_size": GROUP_SIZE,
+            "source.atropos_poll_s": 0.2,
+            "inference.start_timeout_s": 300.0,
+        }
+        env = Environment(api.url)
+        daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", settings), run_dir)
+        env.start()
+        try:
+            daemon.wait_for(lambda s: s["step"] >= 2, 400, "two steps trained from run-api")
+            api.stop()
+            down_at = time.monotonic()
+            waiting = daemon.wait_for(
+                lambda s: s["source"]["api_state"] == "waiting_for_api", DOWN_S, "the source waiting for run-api"
+            )
+            step_down = waiting["step"]
+            time.sleep(max(0.0, DOWN_S - (time.monotonic() - down_at)))
+            still = daemon.ctl("status")["result"]
+            assert still["step"] < STEPS, "the run ended during the outage: raise STEPS"
+            api.start()
+            up_at = time.monotonic()
+            daemon.wait_for(lambda s: s["step"] > still["step"], 300, "a step trained after run-api came back")
+            row.recovery_s = time.monotonic() - up_at
+            code, last = follow_to_exit(daemon, 300)
+        finally:
+            env.stop()
+            daemon.close()
+
+    records = step_records(run_dir)
+    trained = [gid for r in records for gid in r["group_ids"]]
+    received = {
+        f"atropos-{e['batch']}-{i}" for e in log_events(run_dir, "atropos_batch_received") for i in range(e["accepted"])
+    }
+    final = run_state(run_dir, checkpoint_steps(run_dir)[-1])
+    kept = [g["group_id"] for g in final["buffered"]] + [g["group_id"] for g in final["source_cursor"].get("pending", [])]
+    missing = received - set(trained) - set(kept)
+    twice = len(trained) - len(set(trained))
+    row.data_lost = "none" if not missing and not twice else f"{len(missing)} received but lost, {twice} trained twice"
+    row.notes = (
+        f"waiting_for_api at step {step_down}, step {still['step']} after {DOWN_S:.0f} s down; "
+        f"source registrations {last['source']['registrations']}, api errors {last['source']['api_errors']}"
+    )
+
+    assert code == 0, daemon.tail()
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "every step trained exactly once"
+    assert still["source"]["api_state"] == "waiting_for_api", "still waiting at the end of the outage"
+    assert still["source"]["last_error"] and "no response" in still["source"]["last_error"]
+    assert last["source"]["registrations"] >= 2, "registered again with the restarted run-api"
+    assert log_events(run_dir, "atropos_api_back"), "the source logged the API's return"
+    assert not missing and not twice
+    assert env.registrations >= 2
