@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 
 from grpod.daemon.control import ControlError, request
+from grpod.inference.release import group_members
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,14 +71,8 @@ def base_settings(run_dir: Path, model_dir: Path) -> dict[str, Any]:
 
 
 def group_processes(pgid: int) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(proc.pid) == pgid:
-                found.append(proc)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return found
+    """Live members of process group `pgid` (zombies hold nothing and are not counted)."""
+    return group_members(pgid)
 
 
 class DaemonProcess:

@@ -299,8 +299,8 @@ class Daemon:
                             work.start_soon(self._fetch)
                         await self._train_loop()
                         work.cancel_scope.cancel()
-                except BridgeFailed as exc:
-                    self._fail(f"bridge failed: {exc}")
+                except* BridgeFailed as failed:  # anyio task groups always raise ExceptionGroups
+                    self._fail(f"bridge failed: {failed.exceptions[0]}")
                 await self._shutdown()
                 tg.cancel_scope.cancel()
         except BaseException as exc:

@@ -113,10 +113,17 @@ def test_resume_in_place_sync_and_sigterm(tmp_path, warm_model_dir):
     assert _final_checkpoint(run_dir).name == "step-000002"
 
     settings["train.steps"] = 50
-    second = DaemonProcess(write_config(tmp_path / "b.toml", settings), run_dir)
+    config_b = write_config(tmp_path / "b.toml", settings)
+    second = DaemonProcess(config_b, run_dir)
     try:
         status = second.wait_for(lambda s: s["step"] >= 4, 400, "two more steps after resume")
         assert status["policy_version"] >= 4, "in-place syncs after every step continue the version"
+        # SIGHUP: a live key is applied at the next step; a key that needs a restart is refused.
+        write_config(config_b, settings | {"train.lr": 1e-5, "bridge.reload": "restart"})
+        second.proc.send_signal(signal.SIGHUP)
+        changed = second.wait_for(lambda s: s["config_changes"], 120, "the SIGHUP change applied")
+        assert [(c["key"], c["new"], c["origin"]) for c in changed["config_changes"]] == [("train.lr", 1e-5, "SIGHUP")]
+        assert changed["last_metrics"]["lr"] in (1e-5, settings["train.lr"])
         second.proc.send_signal(signal.SIGTERM)
         assert second.wait_exit(300) == 0, second.tail()
     finally:
@@ -130,3 +137,6 @@ def test_resume_in_place_sync_and_sigterm(tmp_path, warm_model_dir):
     assert '"event": "resumed"' in log
     final = _final_checkpoint(run_dir)
     assert json.loads((final / "manifest.json").read_text())["step"] == steps[-1]
+    recorded = json.loads((final / "run_state.json").read_text())["extra"]["config_changes"]
+    assert recorded and recorded[0]["key"] == "train.lr", "the live change is in the next checkpoint"
+    assert '"reload_refused"' in log and "bridge.reload" in log

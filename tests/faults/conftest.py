@@ -50,6 +50,7 @@ class FaultTable:
         return row
 
     def all_rows(self) -> list[FaultRow]:
+        """Rows in case order ("3b" after "3a", before "4"), the decoy's row among them."""
         rows = list(self.rows)
         if self.decoy_checks:
             rows.append(
@@ -62,7 +63,13 @@ class FaultTable:
                     + (f"; dead after {', '.join(self.decoy_failures)}" if self.decoy_failures else ""),
                 )
             )
-        return rows
+        return sorted(rows, key=_case_order)
+
+
+def _case_order(row: FaultRow) -> tuple[int, str]:
+    label = row.case.split()[0]
+    digits = "".join(ch for ch in label if ch.isdigit())
+    return (int(digits) if digits else 99, label)
 
 
 TABLE = FaultTable()

@@ -149,12 +149,17 @@ def temp_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def alive(pgids) -> list[str]:
-    """Every process still in any of the groups, described (empty when all are gone)."""
+    """Every live process still in any of the groups, described (empty when all are gone).
+
+    Zombies do not count: a group member orphaned when its leader died is reparented to PID 1,
+    and whether PID 1 reaps it is the host's business; a zombie holds no memory, port or file.
+    """
     left = []
     for pgid in pgids:
         for proc in group_processes(pgid):
             try:
-                left.append(f"{proc.pid} {proc.name()} (group {pgid})")
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    left.append(f"{proc.pid} {proc.name()} (group {pgid})")
             except psutil.NoSuchProcess:
                 continue
     return left

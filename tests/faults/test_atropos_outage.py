@@ -38,10 +38,10 @@ class Environment(threading.Thread):
         self.posted = 0
         self.registrations = 0
         self.errors = 0
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self.join(timeout=30)
 
     def run(self) -> None:
@@ -49,7 +49,7 @@ class Environment(threading.Thread):
 
     async def _feed(self) -> None:
         env = ScoredGroupEnv(self.url, group_size=GROUP_SIZE)
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             try:
                 if env.env_id is None:
                     if await env.try_register() is None:

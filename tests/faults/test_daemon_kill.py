@@ -48,7 +48,7 @@ from tests.harness import DaemonProcess, base_settings, write_config
 
 pytestmark = pytest.mark.faults
 
-STEPS = 10
+STEPS = 16
 PREFETCH = 3
 LOSS_TOLERANCE = 1e-6
 FLOOD_REQUESTS = 1000
@@ -101,9 +101,9 @@ REQUESTS = {
     "cmd_not_a_string": (b'{"cmd": 5}\n', False, "malformed request"),
     "unknown_command": (b'{"cmd": "frobnicate", "args": {}}\n', False, "unknown command"),
     "args_not_an_object": (b'{"cmd": "status", "args": [1]}\n', False, "args must be a JSON object"),
-    "set_wrong_type": (b'{"cmd": "set", "args": {"key": "train.lr", "value": "fast"}}\n', False, "set:"),
-    "set_without_key": (b'{"cmd": "set", "args": {"value": 1}}\n', False, "set:"),
-    "set_not_live": (b'{"cmd": "set", "args": {"key": "model.path", "value": "/elsewhere"}}\n', False, "set:"),
+    "set_wrong_type": (b'{"cmd": "set", "args": {"key": "train.lr", "value": "fast"}}\n', False, "valid number"),
+    "set_without_key": (b'{"cmd": "set", "args": {"value": 1}}\n', False, "expected args"),
+    "set_not_live": (b'{"cmd": "set", "args": {"key": "model.path", "value": "/elsewhere"}}\n', False, "cannot change while running"),
     "invalid_utf8": (b'\xff\xfe{"cmd": "status"}\n', False, "malformed request"),
     "huge_line": (HUGE, False, "request longer than"),
 }
@@ -165,7 +165,7 @@ def _flood(socket_path, plan: list[str], persistent: bool, result: FloodResult, 
         problem = None
         if reply.get("ok") is not accepted:
             problem = f"{kind}: expected ok={accepted}, got {str(reply)[:200]}"
-        elif not accepted and error_part not in str(reply.get("error")):
+        elif not accepted and (error_part not in str(reply.get("error")) or "internal error" in str(reply.get("error"))):
             problem = f"{kind}: error should mention {error_part!r}: {str(reply)[:200]}"
         with lock:
             result.replies += 1
@@ -217,7 +217,8 @@ def _kill_mid_step(daemon: DaemonProcess, run_dir) -> tuple[int, float]:
             return status
         return None
 
-    status = wait_until(training_after_checkpoint, 400, "a step in training after a checkpoint", poll_s=0.002)
+    daemon.wait_for(lambda s: s["state"] == "running", 400, "daemon 1 running")
+    status = wait_until(training_after_checkpoint, 120, "a step in training after a checkpoint", poll_s=0.002)
     daemon.proc.kill()
     killed_at = time.monotonic()
     daemon.proc.wait(timeout=30)
@@ -242,7 +243,8 @@ def _kill_mid_checkpoint(daemon: DaemonProcess, run_dir) -> tuple[str, float]:
 
 
 def _resumed_from(run_dir, daemon_number: int) -> int:
-    events = log_events(run_dir, "resumed")
+    # (`ctl resume` logs a "resumed" event too; a checkpoint resume names its checkpoint)
+    events = [e for e in log_events(run_dir, "resumed") if "checkpoint" in e]
     assert len(events) >= daemon_number - 1, f"daemon {daemon_number} did not log a resume"
     return int(events[daemon_number - 2]["step"])
 
@@ -267,7 +269,9 @@ def test_daemon_sigkill_mid_step_and_mid_checkpoint_then_resume_under_control_fl
         assert step_records(run_dir)[-1]["step"] == ckpt_1, "the kill landed after the step ended"
         assert checkpoint_steps(run_dir)[-1] == ckpt_1
         buffered_1 = [g["group_id"] for g in run_state(run_dir, ckpt_1)["buffered"]]
-        assert alive(first.vllm_pgids), "SIGKILL of the daemon leaves its vLLM running (own session)"
+        # (grpod.log is shared by the lineage: snapshot each daemon's vLLM groups before the next)
+        vllm_1 = set(first.vllm_pgids)
+        assert alive(vllm_1), "SIGKILL of the daemon leaves its vLLM running (own session)"
 
         # Daemon 2: resumes from checkpoint ckpt_1, killed while writing its first checkpoint.
         records_before = len(step_records(run_dir))
@@ -277,19 +281,21 @@ def test_daemon_sigkill_mid_step_and_mid_checkpoint_then_resume_under_control_fl
         step_row.recovery_s = _first_step_time(run_dir, ckpt_1, records_before) - killed_at
         second.close(stop_vllm=False)
         assert _resumed_from(run_dir, 2) == ckpt_1
-        assert alive(first.vllm_pgids) == [], "daemon 2 stops the vLLM daemon 1 left behind"
+        assert alive(vllm_1) == [], "daemon 2 stops the vLLM daemon 1 left behind"
         half_written = int(tmp_name.split("-")[2])
         assert (run_dir / "checkpoints" / tmp_name).exists(), "the kill landed after the checkpoint was complete"
         ckpt_2 = checkpoint_steps(run_dir)[-1]
         assert ckpt_2 == half_written - 1, (tmp_name, checkpoint_steps(run_dir))
         buffered_2 = [g["group_id"] for g in run_state(run_dir, ckpt_2)["buffered"]]
-        assert alive(second.vllm_pgids)
+        vllm_2 = set(second.vllm_pgids) - vllm_1
+        assert alive(vllm_2), "SIGKILL of the daemon leaves its vLLM running (own session)"
 
         # Daemon 3: resumes from ckpt_2 and finishes under the flood.
         records_before = len(step_records(run_dir))
         third = DaemonProcess(config, run_dir)
         daemons.append(third)
         third.wait_for(lambda s: s["state"] == "running", 400, "daemon 3 running")
+        assert alive(vllm_2) == [], "daemon 3 stops the vLLM daemon 2 left behind"
         flood_began = time.monotonic()
         flood = _run_flood(third.socket)
         flood_s = time.monotonic() - flood_began
@@ -323,6 +329,7 @@ def test_daemon_sigkill_mid_step_and_mid_checkpoint_then_resume_under_control_fl
     assert len(log_events(run_dir, "inference_left_behind")) == 2, "each resumed daemon stopped its predecessor's vLLM"
     # Resumes: from the newest complete checkpoint each time; its buffered groups trained first.
     assert [_resumed_from(run_dir, 2), _resumed_from(run_dir, 3)] == [ckpt_1, ckpt_2]
+    assert temp_checkpoints(run_dir) == [], "the half-written checkpoint was discarded, never read"
     for ckpt, buffered in ((ckpt_1, buffered_1), (ckpt_2, buffered_2)):
         assert buffered, f"checkpoint {ckpt} recorded no buffered group (prefetch {PREFETCH})"
         after = [gid for step in range(ckpt + 1, STEPS + 1) for gid in got[step]]
