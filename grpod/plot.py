@@ -16,7 +16,7 @@ PANELS = (
     ("loss", "step", ("loss",)),
     ("KL", "step", ("kl",)),
     ("importance ratio", "step", ("ratio_mean", "ratio_min", "ratio_max")),
-    ("clipped fraction", "step", ("clip_frac_low", "clip_frac_high", "clipped_fraction")),
+    ("clipped fraction", "step", ("clipped_low_fraction", "clipped_high_fraction")),
     ("staleness (versions)", "step", ("staleness_mean", "staleness_max")),
     ("sync latency (s)", "step", ("sync_s",)),
 )

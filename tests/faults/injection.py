@@ -90,6 +90,27 @@ def wait_until(condition: Callable[[], Any], timeout_s: float, what: str, poll_s
         time.sleep(poll_s)
 
 
+def status_until(daemon, condition, timeout_s: float, what: str, poll_s: float = 0.3) -> dict[str, Any]:
+    """Read `ctl status` until `condition(status)` holds; that status. AssertionError naming `what`
+    (with the daemon's output) when the daemon exits first or the time runs out."""
+    from grpod.daemon.control import ControlError
+
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, Any] = {}
+    while True:
+        if daemon.proc.poll() is not None:
+            raise AssertionError(f"daemon exited ({daemon.proc.returncode}) while waiting for {what}:\n{daemon.tail()}")
+        try:
+            last = daemon.ctl("status", timeout_s=10)["result"]
+        except (ControlError, OSError, ValueError):
+            last = {}
+        if last and condition(last):
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}; last status {last}\n{daemon.tail()}")
+        time.sleep(poll_s)
+
+
 def follow_to_exit(daemon, timeout_s: float, last: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
     """Keep reading `ctl status` until the daemon exits; (exit code, the last status it gave)."""
     last = dict(last or {})

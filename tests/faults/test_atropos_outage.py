@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 from tests.atropos_env import ScoredGroupEnv, TrajectoryApiProcess, api_get, scored_group
-from tests.faults.injection import checkpoint_steps, follow_to_exit, log_events, run_state, step_records
+from tests.faults.injection import checkpoint_steps, follow_to_exit, log_events, run_state, status_until, step_records
 from tests.harness import DaemonProcess, base_settings, write_config
 
 pytestmark = pytest.mark.faults
@@ -84,11 +84,11 @@ def test_run_api_down_30_s_daemon_waits_and_finishes(tmp_path, fault_model_dir, 
         daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", settings), run_dir)
         env.start()
         try:
-            daemon.wait_for(lambda s: s["step"] >= 2, 400, "two steps trained from run-api")
+            status_until(daemon, lambda s: s["step"] >= 2, 400, "two steps trained from run-api")
             api.stop()
             down_at = time.monotonic()
-            waiting = daemon.wait_for(
-                lambda s: s["source"]["api_state"] == "waiting_for_api", DOWN_S, "the source waiting for run-api"
+            waiting = status_until(
+                daemon, lambda s: s["source"]["api_state"] == "waiting_for_api", DOWN_S, "the source waiting for run-api"
             )
             step_down = waiting["step"]
             time.sleep(max(0.0, DOWN_S - (time.monotonic() - down_at)))
@@ -96,7 +96,7 @@ def test_run_api_down_30_s_daemon_waits_and_finishes(tmp_path, fault_model_dir, 
             assert still["step"] < STEPS, "the run ended during the outage: raise STEPS"
             api.start()
             up_at = time.monotonic()
-            daemon.wait_for(lambda s: s["step"] > still["step"], 300, "a step trained after run-api came back")
+            status_until(daemon, lambda s: s["step"] > still["step"], 300, "a step trained after run-api came back")
             row.recovery_s = time.monotonic() - up_at
             code, last = follow_to_exit(daemon, 300)
         finally:

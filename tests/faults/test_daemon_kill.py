@@ -39,6 +39,7 @@ from tests.faults.injection import (
     log_events,
     losses,
     run_state,
+    status_until,
     step_records,
     temp_checkpoints,
     wait_until,
@@ -204,21 +205,18 @@ def _kill_mid_step(daemon: DaemonProcess, run_dir) -> tuple[int, float]:
     """SIGKILL the daemon while it trains the step after a completed checkpoint; (that checkpoint's
     step, kill time)."""
 
-    def training_after_checkpoint():
-        status = daemon.ctl("status", timeout_s=10)["result"]
+    def training_after_checkpoint(status) -> bool:
         ckpt = status["last_checkpoint"]
-        if (
+        return (
             status["step"] >= 2
             and ckpt is not None
             and ckpt["step"] == status["step"]
             and status["heartbeat"]["busy_for_s"] is not None
             and not temp_checkpoints(run_dir)
-        ):
-            return status
-        return None
+        )
 
-    daemon.wait_for(lambda s: s["state"] == "running", 400, "daemon 1 running")
-    status = wait_until(training_after_checkpoint, 120, "a step in training after a checkpoint", poll_s=0.002)
+    status_until(daemon, lambda s: s["state"] == "running", 400, "daemon 1 running")
+    status = status_until(daemon, training_after_checkpoint, 120, "a step in training after a checkpoint", poll_s=0.002)
     daemon.proc.kill()
     killed_at = time.monotonic()
     daemon.proc.wait(timeout=30)
@@ -294,7 +292,7 @@ def test_daemon_sigkill_mid_step_and_mid_checkpoint_then_resume_under_control_fl
         records_before = len(step_records(run_dir))
         third = DaemonProcess(config, run_dir)
         daemons.append(third)
-        third.wait_for(lambda s: s["state"] == "running", 400, "daemon 3 running")
+        status_until(third, lambda s: s["state"] == "running", 400, "daemon 3 running")
         assert alive(vllm_2) == [], "daemon 3 stops the vLLM daemon 2 left behind"
         flood_began = time.monotonic()
         flood = _run_flood(third.socket)
@@ -314,12 +312,16 @@ def test_daemon_sigkill_mid_step_and_mid_checkpoint_then_resume_under_control_fl
     step_row.data_lost = ckpt_row.data_lost = lost_text
     step_row.notes = f"killed training step {ckpt_1 + 1}; resumed from step {ckpt_1}, {len(buffered_1)} buffered groups"
     ckpt_row.notes = f"killed writing {tmp_name[:16]}; resumed from step {ckpt_2}, {len(buffered_2)} buffered groups"
+    ref_loss, run_loss = losses(reference_run), losses(run_dir)
+    flood_steps = [step for step in range(ckpt_2 + 1, STEPS + 1) if step in run_loss]
+    flood_diff = max((abs(run_loss[s] - ref_loss[s]) for s in flood_steps), default=float("nan"))
     if flood is not None and flood.latencies_s:
         ms = sorted(x * 1000 for x in flood.latencies_s)
         flood_row.notes = (
             f"{flood.replies}/{FLOOD_REQUESTS} replies in {flood_s:.1f} s, p50 {_percentile(ms, 50):.1f} ms, "
             f"p99 {_percentile(ms, 99):.1f} ms, max {ms[-1]:.0f} ms; steps {min(flood.steps_seen, default=-1)}"
-            f"..{max(flood.steps_seen, default=-1)} trained meanwhile"
+            f"..{max(flood.steps_seen, default=-1)} trained meanwhile; loss vs no-flood run: max |diff| "
+            f"{flood_diff:.1e} over steps {ckpt_2 + 1}..{STEPS}"
         )
         flood_row.data_lost = lost_text
 
@@ -338,7 +340,6 @@ def test_daemon_sigkill_mid_step_and_mid_checkpoint_then_resume_under_control_fl
     assert sorted(got) == list(range(1, STEPS + 1))
     assert not lost and not twice
     assert got == reference, "the same groups trained at the same steps"
-    ref_loss, run_loss = losses(reference_run), losses(run_dir)
     for step in range(1, STEPS + 1):
         assert abs(run_loss[step] - ref_loss[step]) <= LOSS_TOLERANCE * max(1.0, abs(ref_loss[step])), (
             f"step {step}: loss {run_loss[step]} vs reference {ref_loss[step]}"
