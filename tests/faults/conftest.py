@@ -68,7 +68,7 @@ class FaultTable:
 
 def _case_order(row: FaultRow) -> tuple[int, str]:
     label = row.case.split()[0]
-    digits = "".join(ch for ch in label if ch.isdigit())
+    digits = label[: len(label) - len(label.lstrip("0123456789"))]
     return (int(digits) if digits else 99, label)
 
 

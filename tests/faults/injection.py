@@ -99,7 +99,10 @@ def status_until(daemon, condition, timeout_s: float, what: str, poll_s: float =
     last: dict[str, Any] = {}
     while True:
         if daemon.proc.poll() is not None:
-            raise AssertionError(f"daemon exited ({daemon.proc.returncode}) while waiting for {what}:\n{daemon.tail()}")
+            raise AssertionError(
+                f"daemon exited ({daemon.proc.returncode}) while waiting for {what}: "
+                f"{failure_reason(daemon.run_dir)}\n{daemon.tail()}"
+            )
         try:
             last = daemon.ctl("status", timeout_s=10)["result"]
         except (ControlError, OSError, ValueError):
@@ -140,6 +143,12 @@ def log_events(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
         if event is None or record.get("event") == event:
             found.append(record)
     return found
+
+
+def failure_reason(run_dir: Path) -> str:
+    """Why the daemon said its run failed (its last `run_failed` event), or a placeholder."""
+    failed = log_events(run_dir, "run_failed")
+    return failed[-1].get("reason", "?") if failed else "no run_failed event in grpod.log"
 
 
 def step_records(run_dir: Path) -> list[dict[str, Any]]:

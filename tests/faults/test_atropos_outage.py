@@ -17,7 +17,15 @@ import anyio
 import pytest
 
 from tests.atropos_env import ScoredGroupEnv, TrajectoryApiProcess, api_get, scored_group
-from tests.faults.injection import checkpoint_steps, follow_to_exit, log_events, run_state, status_until, step_records
+from tests.faults.injection import (
+    checkpoint_steps,
+    failure_reason,
+    follow_to_exit,
+    log_events,
+    run_state,
+    status_until,
+    step_records,
+)
 from tests.harness import DaemonProcess, base_settings, write_config
 
 pytestmark = pytest.mark.faults
@@ -118,7 +126,7 @@ def test_run_api_down_30_s_daemon_waits_and_finishes(tmp_path, fault_model_dir, 
         f"source registrations {last['source']['registrations']}, api errors {last['source']['api_errors']}"
     )
 
-    assert code == 0, daemon.tail()
+    assert code == 0, f"exit {code}: {failure_reason(run_dir)}\n{daemon.tail()}"
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "every step trained exactly once"
     assert still["source"]["api_state"] == "waiting_for_api", "still waiting at the end of the outage"
     assert still["source"]["last_error"] and "no response" in still["source"]["last_error"]

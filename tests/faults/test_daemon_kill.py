@@ -35,6 +35,7 @@ import pytest
 from tests.faults.injection import (
     alive,
     checkpoint_steps,
+    failure_reason,
     lineage,
     log_events,
     losses,
@@ -325,7 +326,7 @@ def test_daemon_sigkill_mid_step_and_mid_checkpoint_then_resume_under_control_fl
         )
         flood_row.data_lost = lost_text
 
-    assert code == 0, third.tail()
+    assert code == 0, f"exit {code}: {failure_reason(run_dir)}\n{third.tail()}"
     for daemon in daemons:
         assert alive(daemon.vllm_pgids) == [], "no vLLM group of any daemon remains"
     assert len(log_events(run_dir, "inference_left_behind")) == 2, "each resumed daemon stopped its predecessor's vLLM"
