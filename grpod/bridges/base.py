@@ -9,6 +9,18 @@ recovery), and `stop`. Every sync follows the same sequence, whatever the mode:
 
 Each mode's module holds only what is particular to it: its states, events, transition table and
 its `_save` / `_apply` / `_launch_args` pieces.
+
+A dead vLLM is met in one of two places, and both spend the same restart budget
+(`inference.max_restarts`):
+
+- between syncs, by `watch` (`/health` failing `inference.health_failures` times, or the process
+  group gone): vLLM is relaunched on the weights of the current policy version and probed against
+  the trainer's scores recorded at that version's sync — the trainer may have stepped since, and
+  its live weights are neither read nor compared;
+- during a sync, by the sync itself (the apply step fails and vLLM does not answer `/health`):
+  vLLM is relaunched on the weights it served before the sync and the same sync is applied once
+  more, ending with the usual probe against the trainer. A second failure, or a failure while vLLM
+  is healthy (e.g. it refused the weights), is FAILED.
 """
 
 from __future__ import annotations
@@ -85,6 +97,8 @@ class Bridge:
         self.current_weights: Path = cfg.model.path
         self._available = anyio.Event()
         self._sync_lock = anyio.Lock()
+        # The trainer's probe scores at the last passed probe, and the policy version they are of.
+        self._reference: tuple[int, list[list[float]]] | None = None
 
     # ---- state machine -------------------------------------------------------------------
     def _fire(self, event: str, error: str | None = None) -> None:
@@ -172,14 +186,20 @@ class Bridge:
         self._fire("READY")
         return await self._probe_and_serve()
 
-    async def _probe_and_serve(self) -> ProbeResult:
+    async def _probe_and_serve(self, *, against_reference: bool = False) -> ProbeResult:
+        """Probe vLLM against the trainer's live weights, or (after a relaunch between syncs)
+        against the scores the trainer had when the current policy version was synced."""
         assert self.client is not None
+        reference = None
+        if against_reference and self._reference is not None and self._reference[0] == self.policy_version:
+            reference = self._reference[1]
         result = await run_probe(
             self.client,
             self.trainer,
             model=self.request_model(),
             tolerance=self.cfg.bridge.probe_tolerance,
             timeout_s=self.cfg.bridge.probe_timeout_s,
+            reference=reference,
         )
         if not result.ok:
             message = (
@@ -190,6 +210,7 @@ class Bridge:
             self._fire("PROBE_FAIL", error=message)
             raise ProbeMismatch(message)
         self._fire("PROBE_OK")
+        self._reference = (self.policy_version, result.reference)
         self._open()
         return result
 
@@ -210,7 +231,13 @@ class Bridge:
                 phases["save"] = time.perf_counter() - t
                 self._fire("SAVED")
                 t = time.perf_counter()
-                await self._apply(staged, new_version, phases)
+                try:
+                    await self._apply(staged, new_version, phases)
+                except Exception as exc:  # noqa: BLE001 — a dead vLLM is recovered, anything else fails below
+                    if await self._engine_healthy():
+                        raise
+                    await self._relaunch_mid_sync(exc, new_version, phases)
+                    await self._apply(staged, new_version, phases)
                 phases["apply"] = time.perf_counter() - t
                 self.policy_version = new_version
                 self._fire("APPLIED")
@@ -263,6 +290,28 @@ class Bridge:
         except Exception:  # noqa: BLE001 — any failure to answer is an unhealthy probe
             return False
 
+    def _spend_restart(self, reason: str) -> None:
+        """Count one relaunch after a crash; when the budget is spent, fail with the reason."""
+        if self.stats.restarts >= self.cfg.inference.max_restarts:
+            raise BridgeFailed(
+                f"{reason}, and the restart budget (inference.max_restarts = {self.cfg.inference.max_restarts}) is spent"
+            )
+        self.stats.restarts += 1
+
+    async def _relaunch_mid_sync(self, cause: Exception, version: int, phases: dict[str, float]) -> None:
+        """vLLM died while a sync was applied: relaunch it on the weights it served before the
+        sync (the caller then applies the sync again). No probe here: the trainer is already at
+        `version`, vLLM is not yet."""
+        began = time.perf_counter()
+        reason = f"vLLM died during the sync to version {version} ({type(cause).__name__}: {cause})"
+        self._spend_restart(reason)
+        self._fire("LOST", error=reason)
+        log.warning("inference_lost", bridge=self.mode, pid=self.inference.pid, restarts=self.stats.restarts, during="sync", error=str(cause))
+        await self._relaunch(self.current_weights)
+        self._fire("RETRY")
+        phases["recover"] = time.perf_counter() - began
+        log.info("inference_recovered", bridge=self.mode, seconds=round(phases["recover"], 3), during="sync")
+
     async def watch(self) -> None:
         """Probe vLLM while it serves; after `health_failures` failed probes, recover it."""
         failures = 0
@@ -279,23 +328,29 @@ class Bridge:
             if failures < self.cfg.inference.health_failures:
                 continue
             failures = 0
-            if self.stats.restarts >= self.cfg.inference.max_restarts:
-                message = f"vLLM died and the restart budget ({self.cfg.inference.max_restarts}) is spent"
-                self._fire("FAIL", error=message)
-                raise BridgeFailed(message)
-            await anyio.sleep(backoff)
-            backoff = min(backoff * 2, 30.0)
+            if self.stats.restarts:
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
             await self.recover()
 
     async def recover(self) -> None:
+        """Relaunch a dead vLLM on the current version's weights and probe it against that
+        version's reference scores (a sync that ran meanwhile may already have recovered it)."""
         async with self._sync_lock:
+            if self.machine.state != self.State["SERVING"] or await self._engine_healthy():
+                return
             began = time.perf_counter()
-            self._fire("LOST", error="inference engine dead or unresponsive")
-            self.stats.restarts += 1
+            reason = "inference engine dead or unresponsive"
+            try:
+                self._spend_restart(reason)
+            except BridgeFailed as exc:
+                self._fire("FAIL", error=str(exc))
+                raise
+            self._fire("LOST", error=reason)
             log.warning("inference_lost", bridge=self.mode, pid=self.inference.pid, restarts=self.stats.restarts)
             await self._relaunch(self.current_weights)
             self._fire("RECOVERED")
-            await self._probe_and_serve()
+            await self._probe_and_serve(against_reference=True)
             log.info("inference_recovered", bridge=self.mode, seconds=round(time.perf_counter() - began, 3))
 
     async def stop(self) -> None:

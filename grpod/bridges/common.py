@@ -21,10 +21,10 @@ class Event(enum.Enum):
     APPLIED = "applied"
     LOST = "lost"
     RECOVERED = "recovered"
+    RETRY = "retry"
     FAIL = "fail"
     STOP = "stop"
     STOPPED = "stopped"
-
 
 
 LIFECYCLE_STATES = ("IDLE", "LAUNCHING", "PROBING", "SERVING", "SAVING", "RECOVERING", "FAILED", "STOPPING", "STOPPED")
@@ -36,7 +36,13 @@ def mode_states(sync_state: str) -> type[enum.Enum]:
     return enum.Enum("State", [(name, name.lower()) for name in names])
 
 
-def lifecycle_rows(S: type[enum.Enum], E: type[enum.Enum]) -> dict:
+def lifecycle_rows(S: type[enum.Enum], E: type[enum.Enum], sync_state: str) -> dict:
+    """The rows every mode has: start-up, recovery (between syncs and during one), stop, failure.
+
+    A vLLM lost while a sync is applied is relaunched on the weights it served before the sync
+    (`LOST` from the sync state), then the sync is applied once more (`RETRY` back to it).
+    """
+    applying = S[sync_state]
     rows = {
         (S.IDLE, E.START): S.LAUNCHING,
         (S.LAUNCHING, E.READY): S.PROBING,
@@ -44,6 +50,8 @@ def lifecycle_rows(S: type[enum.Enum], E: type[enum.Enum]) -> dict:
         (S.PROBING, E.PROBE_FAIL): S.FAILED,
         (S.SERVING, E.LOST): S.RECOVERING,
         (S.RECOVERING, E.RECOVERED): S.PROBING,
+        (applying, E.LOST): S.RECOVERING,
+        (S.RECOVERING, E.RETRY): applying,
         (S.FAILED, E.SYNC): S.SAVING,
     }
     for state in S:

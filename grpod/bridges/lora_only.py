@@ -32,6 +32,8 @@ recovery after a crash relaunches it with the current adapter preloaded. Transit
     SWAPPING    --APPLIED---->  PROBING
     SERVING     --LOST------->  RECOVERING    (relaunch on the base with the current adapter)
     RECOVERING  --RECOVERED-->  PROBING
+    SWAPPING    --LOST------->  RECOVERING    (vLLM died mid-sync: relaunch on the previous weights)
+    RECOVERING  --RETRY------>  SWAPPING      (apply the same sync once more)
     FAILED      --SYNC------->  SAVING        (an operator's `ctl sync` retries)
     any         --FAIL------->  FAILED
     any         --STOP------->  STOPPING --STOPPED--> STOPPED
@@ -53,7 +55,7 @@ State = mode_states("SWAPPING")
 
 
 TABLE = {
-    **lifecycle_rows(State, Event),
+    **lifecycle_rows(State, Event, "SWAPPING"),
     (State.SERVING, Event.SYNC): State.SAVING,
     (State.SAVING, Event.SAVED): State.SWAPPING,
     (State.SWAPPING, Event.APPLIED): State.PROBING,

@@ -22,6 +22,8 @@ Recovery after a crash relaunches the same way with the current adapter. Transit
     RESTARTING  --APPLIED---->  PROBING
     SERVING     --LOST------->  RECOVERING    (relaunch on the base with the current adapter)
     RECOVERING  --RECOVERED-->  PROBING
+    RESTARTING  --LOST------->  RECOVERING    (vLLM died mid-sync: relaunch on the previous weights)
+    RECOVERING  --RETRY------>  RESTARTING    (apply the same sync once more)
     FAILED      --SYNC------->  SAVING        (an operator's `ctl sync` retries)
     any         --FAIL------->  FAILED
     any         --STOP------->  STOPPING --STOPPED--> STOPPED
@@ -40,7 +42,7 @@ State = mode_states("RESTARTING")
 
 
 TABLE = {
-    **lifecycle_rows(State, Event),
+    **lifecycle_rows(State, Event, "RESTARTING"),
     (State.SERVING, Event.SYNC): State.SAVING,
     (State.SAVING, Event.SAVED): State.RESTARTING,
     (State.RESTARTING, Event.APPLIED): State.PROBING,

@@ -20,6 +20,8 @@ Either way the sync ends with the alignment probe. Transition table:
     APPLYING    --APPLIED---->  PROBING
     SERVING     --LOST------->  RECOVERING    (relaunch on the current weights)
     RECOVERING  --RECOVERED-->  PROBING
+    APPLYING    --LOST------->  RECOVERING    (vLLM died mid-sync: relaunch on the previous weights)
+    RECOVERING  --RETRY------>  APPLYING      (apply the same sync once more)
     FAILED      --SYNC------->  SAVING        (an operator's `ctl sync` retries)
     any         --FAIL------->  FAILED
     any         --STOP------->  STOPPING --STOPPED--> STOPPED
@@ -39,7 +41,7 @@ State = mode_states("APPLYING")
 
 
 TABLE = {
-    **lifecycle_rows(State, Event),
+    **lifecycle_rows(State, Event, "APPLYING"),
     (State.SERVING, Event.SYNC): State.SAVING,
     (State.SAVING, Event.SAVED): State.APPLYING,
     (State.APPLYING, Event.APPLIED): State.PROBING,

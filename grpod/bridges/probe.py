@@ -4,11 +4,15 @@ After every sync, vLLM scores fixed probe sequences (prompt logprobs) and the tr
 same sequences in fp32; the largest absolute difference must stay under the tolerance. A larger
 one means the sync did not take (or took half), and the bridge moves to FAILED instead of letting
 training continue on silently wrong weights.
+
+The trainer's scores at a successful probe are the reference of that policy version: a vLLM
+relaunched on the same version's weights (crash recovery) is probed against them, so the probe
+never needs the trainer's live weights, which may have moved on since the last sync.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 
@@ -29,6 +33,8 @@ class ProbeResult:
     mean_abs_diff: float
     tokens: int
     tolerance: float
+    # The trainer's scores the probe compared against, one list per probe sequence.
+    reference: list[list[float]] = field(default_factory=list, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -48,13 +54,19 @@ def probe_sequences(tokenizer) -> list[list[int]]:
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROBE_TEXTS]
 
 
-async def run_probe(client, trainer, *, model: str, tolerance: float, timeout_s: float) -> ProbeResult:
+async def run_probe(
+    client, trainer, *, model: str, tolerance: float, timeout_s: float, reference: list[list[float]] | None = None
+) -> ProbeResult:
+    """Score the probe sequences with vLLM and compare with the trainer's scores now, or with
+    `reference` (an earlier probe's `reference`, for the weights vLLM should be serving)."""
     diffs: list[float] = []
+    scores: list[list[float]] = []
     with anyio.fail_after(timeout_s):
-        for ids in probe_sequences(trainer.tokenizer):
+        for i, ids in enumerate(probe_sequences(trainer.tokenizer)):
             served = await client.score(ids, model=model)
-            own = await anyio.to_thread.run_sync(trainer.score, ids)
+            own = reference[i] if reference is not None else await anyio.to_thread.run_sync(trainer.score, ids)
             if len(served) != len(own):
                 raise ProbeMismatch(f"probe length differs: vLLM {len(served)} positions, trainer {len(own)}")
             diffs.extend(abs(a - b) for a, b in zip(served, own, strict=True))
-    return ProbeResult(max(diffs), sum(diffs) / len(diffs), len(diffs), tolerance)
+            scores.append(list(own))
+    return ProbeResult(max(diffs), sum(diffs) / len(diffs), len(diffs), tolerance, scores)

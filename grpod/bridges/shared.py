@@ -20,8 +20,9 @@ itself, not for the forward/backward before it. vLLM's pause clears its caches a
 frozen requests, so a generation in flight resumes by recomputing its KV with the new weights. Every optimizer step is therefore a sync and
 `bridge.sync_every` does not apply; `after_step` reports the sync its step made. A skipped step
 (no optimizer step) makes none. `ctl sync` re-fences with nothing to write: a version bump and a
-probe. If the step or the version bump fails, vLLM stays paused (it never serves torn weights)
-and the bridge is FAILED.
+probe. If vLLM dies during the fence, it is relaunched and re-attached and the fence runs again
+(the optimizer step only if it had not run yet). If the step or the version bump fails while vLLM
+is alive, vLLM stays paused (it never serves torn weights) and the bridge is FAILED.
 
 Recovery after a vLLM crash relaunches vLLM and re-attaches it to the same buffer (which holds the
 trained weights: the trainer owns it). `stop` stops vLLM and removes the /dev/shm directory; the
@@ -43,6 +44,8 @@ Transition table:
     FENCED      --APPLIED---->  PROBING       (resumed)
     SERVING     --LOST------->  RECOVERING    (relaunch vLLM, re-attach to the same buffer)
     RECOVERING  --RECOVERED-->  PROBING
+    FENCED      --LOST------->  RECOVERING    (vLLM died mid-fence: relaunch, re-attach)
+    RECOVERING  --RETRY------>  FENCED        (apply the same sync once more)
     FAILED      --SYNC------->  SAVING        (an operator's `ctl sync` retries)
     any         --FAIL------->  FAILED
     any         --STOP------->  STOPPING --STOPPED--> STOPPED
@@ -81,7 +84,7 @@ State = mode_states("FENCED")
 
 
 TABLE = {
-    **lifecycle_rows(State, Event),
+    **lifecycle_rows(State, Event, "FENCED"),
     (State.SERVING, Event.SYNC): State.SAVING,
     (State.SAVING, Event.SAVED): State.FENCED,
     (State.FENCED, Event.APPLIED): State.PROBING,
@@ -194,11 +197,13 @@ class SharedBridge(Bridge):
 
     async def _apply(self, staged: Path, version: int, phases: dict[str, float]) -> None:
         assert self.client is not None
-        update, self._update = self._update, None
         self._close()
         t = time.perf_counter()
         await self.client.pause(mode="keep")
         phases["pause"] = time.perf_counter() - t
+        # Taken only once vLLM is paused: a sync retried after vLLM died before the pause still
+        # has its optimizer step to run; one retried after the step ran has none.
+        update, self._update = self._update, None
         if update is not None:
             t = time.perf_counter()
             await anyio.to_thread.run_sync(update)

@@ -50,11 +50,13 @@ from tests.harness import DaemonProcess, base_settings, write_config
 
 pytestmark = pytest.mark.faults
 
-STEPS = 16
+STEPS = 24
 PREFETCH = 3
 LOSS_TOLERANCE = 1e-6
 FLOOD_REQUESTS = 1000
 FLOOD_THREADS = 4
+# Between two requests of one client: spreads the flood over a few training steps (~1.5 s).
+FLOOD_PAUSE_S = 0.005
 
 
 def _settings(run_dir, model_dir, replay):
@@ -164,6 +166,7 @@ def _flood(socket_path, plan: list[str], persistent: bool, result: FloodResult, 
         if not persistent:
             sock.close()
             sock = None
+        time.sleep(FLOOD_PAUSE_S)
         problem = None
         if reply.get("ok") is not accepted:
             problem = f"{kind}: expected ok={accepted}, got {str(reply)[:200]}"

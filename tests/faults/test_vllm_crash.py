@@ -43,7 +43,7 @@ from tests.harness import DaemonProcess, base_settings, write_config
 
 pytestmark = pytest.mark.faults
 
-STEPS = 16
+STEPS = 24
 SYNC_EVERY = 4
 GROUP_SIZE = 4
 GROUPS_PER_STEP = 2
