@@ -19,6 +19,8 @@ from typing import Any, Literal
 import aiohttp
 import structlog
 
+from grpod.inference.server import PAUSE_ROUTE
+
 log = structlog.get_logger(__name__)
 
 BODY_EXCERPT_CHARS = 500
@@ -190,8 +192,10 @@ class InferenceClient:
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         """Stop scheduling: `keep` freezes in-flight requests until `resume`, `wait` drains them,
-        `abort` cancels them."""
-        await self._request("POST", "/pause", params={"mode": mode})
+        `abort` cancels them. `keep` and `abort` go to grpod's `/grpod/pause` (the same engine
+        pause as vLLM's `/pause` without its fixed 20 ms sleep), `wait` to vLLM's."""
+        route = "/pause" if mode == "wait" else PAUSE_ROUTE
+        await self._request("POST", route, params={"mode": mode})
 
     async def resume(self) -> None:
         await self._request("POST", "/resume")

@@ -13,6 +13,11 @@ editing installed files:
 - `POST /grpod/generate_model` `{"model": name | null}`: the served model `/generate` uses when a
   request names none. Atropos environments never name one, so in LoRA modes the bridge points
   this at the current adapter; otherwise they would sample from the base model.
+- `POST /grpod/pause?mode=keep|abort`: the engine's scheduler pause, the fence of a weight
+  update. Stock `/pause` runs the same engine call (`pause_scheduler`: once it returns no forward
+  pass runs until `/resume`) and then sleeps a fixed 20 ms so outputs of aborted requests are
+  delivered first, which is most of its cost on CPU; `keep` aborts nothing, so grpod's fence skips
+  the sleep.
 - An API-key check on every route but `/health` when the server has a key (`--api-key` or
   `VLLM_API_KEY`): vLLM's own check guards only `/v1`, `/v2`, `/inference` and `/cohere`, which
   leaves the dev routes (`/pause`, `/collective_rpc`, ...) and `/generate` open.
@@ -26,6 +31,7 @@ from typing import Any
 
 TOKEN_ID_PREFIX = "token_id:"
 GENERATE_MODEL_ROUTE = "/grpod/generate_model"
+PAUSE_ROUTE = "/grpod/pause"
 UNGUARDED_ROUTES = frozenset({"/health"})
 
 
@@ -96,8 +102,8 @@ def _output_logprobs(choice: dict[str, Any]) -> list[list[dict[str, float]]]:
 
 
 def _add_grpod_routes(app: Any, args: Any) -> None:
-    """Add `/generate`, its default-model route and, when the server has an API key, the
-    all-routes key check."""
+    """Add `/generate`, its default-model route, the fence's pause and, when the server has an
+    API key, the all-routes key check."""
     from fastapi import Request
     from fastapi.responses import JSONResponse
     from pydantic import ValidationError
@@ -147,7 +153,15 @@ def _add_grpod_routes(app: Any, args: Any) -> None:
         raw_request.app.state.grpod_generate_model = model
         return JSONResponse({"model": model})
 
+    async def pause(raw_request: Request) -> Any:
+        mode = raw_request.query_params.get("mode", "keep")
+        if mode not in ("keep", "abort"):
+            return bad_request(f"mode must be 'keep' or 'abort', not {mode!r}")
+        await raw_request.app.state.engine_client.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
+        return JSONResponse({"status": "paused"})
+
     app.state.grpod_generate_model = None
+    app.add_api_route(PAUSE_ROUTE, pause, methods=["POST"])
     app.add_api_route("/generate", generate, methods=["POST"])
     app.add_api_route(GENERATE_MODEL_ROUTE, set_generate_model, methods=["POST"])
 

@@ -4,18 +4,29 @@ One daemon run exercises the control socket (status, pause, resume, sync, checkp
 `none`/restart sync; a second run resumes from the first run's checkpoint, reloads in place and
 is stopped by SIGTERM. After each: no process of any vLLM group it started remains, the decoy
 survives, and the final checkpoint loads with `from_pretrained`.
+
+The second run is started the way `systemd/grpod.service` starts it (`Type=notify`, a watchdog):
+the test is systemd's side of the notify socket. It checks READY=1, WATCHDOG=1 pings, their
+stop while a sync hangs (vLLM's process group is frozen with SIGSTOP, so the in-place reload
+cannot answer) and their return when it is thawed, then STOPPING=1 on SIGTERM.
 """
 
 from __future__ import annotations
 
+import configparser
 import json
+import os
 import signal
+import socket
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.harness import DaemonProcess, base_settings, group_processes, metrics, start_decoy, write_config
+from tests.harness import ROOT, DaemonProcess, base_settings, group_processes, metrics, start_decoy, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -48,8 +59,6 @@ def test_daemon_trains_syncs_answers_and_stops_clean(tmp_path, warm_model_dir):
         held = daemon.wait_for(lambda s: s["paused"], 60, "pause acknowledged")
         step_at_pause = held["step"]
         # At most the step that was running when pause arrived completes; then nothing moves.
-        import time
-
         time.sleep(8)
         after = daemon.ctl("status")["result"]
         assert after["step"] <= step_at_pause + 1
@@ -98,6 +107,63 @@ def test_daemon_trains_syncs_answers_and_stops_clean(tmp_path, warm_model_dir):
     assert changed, "training changed the weights"
 
 
+WATCHDOG_USEC = 1_000_000  # grpod pings every 0.5 s
+STALL_AFTER_S = 3.0
+
+
+class NotifySocket:
+    """systemd's end of $NOTIFY_SOCKET: every datagram the daemon sends, with its arrival time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, dict[str, str]]] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._receive, daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        while not self._closed:
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+            self.messages.append((time.monotonic(), fields))
+
+    def times(self, key: str) -> list[float]:
+        return [t for t, fields in list(self.messages) if key in fields]
+
+    def close(self) -> None:
+        self._closed = True
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+def _unit() -> configparser.ConfigParser:
+    unit = configparser.ConfigParser(interpolation=None, strict=False)
+    unit.optionxform = str
+    unit.read(ROOT / "systemd" / "grpod.service")
+    return unit
+
+
+def test_the_unit_file_runs_grpod_start_as_a_notify_service_with_a_watchdog():
+    service = _unit()["Service"]
+    assert service["Type"] == "notify" and service["NotifyAccess"] == "main"
+    assert service["ExecStart"].split()[1:3] == ["start", "--config"]
+    assert service["ExecStop"].split()[1:3] == ["ctl", "stop"]
+    assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert service["WatchdogSec"] and service["KillMode"] == "mixed" and service["Restart"] == "on-failure"
+
+
+def _withheld(notify: NotifySocket, since: float, until: float) -> bool:
+    return not [t for t in notify.times("WATCHDOG") if since < t <= until]
+
+
 def test_resume_in_place_sync_and_sigterm(tmp_path, warm_model_dir):
     run_dir = tmp_path / "run"
     settings = base_settings(run_dir, warm_model_dir) | {
@@ -112,12 +178,39 @@ def test_resume_in_place_sync_and_sigterm(tmp_path, warm_model_dir):
         first.close()
     assert _final_checkpoint(run_dir).name == "step-000002"
 
-    settings["train.steps"] = 50
+    settings |= {
+        "train.steps": 50,
+        "notify.stall_after_s": STALL_AFTER_S,
+        # The frozen vLLM must hang the sync, not be declared dead and relaunched.
+        "inference.health_failures": 100_000,
+        "inference.request_timeout_s": 120.0,
+    }
     config_b = write_config(tmp_path / "b.toml", settings)
-    second = DaemonProcess(config_b, run_dir)
+    notify = NotifySocket(tmp_path / "notify.sock")
+    second = DaemonProcess(config_b, run_dir, env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(WATCHDOG_USEC)})
+    frozen: int | None = None
     try:
-        status = second.wait_for(lambda s: s["step"] >= 4, 400, "two more steps after resume")
-        assert status["policy_version"] >= 4, "in-place syncs after every step continue the version"
+        # In-place syncs after every step continue the resumed run's policy version (2).
+        status = second.wait_for(lambda s: (s["policy_version"] or 0) >= 4, 400, "two more syncs after resume")
+        assert status["step"] >= 4
+        assert notify.times("READY") and len(notify.times("WATCHDOG")) >= 2, notify.messages[:5]
+
+        # A hung sync withholds the watchdog; systemd (WatchdogSec) would restart the service.
+        frozen = status["bridge"]["vllm"]["pid"]
+        os.killpg(frozen, signal.SIGSTOP)
+        hung = second.wait_for(
+            lambda s: (s["heartbeat"]["busy_for_s"] or 0) > STALL_AFTER_S + 3, 120, "a sync hung on the frozen vLLM"
+        )
+        assert not hung["heartbeat"]["healthy"]
+        now = time.monotonic()
+        stalled_since = now - hung["heartbeat"]["busy_for_s"] + STALL_AFTER_S + WATCHDOG_USEC / 2e6
+        assert _withheld(notify, stalled_since, now), "WATCHDOG=1 sent while the sync hung"
+        os.killpg(frozen, signal.SIGCONT)
+        frozen = None
+        thawed = time.monotonic()
+        second.wait_for(lambda s: s["step"] > hung["step"] and s["heartbeat"]["healthy"], 120, "steps after the thaw")
+        time.sleep(1.5)
+        assert not _withheld(notify, thawed, time.monotonic()), "WATCHDOG=1 resumes once steps progress"
         # SIGHUP: a live key is applied at the next step; a key that needs a restart is refused.
         write_config(config_b, settings | {"train.lr": 1e-5, "bridge.reload": "restart"})
         second.proc.send_signal(signal.SIGHUP)
@@ -127,7 +220,12 @@ def test_resume_in_place_sync_and_sigterm(tmp_path, warm_model_dir):
         second.proc.send_signal(signal.SIGTERM)
         assert second.wait_exit(300) == 0, second.tail()
     finally:
+        if frozen is not None:
+            os.killpg(frozen, signal.SIGCONT)
         second.close()
+        notify.close()
+    stopping = notify.times("STOPPING")
+    assert stopping and stopping[-1] >= max(notify.times("READY")), "STOPPING=1 on SIGTERM"
     for pgid in first.vllm_pgids | second.vllm_pgids:
         assert group_processes(pgid) == []
     steps = [r["step"] for r in metrics(run_dir) if r["kind"] == "step"]
