@@ -166,6 +166,9 @@ class NotifyConfig(_Section):
 class MetricsConfig(_Section):
     prometheus_port: int | None = None
     prometheus_host: str = "127.0.0.1"
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_mode: Literal["online", "offline"] = "online"
 
 
 class GrpodConfig(_Section):

@@ -1,11 +1,12 @@
 """Logging for a run: structlog events as JSON lines in <run>/grpod.log, readable lines on stderr.
 
 Also `MetricsLog`, the per-step metrics as JSON lines in <run>/metrics.jsonl (what `grpod plot`
-and the tests read).
+and the tests read), optionally mirrored to Weights & Biases (`WandbSink`, `metrics.wandb_project`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import sys
@@ -74,15 +75,62 @@ def configure_logging(run_dir: Path | None, level: str = "info", console: TextIO
     )
 
 
+class WandbSink:
+    """Step and eval metrics to a W&B run (numbers only, as `<kind>/<name>` at the trainer step).
+
+    The run is named after the run directory and resumed under the same id when the daemon
+    resumes, so one training run stays one W&B run across restarts. `wandb` is imported only
+    when configured (atroposlib installs it; otherwise `pip install wandb`).
+    """
+
+    def __init__(self, project: str, entity: str | None, mode: str, run_dir: Path, config: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise RuntimeError(f"metrics.wandb_project = {project!r} needs the wandb package: pip install wandb") from exc
+        run_id = "grpod-" + hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=project,
+            entity=entity,
+            mode=mode,
+            dir=str(run_dir),
+            id=run_id,
+            name=run_dir.name,
+            resume="allow",
+            config=config,
+        )
+
+    def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        numbers = {
+            f"{kind}/{key}": value
+            for key, value in values.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
+        if numbers:
+            self.run.log(numbers, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsLog:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, wandb: WandbSink | None = None) -> None:
         self.path = path
+        self.wandb = wandb
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
         record = {**values, "kind": kind, "step": step, "time": time.time()}
         with open(self.path, "a") as f:
             f.write(json.dumps(record, default=float) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(kind, step, values)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            wandb, self.wandb = self.wandb, None
+            wandb.close()
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():

@@ -36,7 +36,7 @@ from grpod.bridges.base import BridgeFailed
 from grpod.config import ConfigError, GrpodConfig, load_config
 from grpod.daemon.control import ControlError, ControlServer
 from grpod.daemon.live import LIVE_KEYS, SettingChange, diff_file, plan_changes
-from grpod.daemon.logs import MetricsLog, configure_logging
+from grpod.daemon.logs import MetricsLog, WandbSink, configure_logging
 from grpod.daemon.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.group import RolloutGroup
@@ -281,6 +281,8 @@ class Daemon:
         control = ControlServer(self.cfg.socket_path, self.handlers(), self.cfg.control.request_timeout_s)
         try:
             async with anyio.create_task_group() as tg:
+                if self.cfg.metrics.wandb_project:
+                    self.metrics.wandb = await anyio.to_thread.run_sync(self._wandb_sink)
                 await tg.start(control.serve)
                 if self.cfg.metrics.prometheus_port is not None:
                     from grpod.daemon.exporter import serve_metrics
@@ -312,9 +314,15 @@ class Daemon:
                 await self._emergency_stop()
         finally:
             self.notifier.close()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.metrics.close)
         self.phase = RunPhase.STOPPED
         log.info("daemon_stopped", step=self.step, exit_code=self.exit_code, reason=self.stop_reason)
         return self.exit_code
+
+    def _wandb_sink(self) -> WandbSink:
+        m = self.cfg.metrics
+        return WandbSink(m.wandb_project, m.wandb_entity, m.wandb_mode, self.run_dir, self.cfg.model_dump(mode="json"))
 
     def _fail(self, reason: str) -> None:
         log.error("run_failed", reason=reason, step=self.step)

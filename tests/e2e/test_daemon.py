@@ -1,7 +1,7 @@
 """The walking skeleton end to end: a real `grpod start` supervising a real vLLM (CPU build).
 
-One daemon run exercises the control socket (status, pause, resume, sync, checkpoint) and a
-`none`/restart sync; a second run resumes from the first run's checkpoint, reloads in place and
+One daemon run exercises the control socket (status, pause, resume, sync, checkpoint, and
+`grpod ctl stop` as the unit's ExecStop runs it) and a `none`/restart sync; a second run resumes from the first run's checkpoint, reloads in place and
 is stopped by SIGTERM. After each: no process of any vLLM group it started remains, the decoy
 survives, and the final checkpoint loads with `from_pretrained`.
 
@@ -18,6 +18,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -41,7 +43,7 @@ def test_daemon_trains_syncs_answers_and_stops_clean(tmp_path, warm_model_dir):
     decoy = start_decoy(tmp_path)
     run_dir = tmp_path / "run"
     settings = base_settings(run_dir, warm_model_dir) | {
-        "train.steps": 4,
+        "train.steps": 100,
         "bridge.mode": "none",
         "bridge.reload": "restart",
         "bridge.sync_every": 3,
@@ -78,6 +80,13 @@ def test_daemon_trains_syncs_answers_and_stops_clean(tmp_path, warm_model_dir):
         bad = daemon.ctl("frobnicate")
         assert not bad["ok"] and "unknown command" in bad["error"]
 
+        # The unit's ExecStop: finish the step, final checkpoint, stop vLLM, exit 0.
+        daemon.wait_for(lambda s: s["step"] >= 4, 300, "step 4")
+        stop = subprocess.run(
+            [sys.executable, "-m", "grpod", "ctl", "stop", "--config", str(config)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+        assert stop.returncode == 0, stop.stderr
         code = daemon.wait_exit(600)
         assert code == 0, daemon.tail()
     finally:
@@ -89,7 +98,8 @@ def test_daemon_trains_syncs_answers_and_stops_clean(tmp_path, warm_model_dir):
     decoy.wait()
 
     records = [r for r in metrics(run_dir) if r["kind"] == "step"]
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    trained = [r["step"] for r in records]
+    assert len(trained) >= 4 and trained == list(range(1, len(trained) + 1)) and trained[-1] < 100
     synced = [r for r in records if r["sync_s"] is not None]
     assert synced, "at least one scheduled sync"
     for r in synced:
@@ -98,7 +108,7 @@ def test_daemon_trains_syncs_answers_and_stops_clean(tmp_path, warm_model_dir):
 
     final = _final_checkpoint(run_dir)
     manifest = json.loads((final / "manifest.json").read_text())
-    assert manifest["step"] == 4
+    assert manifest["step"] == trained[-1], "ctl stop checkpoints the last trained step"
     model = AutoModelForCausalLM.from_pretrained(final / "model")
     original = AutoModelForCausalLM.from_pretrained(warm_model_dir)
     changed = any(
