@@ -111,7 +111,12 @@ class WandbSink:
             self.run.log(numbers, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() hands the last records to wandb's service process; teardown waits until it
+        # has written them and exited (the daemon's exit must not cut them off).
+        wandb.teardown()
 
 
 class MetricsLog:
