@@ -33,13 +33,14 @@ model: setup
 run: setup model
 	$(VENV)/bin/grpod start --config etc/grpod.toml
 
+# Everything: unit, end-to-end (real vLLM) and the fault-injection suite (prints its table).
 test: setup
-	$(PY) -m pytest -q -ra -m "not faults"
+	$(PY) -m pytest -q -ra --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not e2e and not faults"
 
-# The fault-injection suite (real vLLM, real SIGKILLs); not yet green: see the issue notes.
+# The fault-injection suite alone (real vLLM, real SIGKILLs of vLLM and of the daemon).
 test-faults: setup
 	$(PY) -m pytest -q -ra -m faults tests/faults
 
