@@ -131,10 +131,14 @@ def cmd_ctl(args: argparse.Namespace) -> int:
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
+    from grpod.models.tiny import init_model, outdated_recipe
+
     if args.if_missing and (args.out / "config.json").exists():
         print(f"{args.out}: model present, nothing to do")
+        outdated = outdated_recipe(args.out)
+        if outdated:
+            print(f"note: {args.out} was {outdated}; remove it and rerun to rebuild", file=sys.stderr)
         return 0
-    from grpod.models.tiny import init_model
 
     summary = init_model(args.out, seed=args.seed)
     print(json.dumps(summary, indent=2))

@@ -8,12 +8,25 @@ vLLM CPU attention supports). Both are deterministic from the seed. The model is
 format (safetensors + tokenizer.json + chat template) so that `from_pretrained` and vLLM load it.
 
 `init_model` makes the policy grpod starts from when none is configured: built, warmed up on the
-arithmetic task (`grpod.models.warmup`) until greedy decoding is right on roughly a quarter of
-the held-out problems, and saved atomically with a `grpod_model.json` that records how it was made
-and how well it does. Calibration (DEFAULT_WARMUP_STEPS; bench/tiny_model.py): seeds 0-5 reach
-0.19-0.31 held-out greedy accuracy (seed 0: 0.22), and 65-81 % of problems get a group of 8
-samples at T=1 that mixes right and wrong answers, so GRPO has a signal from its first step and
-much room left. The whole init takes ~25-30 s with one thread on a busy 2-core machine.
+arithmetic task (`grpod.models.warmup`), and saved atomically with a `grpod_model.json` that
+records how it was made and how well it does.
+
+Why the warm-up teaches a rejected answer style. A warm-up that stops while the model is still
+learning the arithmetic (340 steps: greedy accuracy 0.33 on training problems, 0.22 held out)
+leaves GRPO nothing it can move on held-out problems in minutes, because what it would have to
+improve is problem-specific knowledge. Measured offline with the trainer and on-policy samples:
+one step does raise P(correct) on its own groups (+0.03 at lr 1e-4), but 400 steps left held-out
+greedy accuracy at 0.14 (lr 1e-4; lower at 3e-4 and 1e-3), and at 550 warm-up steps 0.42 -> 0.46
+with dips to 0.33. So the warm-up runs long enough for the arithmetic to generalise (800 steps)
+and writes 60 % of the non-negative answers as "+12", a form the verifier rejects
+(`DEFAULT_PLUS_SIGN_SHARE`). The policy then knows most answers but greedy decoding often opens
+with "+": seed 0 is right on 0.21 of the held-out problems greedily, on 0.31 of T=1 samples, and
+81 % of problems get a group of 8 samples that mixes right and wrong answers. Dropping the "+" is
+one behaviour shared by every problem, so what GRPO learns on training problems shows on held-out
+ones: `make run` goes from 0.21 to 0.83 held-out greedy accuracy in 100 steps, most of it in the
+first 40 (README has three seeds; bench/tiny_model.py measures the init). The evaluation is still
+exact match: a "+12" counts as wrong at the start and at the end alike. The whole init takes
+~60 s with one thread on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -124,9 +137,11 @@ def save_model(model: Qwen2ForCausalLM, tok: PreTrainedTokenizerBase, out: Path)
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
 
-DEFAULT_WARMUP_STEPS = 340
+DEFAULT_WARMUP_STEPS = 800
 DEFAULT_WARMUP_LR = 3e-3
 DEFAULT_WARMUP_BATCH = 64
+# Share of warm-up answers >= 0 written "+12" (rejected by the verifier); see the module docstring.
+DEFAULT_PLUS_SIGN_SHARE = 0.6
 MODEL_RECORD = "grpod_model.json"
 
 
@@ -142,6 +157,21 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
+def outdated_recipe(path: Path) -> str | None:
+    """Why the model at `path` is not what `init_model` builds today (None when it is, or when
+    `path` has no record): a model from an older warm-up recipe makes the default run show
+    something else than what the docs promise."""
+    record_path = Path(path) / MODEL_RECORD
+    if not record_path.is_file():
+        return None
+    record = json.loads(record_path.read_text())
+    current = {"warmup_steps": DEFAULT_WARMUP_STEPS, "warmup_plus_sign_share": DEFAULT_PLUS_SIGN_SHARE}
+    differ = {key: record.get(key, 0.0) for key, value in current.items() if record.get(key, 0.0) != value}
+    if not differ:
+        return None
+    return f"built with {differ}, the current recipe is {current}"
+
+
 def init_model(
     out: Path,
     seed: int = 0,
@@ -152,10 +182,12 @@ def init_model(
     eval_size: int | None = None,
     group_size: int = 8,
     threads: int | None = 1,
+    plus_sign_share: float = DEFAULT_PLUS_SIGN_SHARE,
 ) -> dict[str, Any]:
     """Build the tiny policy, warm it up on the arithmetic task, measure it, save it at `out`.
 
-    Returns (and writes to `out/grpod_model.json`) seed, warmup_steps, eval_accuracy (HF greedy on
+    Returns (and writes to `out/grpod_model.json`) seed, the warm-up settings (warmup_steps, lr,
+    batch size, plus_sign_share), eval_accuracy (HF greedy on
     `eval_size` held-out problems, default all of them), eval_size, seconds, and the sampled-group
     figures (`sampled`: group_size completions per problem at temperature 1).
 
@@ -178,19 +210,22 @@ def init_model(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _init_model(out, seed, warmup_steps, lr, batch_size, eval_size, group_size)
+        return _init_model(out, seed, warmup_steps, lr, batch_size, eval_size, group_size, plus_sign_share)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _init_model(
-    out: Path, seed: int, warmup_steps: int, lr: float, batch_size: int, eval_size: int | None, group_size: int
+    out: Path, seed: int, warmup_steps: int, lr: float, batch_size: int, eval_size: int | None, group_size: int,
+    plus_sign_share: float,
 ) -> dict[str, Any]:
     started = time.perf_counter()
     model, tok = build_model(seed)
     task = ArithmeticTask(seed=seed)
     problems = task.eval_set(task.held_out_size if eval_size is None else eval_size)
-    training = warmup(model, tok, task, warmup_steps, seed=seed, lr=lr, batch_size=batch_size)
+    training = warmup(
+        model, tok, task, warmup_steps, seed=seed, lr=lr, batch_size=batch_size, plus_sign_share=plus_sign_share
+    )
     accuracy = greedy_accuracy(model, tok, problems)
     sampled = sampled_group_stats(model, tok, problems, group_size=group_size, temperature=1.0, seed=seed)
     record = {
@@ -198,6 +233,7 @@ def _init_model(
         "warmup_steps": warmup_steps,
         "warmup_lr": lr,
         "warmup_batch_size": batch_size,
+        "warmup_plus_sign_share": plus_sign_share,
         "warmup_final_loss": training["final_loss"],
         "task": task.name,
         "task_max_operand": task.max_operand,

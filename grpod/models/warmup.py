@@ -1,9 +1,11 @@
 """Supervised warm-up of a policy on the arithmetic task, and HF-side measurements of the result.
 
 A freshly initialised model never emits a well-formed answer, so GRPO would see only zero rewards.
-`warmup` teaches the answer format and some arithmetic by teacher forcing (prompt + answer + eos,
-loss on the answer and eos tokens only) for a calibrated number of steps: enough that the policy
-is right on a fair share of held-out problems, few enough that RL has much left to improve.
+`warmup` teaches the arithmetic by teacher forcing (prompt + answer + eos, loss on the answer and
+eos tokens only). With `plus_sign_share` > 0 that share of the non-negative answers is written
+with an explicit sign ("+12"), which the task's verifier rejects: the model learns the sums but
+an answer style that GRPO has to unlearn, and unlearning it transfers to held-out problems (the
+calibration and the measurements behind it are in `grpod.models.tiny`).
 
 `generate` is a small batched decoding loop (greedy or plain temperature sampling, no top-k/top-p)
 used to measure the policy with HF alone; prompts are grouped by length so that no padding enters
@@ -16,6 +18,7 @@ import math
 import random
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -31,18 +34,21 @@ IGNORE_INDEX = -100
 
 
 def teacher_forcing_batch(
-    tokenizer: PreTrainedTokenizerBase, problems: list[Problem], cache: dict[str, tuple[list[int], list[int]]]
+    tokenizer: PreTrainedTokenizerBase,
+    problems: list[Problem],
+    cache: dict[tuple[str, str], tuple[list[int], list[int]]],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids, attention mask, and labels that are IGNORE_INDEX outside the answers.
 
-    `cache` maps a question to its (prompt, answer) tokens: the problem space is small and the chat
-    template costs as much as a quarter of a training step.
+    `cache` maps a (question, answer) to its (prompt, answer) tokens: the problem space is small
+    and the chat template costs as much as a quarter of a training step.
     """
     rows = []
     for p in problems:
-        if p.question not in cache:
-            cache[p.question] = (prompt_ids(tokenizer, p), answer_ids(tokenizer, p))
-        rows.append(cache[p.question])
+        key = (p.question, p.answer)
+        if key not in cache:
+            cache[key] = (prompt_ids(tokenizer, p), answer_ids(tokenizer, p))
+        rows.append(cache[key])
     width = max(len(prompt) + len(answer) for prompt, answer in rows)
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -53,6 +59,13 @@ def teacher_forcing_batch(
         attention[i, : len(seq)] = 1
         labels[i, len(prompt) : len(seq)] = torch.tensor(answer)
     return input_ids, attention, labels
+
+
+def _styled(problem: Problem, rng: random.Random, plus_sign_share: float) -> Problem:
+    """`problem` with its non-negative answer written "+12" with probability `plus_sign_share`."""
+    if problem.answer.startswith("-") or rng.random() >= plus_sign_share:
+        return problem
+    return replace(problem, answer="+" + problem.answer)
 
 
 def _learning_rate(step: int, steps: int, peak: float) -> float:
@@ -72,8 +85,12 @@ def warmup(
     seed: int,
     lr: float,
     batch_size: int,
+    plus_sign_share: float = 0.0,
 ) -> dict[str, Any]:
     """Fine-tune `model` in place on `steps` batches of training problems.
+
+    `plus_sign_share`: the probability that a non-negative answer is written "+12" instead of "12"
+    (drawn from its own stream, so the problems drawn do not depend on it).
 
     Returns the settings, `first_loss`, `final_loss` (mean over the last tenth of the steps; None
     for no steps) and `seconds`.
@@ -82,10 +99,14 @@ def warmup(
     the same model, seed and torch thread count give bitwise the same weights. Leaves the model in
     eval mode.
     """
-    if steps < 0 or batch_size < 1 or lr <= 0:
-        raise ValueError(f"warmup needs steps >= 0, batch_size >= 1, lr > 0; got {steps}, {batch_size}, {lr}")
+    if steps < 0 or batch_size < 1 or lr <= 0 or not 0.0 <= plus_sign_share <= 1.0:
+        raise ValueError(
+            f"warmup needs steps >= 0, batch_size >= 1, lr > 0, 0 <= plus_sign_share <= 1; "
+            f"got {steps}, {batch_size}, {lr}, {plus_sign_share}"
+        )
     started = time.perf_counter()
     rng = random.Random(seed)
+    style_rng = random.Random(f"{seed}:style")
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     model.train()
@@ -94,9 +115,9 @@ def warmup(
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(step, steps, lr)
-        input_ids, attention, labels = teacher_forcing_batch(
-            tokenizer, [task.sample(rng) for _ in range(batch_size)], token_cache
-        )
+        problems = [task.sample(rng) for _ in range(batch_size)]
+        problems = [_styled(p, style_rng, plus_sign_share) for p in problems]
+        input_ids, attention, labels = teacher_forcing_batch(tokenizer, problems, token_cache)
         logits = model(input_ids=input_ids, attention_mask=attention).logits
         loss = F.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.shape[-1]),
@@ -114,6 +135,7 @@ def warmup(
         "steps": steps,
         "batch_size": batch_size,
         "lr": lr,
+        "plus_sign_share": plus_sign_share,
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(tail) / len(tail) if tail else None,
         "seconds": time.perf_counter() - started,

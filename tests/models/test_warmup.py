@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from grpod.models import warmup as warmup_module
 from grpod.models.tiny import build_model
 from grpod.models.warmup import (
     IGNORE_INDEX,
@@ -64,6 +65,31 @@ def test_warmup_raises_held_out_accuracy():
     assert result["final_loss"] < result["first_loss"]
     assert after > before
     assert well_formed >= 0.9
+
+
+def test_plus_sign_share_rewrites_that_share_of_non_negative_answers_only(monkeypatch):
+    """The style draw has its own stream: the problems are those of an unstyled warm-up."""
+    seen = []
+
+    def record(tokenizer, problems, cache):
+        seen.append(list(problems))
+        return teacher_forcing_batch(tokenizer, problems, cache)
+
+    monkeypatch.setattr(warmup_module, "teacher_forcing_batch", record)
+    task = ArithmeticTask(seed=0)
+    model, tok = build_model(0)
+    warmup(model, tok, task, steps=4, seed=3, lr=1e-4, batch_size=64)
+    plain, seen[:] = list(seen), []
+    warmup(model, tok, task, steps=4, seed=3, lr=1e-4, batch_size=64, plus_sign_share=0.6)
+    pairs = [(a, b) for x, y in zip(plain, seen, strict=True) for a, b in zip(x, y, strict=True)]
+    assert all(a.question == b.question for a, b in pairs)
+    assert all(b.answer == a.answer for a, b in pairs if a.answer.startswith("-"))
+    non_negative = [(a, b) for a, b in pairs if not a.answer.startswith("-")]
+    signed = [b for a, b in non_negative if b.answer == "+" + a.answer]
+    assert all(b.answer in (a.answer, "+" + a.answer) for a, b in non_negative)
+    assert 0.45 <= len(signed) / len(non_negative) <= 0.75
+    with pytest.raises(ValueError, match="plus_sign_share"):
+        warmup(model, tok, task, steps=1, seed=0, lr=1e-4, batch_size=1, plus_sign_share=1.5)
 
 
 def test_greedy_loop_matches_hf_generate():

@@ -39,6 +39,7 @@ def test_problem_text_and_answer():
         (" 19 \n", 1.0),
         ("19<|im_end|>\n", 1.0),
         ("019", 0.0),
+        ("+19<|im_end|>", 0.0),  # the style the default warm-up teaches 60 % of the time
         ("18", 0.0),
         ("-19", 0.0),
         ("1 9", 0.0),
