@@ -18,6 +18,8 @@ Case 8: while daemon 3 trains, a few client threads send 1000 requests — valid
 commands and garbage (bad JSON, unknown commands, wrong argument types, invalid UTF-8, lines
 over the 64 KiB limit). Every request gets a reply of the right kind; latencies are reported;
 the losses of the steps trained under the flood equal the reference's.
+
+Exact resume (issue 3): the lineage's final weights equal the straight run's bit for bit.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.faults.injection import (
     alive,
@@ -348,10 +352,21 @@ def test_daemon_sigkill_mid_step_and_mid_checkpoint_then_resume_under_control_fl
         assert abs(run_loss[step] - ref_loss[step]) <= LOSS_TOLERANCE * max(1.0, abs(ref_loss[step])), (
             f"step {step}: loss {run_loss[step]} vs reference {ref_loss[step]}"
         )
+    # Exact resume: the twice-killed lineage ends bitwise where the straight run ends.
+    ours, theirs = _final_weights(run_dir), _final_weights(reference_run)
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), f"{name} differs from the straight run after two resumes"
     # Case 8: every request answered correctly, while steps were being trained.
     assert flood.replies == FLOOD_REQUESTS and not flood.wrong, flood.wrong[:10]
     assert max(flood.steps_seen) > min(flood.steps_seen), "the flood overlapped training (the step advanced)"
     assert min(flood.steps_seen) < STEPS
+
+
+def _final_weights(run_dir) -> dict:
+    final = run_dir / "checkpoints" / f"step-{STEPS:06d}"
+    assert (final / "manifest.json").exists(), f"no final checkpoint {final}"
+    return load_file(final / "model" / "model.safetensors")
 
 
 def _first_step_time(run_dir, step: int, records_before: int) -> float:
