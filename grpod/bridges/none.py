@@ -3,9 +3,10 @@
 Every `bridge.sync_every` steps the trainer saves its weights as an HF safetensors checkpoint in
 a new versioned directory (`<run>/weights/v000007`), then either
 
-- `reload = "in_place"` (default, the fast path): fence vLLM (`/pause?mode=keep`), reload the
-  weights in place with `collective_rpc("reload_weights", weights_path=...)`, reset the prefix
-  cache, bump the weight version, `/resume` — no restart (~10 ms on the tiny model); or
+- `reload = "in_place"` (default, the fast path): fence vLLM (`/grpod/pause?mode=keep`), reload
+  the weights in place with `collective_rpc("reload_weights", weights_path=...)`, then reset the
+  prefix cache, bump the weight version and resume in one request (`/grpod/resume`) — no
+  restart; a reload that fails leaves vLLM paused (it never serves half-loaded weights); or
 - `reload = "restart"`: stop vLLM (process group), wait until its processes, port and memory are
   gone, relaunch it on the new directory, wait until healthy.
 
@@ -67,11 +68,9 @@ class NoneBridge(Bridge):
             self._close()
             t = time.perf_counter()
             await self.client.pause(mode="keep")
-            try:
-                await self.client.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)})
-                await self._bump_version_and_reset_cache(version)
-            finally:
-                await self.client.resume()
+            # A reload that fails leaves vLLM paused: half-loaded weights are never served.
+            await self.client.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)})
+            await self.client.end_fence(version)
             phases["reload"] = time.perf_counter() - t
             self.current_weights = staged
         self._prune_weights(keep=2)

@@ -12,8 +12,8 @@ The fence: the trainer runs every optimizer step through `trainer.update_fence(s
 sets it to `fence_update`, which (from the trainer's worker thread) runs the bridge's sync around
 the step:
 
-    /pause?mode=keep → optimizer.step() writes the shared tensors in place →
-    prefix-cache reset + weight version bump → /resume → alignment probe
+    /grpod/pause?mode=keep → optimizer.step() writes the shared tensors in place →
+    /grpod/resume (prefix-cache reset + weight version bump + resume, one request) → probe
 
 so no forward pass ever reads half-written weights, and generation is paused only for the step
 itself, not for the forward/backward before it. vLLM's pause clears its caches and preempts the
@@ -209,8 +209,7 @@ class SharedBridge(Bridge):
             await anyio.to_thread.run_sync(update)
             phases["optimizer_step"] = time.perf_counter() - t
         t = time.perf_counter()
-        await self._bump_version_and_reset_cache(version)
-        await self.client.resume()
+        await self.client.end_fence(version)
         phases["reset_resume"] = time.perf_counter() - t
 
     async def stop(self) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import aiohttp
 import structlog
 
-from grpod.inference.server import PAUSE_ROUTE
+from grpod.inference.server import PAUSE_ROUTE, RESUME_ROUTE
 
 log = structlog.get_logger(__name__)
 
@@ -199,6 +199,11 @@ class InferenceClient:
 
     async def resume(self) -> None:
         await self._request("POST", "/resume")
+
+    async def end_fence(self, version: int) -> None:
+        """After a weight change under `pause`: prefix-cache reset, weight version `version`,
+        resume — one request to grpod's `/grpod/resume`."""
+        await self._request("POST", RESUME_ROUTE, json_body={"version": version})
 
     async def is_paused(self) -> bool:
         answer = await self._request("GET", "/is_paused")

@@ -18,6 +18,10 @@ editing installed files:
   pass runs until `/resume`) and then sleeps a fixed 20 ms so outputs of aborted requests are
   delivered first, which is most of its cost on CPU; `keep` aborts nothing, so grpod's fence skips
   the sleep.
+- `POST /grpod/resume` `{"version": N}`: the end of a fence in one request — prefix-cache reset,
+  weight version N (vLLM's `update_weight_version`), resume — the same engine calls as
+  `/reset_prefix_cache`, `/update_weight_version` and `/resume`, in that order, without two
+  extra round trips.
 - An API-key check on every route but `/health` when the server has a key (`--api-key` or
   `VLLM_API_KEY`): vLLM's own check guards only `/v1`, `/v2`, `/inference` and `/cohere`, which
   leaves the dev routes (`/pause`, `/collective_rpc`, ...) and `/generate` open.
@@ -32,6 +36,7 @@ from typing import Any
 TOKEN_ID_PREFIX = "token_id:"
 GENERATE_MODEL_ROUTE = "/grpod/generate_model"
 PAUSE_ROUTE = "/grpod/pause"
+RESUME_ROUTE = "/grpod/resume"
 UNGUARDED_ROUTES = frozenset({"/health"})
 
 
@@ -160,8 +165,22 @@ def _add_grpod_routes(app: Any, args: Any) -> None:
         await raw_request.app.state.engine_client.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
         return JSONResponse({"status": "paused"})
 
+    async def resume(raw_request: Request) -> Any:
+        try:
+            version = (await raw_request.json())["version"]
+        except (ValueError, KeyError, TypeError):
+            return bad_request('expected {"version": <integer weight version>}')
+        if not isinstance(version, int) or isinstance(version, bool):
+            return bad_request(f'"version" must be an integer, not {version!r}')
+        engine = raw_request.app.state.engine_client
+        reset = await engine.reset_prefix_cache()
+        await engine.update_weight_version(str(version))
+        await engine.resume_generation()
+        return JSONResponse({"prefix_cache_reset": bool(reset), "version": version})
+
     app.state.grpod_generate_model = None
     app.add_api_route(PAUSE_ROUTE, pause, methods=["POST"])
+    app.add_api_route(RESUME_ROUTE, resume, methods=["POST"])
     app.add_api_route("/generate", generate, methods=["POST"])
     app.add_api_route(GENERATE_MODEL_ROUTE, set_generate_model, methods=["POST"])
 

@@ -69,6 +69,9 @@ class Client:
         self.engine._call(method)
         self.engine.weights = float((Path(kwargs["weights_path"]) / "w").read_text())
 
+    async def end_fence(self, version):
+        self.engine._call("end_fence")
+
     async def reset_prefix_cache(self):
         self.engine._call("reset_prefix_cache")
 
