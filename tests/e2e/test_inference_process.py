@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from grpod.config import InferenceConfig, ModelConfig
-from grpod.inference.client import InferenceClient
+from grpod.inference.client import InferenceClient, InferenceRequestError
 from grpod.inference.process import InferenceProcess, InferenceStartError, PortInUseError
 from grpod.inference.release import group_members, port_is_free
 from tests.harness import start_decoy
@@ -82,6 +82,17 @@ async def test_dev_routes_pause_holds_requests_until_resume(vllm_server):
         assert await client.reset_prefix_cache() is True
         await client.update_weight_version(7)
         assert await client.weight_version() == "7"
+
+        # The fence as the bridges run it: grpod's pause, then reset + version + resume at once.
+        await client.pause("keep")
+        assert await client.is_paused()
+        await client.end_fence(8)
+        assert not await client.is_paused() and await client.weight_version() == "8"
+        with pytest.raises(InferenceRequestError, match="HTTP 400.*mode must be"):
+            await client._request("POST", "/grpod/pause", params={"mode": "wait"})
+        with pytest.raises(InferenceRequestError, match="HTTP 400.*must be an integer"):
+            await client._request("POST", "/grpod/resume", json_body={"version": "8"})
+        assert not await client.is_paused() and await client.weight_version() == "8"
         inspection = await client.collective_rpc("get_model_inspection", timeout=30)
         assert len(inspection) == 1 and "Qwen2ForCausalLM" in inspection[0]
 
