@@ -1,22 +1,32 @@
 """Case 4: the Atropos trajectory API (real `run-api`) goes down for 30 s in the middle of a run.
 
-A minimal environment keeps a few synthetic, well-formed scored groups queued in run-api. Once
-the daemon has trained two steps, run-api is stopped by its PID; 30 s later a fresh one starts on
-the same port (it has forgotten the trainer and the environment, as after a crash). Meanwhile
-`ctl status` shows the source `waiting_for_api`; afterwards the daemon registers again, training
-continues, the run finishes with exit 0, and every group the daemon received was trained (or is
-in the final checkpoint's buffer) exactly once.
+Also the daemon-level Atropos end-to-end run (issue 5): a minimal environment generates its
+groups the way Atropos environments do — arithmetic prompts sent to the `POST /generate` route of
+the daemon's own vLLM, completions with their inference logprobs, scored by the arithmetic
+verifier — and keeps a few of them queued in run-api. The daemon registers, trains from `/batch`;
+the first step's trainer-vs-inference logprob gap shows the logprobs are vLLM's, aligned token for
+token.
+
+Once the daemon has trained two steps, run-api is stopped by its PID; 30 s later a fresh one
+starts on the same port (it has forgotten the trainer and the environment, as after a crash).
+Meanwhile `ctl status` shows the source `waiting_for_api`; afterwards the daemon registers again,
+training continues, the run finishes with exit 0, and every group the daemon received was
+trained (or is in the final checkpoint's buffer) exactly once.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
+import aiohttp
 import anyio
 import pytest
+from transformers import AutoTokenizer
 
-from tests.atropos_env import ScoredGroupEnv, TrajectoryApiProcess, api_get, scored_group
+from grpod.rollouts.arithmetic import ArithmeticTask, prompt_ids
+from tests.atropos_env import ScoredGroupEnv, TrajectoryApiProcess, api_get
 from tests.faults.injection import (
     checkpoint_steps,
     failure_reason,
@@ -37,16 +47,52 @@ QUEUED_GROUPS = 4
 
 
 class Environment(threading.Thread):
-    """Keeps `QUEUED_GROUPS` scored groups queued in run-api; survives run-api restarts by
-    registering again. Runs its own event loop in a thread; `stop()` ends it."""
+    """Keeps `QUEUED_GROUPS` scored groups queued in run-api, each generated through the daemon's
+    vLLM `/generate`; survives run-api restarts by registering again. Runs its own event loop in
+    a thread; `stop()` ends it."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, daemon: DaemonProcess, model_dir) -> None:
         super().__init__(daemon=True)
         self.url = url
+        self.daemon_process = daemon
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.task = ArithmeticTask(seed=3)
+        self.rng = random.Random(3)
         self.posted = 0
         self.registrations = 0
         self.errors = 0
+        self.scores: list[float] = []
         self._stopping = threading.Event()
+
+    def _generate_url(self) -> str | None:
+        try:
+            status = self.daemon_process.ctl("status", timeout_s=10)["result"]
+        except Exception:  # noqa: BLE001 — the daemon is still starting
+            return None
+        vllm = (status.get("bridge") or {}).get("vllm") or {}
+        return vllm.get("base_url")
+
+    async def _generated_group(self, base_url: str) -> dict:
+        """One scored group the way an Atropos environment makes it, from grpod's `/generate`."""
+        problem = self.task.sample(self.rng)
+        prompt = prompt_ids(self.tokenizer, problem)
+        body = {"prompt": {"prompt_token_ids": prompt}, "n": GROUP_SIZE, "max_tokens": 6, "temperature": 1.0, "logprobs": 0}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(base_url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=60)) as reply:
+                assert reply.status == 200, await reply.text()
+                answer = await reply.json()
+        tokens, masks, logprobs, scores = [], [], [], []
+        for ids, per_token in zip(answer["token_ids"], answer["logprobs"], strict=True):
+            tokens.append(prompt + ids)
+            masks.append([-100] * len(prompt) + ids)
+            logprobs.append([1.0] * len(prompt) + [next(iter(entry[0].values())) for entry in per_token])
+            scores.append(self.task.score(problem, self.tokenizer.decode(ids)))
+        self.scores.extend(scores)
+        return {
+            "tokens": tokens, "masks": masks, "scores": scores, "inference_logprobs": logprobs,
+            "generation_params": {"temperature": 1.0}, "advantages": None, "ref_logprobs": None,
+            "messages": None, "overrides": None, "group_overrides": None, "images": None,
+        }  # fmt: skip
 
     def stop(self) -> None:
         self._stopping.set()
@@ -57,7 +103,13 @@ class Environment(threading.Thread):
 
     async def _feed(self) -> None:
         env = ScoredGroupEnv(self.url, group_size=GROUP_SIZE)
+        base_url = None
         while not self._stopping.is_set():
+            if base_url is None:
+                base_url = await anyio.to_thread.run_sync(self._generate_url)
+                if base_url is None:
+                    await anyio.sleep(0.5)
+                    continue
             try:
                 if env.env_id is None:
                     if await env.try_register() is None:
@@ -66,7 +118,7 @@ class Environment(threading.Thread):
                     self.registrations += 1
                 status = await api_get(self.url, "/status")
                 if status.get("queue_size", 0) < QUEUED_GROUPS:
-                    await env.post(scored_group(1000 + self.posted, group_size=GROUP_SIZE))
+                    await env.post(await self._generated_group(base_url))
                     self.posted += 1
                     continue
             except Exception:  # noqa: BLE001 — run-api is down: register again once it is back
@@ -88,8 +140,8 @@ def test_run_api_down_30_s_daemon_waits_and_finishes(tmp_path, fault_model_dir, 
             "source.atropos_poll_s": 0.2,
             "inference.start_timeout_s": 300.0,
         }
-        env = Environment(api.url)
         daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", settings), run_dir)
+        env = Environment(api.url, daemon, fault_model_dir)
         env.start()
         try:
             status_until(daemon, lambda s: s["step"] >= 2, 400, "two steps trained from run-api")
@@ -134,3 +186,7 @@ def test_run_api_down_30_s_daemon_waits_and_finishes(tmp_path, fault_model_dir, 
     assert log_events(run_dir, "atropos_api_back"), "the source logged the API's return"
     assert not missing and not twice
     assert env.registrations >= 2
+    # The groups came from vLLM: at step 1 (weights = the ones that sampled them) the trainer's
+    # logprobs of the completion tokens equal the inference logprobs Atropos carried.
+    assert env.posted >= STEPS * 2 and len(env.scores) == env.posted * GROUP_SIZE
+    assert records[0]["logprob_diff_abs_mean"] < 0.01, records[0]["logprob_diff_abs_mean"]
