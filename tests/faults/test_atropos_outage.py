@@ -82,12 +82,13 @@ class Environment(threading.Thread):
                 assert reply.status == 200, await reply.text()
                 answer = await reply.json()
         tokens, masks, logprobs, scores = [], [], [], []
-        for ids, per_token in zip(answer["token_ids"], answer["logprobs"], strict=True):
+        for ids, per_token, finish in zip(answer["token_ids"], answer["logprobs"], answer["finish_reasons"], strict=True):
             tokens.append(prompt + ids)
             masks.append([-100] * len(prompt) + ids)
             logprobs.append([1.0] * len(prompt) + [next(iter(entry[0].values())) for entry in per_token])
-            scores.append(self.task.score(problem, self.tokenizer.decode(ids)))
-        self.scores.extend(scores)
+            # The verifier, plus half a point for ending the turn (the random model rarely does).
+            exact = self.task.score(problem, self.tokenizer.decode(ids))
+            scores.append(exact if exact else 0.5 * (finish == "stop"))
         return {
             "tokens": tokens, "masks": masks, "scores": scores, "inference_logprobs": logprobs,
             "generation_params": {"temperature": 1.0}, "advantages": None, "ref_logprobs": None,
@@ -118,8 +119,10 @@ class Environment(threading.Thread):
                     self.registrations += 1
                 status = await api_get(self.url, "/status")
                 if status.get("queue_size", 0) < QUEUED_GROUPS:
-                    await env.post(await self._generated_group(base_url))
+                    group = await self._generated_group(base_url)
+                    await env.post(group)
                     self.posted += 1
+                    self.scores.extend(group["scores"])
                     continue
             except Exception:  # noqa: BLE001 — run-api is down: register again once it is back
                 self.errors += 1
@@ -190,3 +193,4 @@ def test_run_api_down_30_s_daemon_waits_and_finishes(tmp_path, fault_model_dir, 
     # logprobs of the completion tokens equal the inference logprobs Atropos carried.
     assert env.posted >= STEPS * 2 and len(env.scores) == env.posted * GROUP_SIZE
     assert records[0]["logprob_diff_abs_mean"] < 0.01, records[0]["logprob_diff_abs_mean"]
+    assert any(r["loss"] != 0.0 for r in records), "the generated groups carried a learning signal"
