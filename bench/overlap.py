@@ -1,7 +1,8 @@
 """Overlapped vs synchronous generate/train loop on the builtin task (real vLLM, CPU build).
 
-Runs `grpod start` twice on the same settings — `source.overlap = false` (generate a step's
-groups, then train on them) and `true` (generation runs ahead while the trainer trains) — and
+Runs `grpod start` on the embedded default (`etc/grpod.toml`) twice — `source.overlap = false`
+(generate a step's groups, then train on them) and `true` (generation runs ahead while the
+trainer trains) — and
 reads the steady-state step period from metrics.jsonl (wall time between consecutive steps,
 first steps dropped). From the synchronous run it also derives the generate time and the train
 (+ sync) time per step; the ideal overlapped period is max(generate, train).
@@ -22,30 +23,28 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.harness import write_config  # noqa: E402
-
 
 def run(mode_overlap: bool, model: Path, steps: int, workdir: Path) -> list[dict]:
+    """One `grpod start` on the embedded default (etc/grpod.toml) with only the loop's mode, the
+    run length and the bookkeeping (no evaluation, no checkpoints) changed."""
     run_dir = workdir / ("overlap" if mode_overlap else "sync")
     settings = {
         "run.dir": str(run_dir),
+        "run.resume": "never",
         "run.progress": False,
         "model.path": str(model),
         "source.overlap": mode_overlap,
-        "source.group_size": 8,
-        "source.prefetch_groups": 16,
-        "source.concurrency": 4,
         "train.steps": steps,
-        "train.groups_per_step": 8,
-        "train.max_staleness": 2,
+        "train.schedule": "constant",
         "checkpoint.every": 0,
         "checkpoint.at_shutdown": False,
         "eval.size": 0,
     }
-    config = write_config(workdir / f"{run_dir.name}.toml", settings)
-    subprocess.run([sys.executable, "-m", "grpod", "start", "--config", str(config)], cwd=ROOT, check=True, timeout=1800)
+    overrides = [f"--set={key}={json.dumps(value)}" for key, value in settings.items()]
+    subprocess.run(
+        [sys.executable, "-m", "grpod", "start", "--config", str(ROOT / "etc" / "grpod.toml"), *overrides],
+        cwd=ROOT, check=True, timeout=1800,
+    )  # fmt: skip
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind": "step"' in line]
 
 
