@@ -76,27 +76,39 @@ class InferenceClient:
         timeout_s: float | None = None,
     ) -> Any:
         """Send one request; return the decoded JSON body (the text when it is not JSON, None when
-        empty)."""
+        empty).
+
+        A request whose connection is reset or closed before any answer is sent once more on a
+        new connection: the server may close an idle keep-alive connection just as a request is
+        written to it (after a stall longer than its keep-alive timeout, every pooled connection
+        is in that state). Every route grpod calls is safe to repeat. A dead server fails again.
+        """
         if self._session is None:
             raise RuntimeError("InferenceClient used outside `async with`")
         timeout = timeout_s if timeout_s is not None else self.timeout_s
-        try:
-            async with self._session.request(
-                method,
-                self.base_url + route,
-                json=json_body,
-                params=params,
-                timeout=aiohttp.ClientTimeout(total=timeout),
-            ) as response:
-                text = await response.text()
-                status = response.status
-                is_json = response.content_type == "application/json"
-        except TimeoutError:
-            raise InferenceRequestError(
-                route, None, f"timed out after {timeout:g} s (inference.request_timeout_s)"
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise InferenceRequestError(route, None, f"{type(exc).__name__}: {exc}") from None
+        for attempt in (1, 2):
+            try:
+                async with self._session.request(
+                    method,
+                    self.base_url + route,
+                    json=json_body,
+                    params=params,
+                    timeout=aiohttp.ClientTimeout(total=timeout),
+                ) as response:
+                    text = await response.text()
+                    status = response.status
+                    is_json = response.content_type == "application/json"
+                break
+            except TimeoutError:
+                raise InferenceRequestError(
+                    route, None, f"timed out after {timeout:g} s (inference.request_timeout_s)"
+                ) from None
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt == 2 or isinstance(exc, aiohttp.ClientConnectorError):
+                    raise InferenceRequestError(route, None, f"{type(exc).__name__}: {exc}") from None
+                log.info("inference_request_retried", route=route, error=f"{type(exc).__name__}: {exc}")
+            except aiohttp.ClientError as exc:
+                raise InferenceRequestError(route, None, f"{type(exc).__name__}: {exc}") from None
         if status != 200:
             raise InferenceRequestError(route, status, text[:BODY_EXCERPT_CHARS])
         if not text:

@@ -203,14 +203,29 @@ def test_resume_in_place_sync_and_sigterm(tmp_path, warm_model_dir):
         # In-place syncs after every step continue the resumed run's policy version (2).
         status = second.wait_for(lambda s: (s["policy_version"] or 0) >= 4, 400, "two more syncs after resume")
         assert status["step"] >= 4
-        assert notify.times("READY") and len(notify.times("WATCHDOG")) >= 2, notify.messages[:5]
+        deadline = time.monotonic() + 10
+        while len(notify.times("WATCHDOG")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert notify.times("READY") and len(notify.times("WATCHDOG")) >= 3, notify.messages[:5]
 
         # A hung sync withholds the watchdog; systemd (WatchdogSec) would restart the service.
-        frozen = status["bridge"]["vllm"]["pid"]
-        os.killpg(frozen, signal.SIGSTOP)
-        hung = second.wait_for(
-            lambda s: (s["heartbeat"]["busy_for_s"] or 0) > STALL_AFTER_S + 3, 120, "a sync hung on the frozen vLLM"
-        )
+        # vLLM is frozen while the buffer holds a step's groups, so the next step trains without
+        # it and its sync hangs. (Frozen with an empty buffer, the daemon would only wait for
+        # rollouts, which is not a stall: thaw and try again.)
+        hung = None
+        for _ in range(3):
+            ready = second.wait_for(lambda s: s["queue_depth"] >= settings["train.groups_per_step"], 120, "a full step buffered")
+            frozen = ready["bridge"]["vllm"]["pid"]
+            os.killpg(frozen, signal.SIGSTOP)
+            try:
+                hung = second.wait_for(
+                    lambda s: (s["heartbeat"]["busy_for_s"] or 0) > STALL_AFTER_S + 3, 30, "a sync hung on the frozen vLLM"
+                )
+                break
+            except AssertionError:
+                os.killpg(frozen, signal.SIGCONT)
+                frozen = None
+        assert hung is not None, "no sync hung on the frozen vLLM in three tries"
         assert not hung["heartbeat"]["healthy"]
         now = time.monotonic()
         stalled_since = now - hung["heartbeat"]["busy_for_s"] + STALL_AFTER_S + WATCHDOG_USEC / 2e6
