@@ -43,7 +43,7 @@ from tests.harness import DaemonProcess, base_settings, write_config
 
 pytestmark = pytest.mark.faults
 
-STEPS = 24
+STEPS = 64
 SYNC_EVERY = 4
 GROUP_SIZE = 4
 GROUPS_PER_STEP = 2
@@ -56,7 +56,9 @@ def _settings(run_dir, model_dir):
         "train.groups_per_step": GROUPS_PER_STEP,
         "source.group_size": GROUP_SIZE,
         "source.concurrency": CONCURRENCY,
-        "source.max_tokens": 48,
+        # The random-weight model rarely ends a turn: completions run to max_tokens, so vLLM is
+        # generating most of the time and every step takes long enough to be hit on an idle machine.
+        "source.max_tokens": 160,
         "source.prefetch_groups": GROUPS_PER_STEP,
         "bridge.sync_every": SYNC_EVERY,
         "run.record_rollouts": True,
