@@ -171,6 +171,12 @@ class MetricsConfig(_Section):
     wandb_mode: Literal["online", "offline"] = "online"
 
 
+def run_key(run_dir: Path | str) -> str:
+    """A short stable name for a run directory (its resolved path, hashed): what names the run's
+    resources outside it, so that a restart of the same run finds them again."""
+    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
 class GrpodConfig(_Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()

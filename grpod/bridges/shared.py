@@ -53,7 +53,6 @@ Transition table:
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import time
 from collections.abc import Callable
@@ -65,7 +64,7 @@ import structlog
 
 from grpod.bridges.base import Bridge, BridgeFailed, SyncRecord
 from grpod.bridges.common import Event, lifecycle_rows, mode_states
-from grpod.config import GrpodConfig
+from grpod.config import GrpodConfig, run_key
 from grpod.inference.client import InferenceRequestError
 from grpod.training.attach import SharedWeights, share_parameters
 
@@ -94,8 +93,7 @@ TABLE = {
 def shared_dir(run_dir: Path) -> Path:
     """The run's /dev/shm directory: named after the run directory, so a restart of the same run
     finds (and replaces) what a killed predecessor left."""
-    digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-    return SHM_ROOT / f"grpod-shared-{digest}"
+    return SHM_ROOT / f"grpod-shared-{run_key(run_dir)}"
 
 
 def check_supported(cfg: GrpodConfig, trainer_device: str, vllm_on_gpu: bool) -> None:

@@ -6,7 +6,6 @@ and the tests read), optionally mirrored to Weights & Biases (`WandbSink`, `metr
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
+
+from grpod.config import run_key
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -88,7 +89,7 @@ class WandbSink:
             import wandb
         except ImportError as exc:
             raise RuntimeError(f"metrics.wandb_project = {project!r} needs the wandb package: pip install wandb") from exc
-        run_id = "grpod-" + hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+        run_id = "grpod-" + run_key(run_dir)
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=project,
