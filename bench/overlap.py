@@ -5,9 +5,12 @@ Runs `grpod start` on the embedded default (`etc/grpod.toml`) twice — `source.
 trainer trains) — and
 reads the steady-state step period from metrics.jsonl (wall time between consecutive steps,
 first steps dropped). From the synchronous run it also derives the generate time and the train
-(+ sync) time per step; the ideal overlapped period is max(generate, train).
+(+ sync) time per step; the ideal overlapped period is max(generate, train). The overlapped loop
+can come in under that ideal: there the sync is pipelined, and its vLLM half (reload, probe)
+leaves the trainer's path, so "train + sync" of the synchronous loop overstates the trainer's
+share. `--set KEY=VALUE` overrides a key in both runs.
 
-    .venv/bin/python bench/overlap.py [--steps 16] [--model models/tiny-arith]
+    .venv/bin/python bench/overlap.py [--steps 16] [--model models/tiny-arith] [--set KEY=VALUE]
 
 Prints a table and writes bench/results/overlap.json.
 """
@@ -24,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-def run(mode_overlap: bool, model: Path, steps: int, workdir: Path) -> list[dict]:
+def run(mode_overlap: bool, model: Path, steps: int, workdir: Path, extra: list[str]) -> list[dict]:
     """One `grpod start` on the embedded default (etc/grpod.toml) with only the loop's mode, the
     run length and the bookkeeping (no evaluation, no checkpoints) changed."""
     run_dir = workdir / ("overlap" if mode_overlap else "sync")
@@ -42,7 +45,7 @@ def run(mode_overlap: bool, model: Path, steps: int, workdir: Path) -> list[dict
     }
     overrides = [f"--set={key}={json.dumps(value)}" for key, value in settings.items()]
     subprocess.run(
-        [sys.executable, "-m", "grpod", "start", "--config", str(ROOT / "etc" / "grpod.toml"), *overrides],
+        [sys.executable, "-m", "grpod", "start", "--config", str(ROOT / "etc" / "grpod.toml"), *overrides, *extra],
         cwd=ROOT, check=True, timeout=1800,
     )  # fmt: skip
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind": "step"' in line]
@@ -65,10 +68,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--skip", type=int, default=3, help="first step periods dropped (warm-up)")
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-arith")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one more override for both runs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="grpod-bench-") as tmp:
-        sync = steady(run(False, args.model, args.steps, Path(tmp)), args.skip)
-        over = steady(run(True, args.model, args.steps, Path(tmp)), args.skip)
+        sync = steady(run(False, args.model, args.steps, Path(tmp), [f"--set={kv}" for kv in args.set]), args.skip)
+        over = steady(run(True, args.model, args.steps, Path(tmp), [f"--set={kv}" for kv in args.set]), args.skip)
     generate = sync["period_s"] - sync["train_sync_s"]
     ideal = max(generate, sync["train_sync_s"])
     result = {

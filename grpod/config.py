@@ -135,6 +135,8 @@ class BridgeConfig(_Section):
     sync_every: int = Field(1, ge=1)
     reload: Literal["in_place", "restart"] = "in_place"
     probe_tolerance: float = Field(0.02, gt=0)
+    # Probe every N-th sync (1 = every sync); the first sync after any vLLM launch is always probed.
+    probe_every: int = Field(1, ge=1)
     probe_timeout_s: float = Field(60.0, gt=0)
     keep_adapters: int = Field(3, ge=1)
 

@@ -1,6 +1,6 @@
 """`grpod plot RUN_DIR`: one PNG of a run's curves, so a user can look instead of read.
 
-Reads `<run>/metrics.jsonl` (step and eval records) and draws reward, held-out accuracy, loss,
+Reads `<run>/metrics.jsonl` (step, eval and sync records) and draws reward, held-out accuracy, loss,
 KL, importance ratio, clipped fraction, staleness and sync latency against the step. A panel
 whose metric the run never recorded says so instead of disappearing.
 """
@@ -18,7 +18,7 @@ PANELS = (
     ("importance ratio", "step", ("ratio_mean", "ratio_min", "ratio_max")),
     ("clipped fraction", "step", ("clipped_low_fraction", "clipped_high_fraction")),
     ("staleness (versions)", "step", ("staleness_mean", "staleness_max")),
-    ("sync latency (s)", "step", ("sync_s",)),
+    ("sync latency (s)", "sync", ("total_s",)),
 )
 
 

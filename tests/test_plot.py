@@ -11,6 +11,7 @@ def test_plot_writes_a_png_with_every_panel(tmp_path):
         lines.append({"kind": "step", "step": step, "reward_mean": step / 10, "loss": 0.1, "kl": 0.01,
                       "ratio_mean": 1.0, "ratio_min": 0.9, "ratio_max": 1.1, "staleness_mean": 0.5,
                       "staleness_max": 1, "sync_s": 0.01})
+        lines.append({"kind": "sync", "step": step, "total_s": 0.05, "weights_step": step})
     lines.append({"kind": "eval", "step": 0, "eval_accuracy": 0.2})
     lines.append({"kind": "eval", "step": 5, "eval_accuracy": 0.4})
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines))

@@ -36,7 +36,7 @@ import anyio
 import structlog
 
 from grpod.bridges.machine import StateMachine
-from grpod.bridges.probe import ProbeMismatch, ProbeResult, run_probe
+from grpod.bridges.probe import ProbeMismatch, ProbeResult, run_probe, trainer_scores
 from grpod.config import GrpodConfig
 from grpod.inference.client import InferenceClient
 from grpod.inference.process import InferenceProcess
@@ -71,6 +71,20 @@ class SyncRecord:
 
 
 @dataclass
+class StagedSync:
+    """A sync whose trainer half is done: the weights of `version` are written where the mode's
+    apply reads them, and `reference` holds the trainer's probe scores of those weights. Nothing
+    in it reads the trainer again, so the trainer may step while vLLM applies it."""
+
+    version: int
+    staged: Path
+    reference: list[list[float]]
+    phases: dict[str, float]
+    began: float
+    forced: bool
+
+
+@dataclass
 class BridgeStats:
     syncs: int = 0
     restarts: int = 0
@@ -80,6 +94,9 @@ class BridgeStats:
 
 class Bridge:
     mode: ClassVar[str]
+    # Whether a sync can be split into `stage_sync` (trainer half) and `finish_sync` (vLLM half)
+    # with training going on in between: true when the mode ships vLLM a copy of the weights.
+    pipelined: ClassVar[bool] = True
     State: ClassVar[type[enum.Enum]]
     Event: ClassVar[type[enum.Enum]]
     TABLE: ClassVar[dict]
@@ -96,9 +113,15 @@ class Bridge:
         self.weights_root = run_dir / "weights"
         self.current_weights: Path = cfg.model.path
         self._available = anyio.Event()
-        self._sync_lock = anyio.Lock()
+        # One sync at a time, from stage to finish (a semaphore: the finishing task is not
+        # always the one that staged); recovery between syncs takes it too.
+        self._sync_slot = anyio.Semaphore(1)
         # The trainer's probe scores at the last passed probe, and the policy version they are of.
         self._reference: tuple[int, list[list[float]]] | None = None
+        # `bridge.probe_every`: syncs served without a probe since the last one, and whether
+        # vLLM was (re)launched since (a launched vLLM is always probed).
+        self._unprobed_syncs = 0
+        self._launched_since_probe = True
 
     # ---- state machine -------------------------------------------------------------------
     def _fire(self, event: str, error: str | None = None) -> None:
@@ -186,11 +209,13 @@ class Bridge:
         self._fire("READY")
         return await self._probe_and_serve()
 
-    async def _probe_and_serve(self, *, against_reference: bool = False) -> ProbeResult:
-        """Probe vLLM against the trainer's live weights, or (after a relaunch between syncs)
-        against the scores the trainer had when the current policy version was synced."""
+    async def _probe_and_serve(
+        self, *, against_reference: bool = False, reference: list[list[float]] | None = None
+    ) -> ProbeResult:
+        """Probe vLLM against `reference` (the trainer's scores when a sync was staged), the
+        trainer's live weights, or (after a relaunch between syncs, `against_reference`) the
+        scores the trainer had when the current policy version was synced."""
         assert self.client is not None
-        reference = None
         if against_reference and self._reference is not None and self._reference[0] == self.policy_version:
             reference = self._reference[1]
         result = await run_probe(
@@ -210,34 +235,62 @@ class Bridge:
             self._fire("PROBE_FAIL", error=message)
             raise ProbeMismatch(message)
         self._fire("PROBE_OK")
+        self._launched_since_probe, self._unprobed_syncs = False, 0
         self._reference = (self.policy_version, result.reference)
         self._open()
         return result
 
+    def sync_due(self, step: int) -> bool:
+        return step % self.cfg.bridge.sync_every == 0
+
     async def after_step(self, step: int) -> SyncRecord | None:
-        if step % self.cfg.bridge.sync_every != 0:
-            return None
-        return await self.sync_now()
+        return await self.sync_now() if self.sync_due(step) else None
 
     async def sync_now(self, *, forced: bool = False) -> SyncRecord:
-        async with self._sync_lock:
-            phases: dict[str, float] = {}
-            began = time.perf_counter()
+        """A whole sync: vLLM serves the trainer's weights as the next version when it returns."""
+        return await self.finish_sync(await self.stage_sync(forced=forced))
+
+    async def stage_sync(self, *, forced: bool = False) -> StagedSync:
+        """The trainer half of a sync: take the sync slot (waiting for the previous sync to
+        finish), write the weights, score the probe with them. `finish_sync` must follow."""
+        await self._sync_slot.acquire()
+        began = time.perf_counter()
+        new_version = self.policy_version + 1
+        try:
             self._fire("SYNC")
-            new_version = self.policy_version + 1
             try:
                 t = time.perf_counter()
                 staged = await self._save(new_version)
-                phases["save"] = time.perf_counter() - t
+                phases = {"save": time.perf_counter() - t}
+                reference: list[list[float]] = []
+                if self.pipelined:
+                    t = time.perf_counter()
+                    reference = await anyio.to_thread.run_sync(trainer_scores, self.trainer)
+                    phases["score"] = time.perf_counter() - t
                 self._fire("SAVED")
+            except Exception as exc:
+                message = f"sync to version {new_version} failed: {exc}"
+                self._fire("FAIL", error=message)
+                raise BridgeFailed(message) from exc
+        except BaseException:
+            self._sync_slot.release()
+            raise
+        return StagedSync(new_version, staged, reference, phases, began, forced)
+
+    async def finish_sync(self, sync: StagedSync) -> SyncRecord:
+        """The vLLM half: apply the staged weights (recovering a vLLM that dies meanwhile), then
+        probe them against the scores taken when they were staged. Releases the sync slot."""
+        try:
+            phases, new_version = sync.phases, sync.version
+            try:
                 t = time.perf_counter()
                 try:
-                    await self._apply(staged, new_version, phases)
+                    await self._apply(sync.staged, new_version, phases)
                 except Exception as exc:  # noqa: BLE001 — a dead vLLM is recovered, anything else fails below
                     if await self._engine_healthy():
                         raise
                     await self._relaunch_mid_sync(exc, new_version, phases)
-                    await self._apply(staged, new_version, phases)
+                    await self._apply(sync.staged, new_version, phases)
                 phases["apply"] = time.perf_counter() - t
                 self.policy_version = new_version
                 self._fire("APPLIED")
@@ -246,14 +299,37 @@ class Bridge:
                 self._fire("FAIL", error=message)
                 raise BridgeFailed(message) from exc
             t = time.perf_counter()
-            probe = await self._probe_and_serve()
-            phases["probe"] = time.perf_counter() - t
-            record = SyncRecord(new_version, phases, time.perf_counter() - began, probe.as_dict(), forced)
+            if self._probe_due():
+                probe = (await self._probe_and_serve(reference=sync.reference or None)).as_dict()
+                phases["probe"] = time.perf_counter() - t
+            else:
+                probe = self._serve_unprobed(sync)
+            record = SyncRecord(new_version, phases, time.perf_counter() - sync.began, probe, sync.forced)
             self.stats.syncs += 1
             self.stats.last_sync = record
             self.stats.sync_seconds.append(record.total_s)
             log.info("sync_done", bridge=self.mode, **record.as_dict())
             return record
+        finally:
+            self._sync_slot.release()
+
+    def _probe_due(self) -> bool:
+        """Every `bridge.probe_every`-th sync is probed, and always the first after a launch."""
+        return self._launched_since_probe or self._unprobed_syncs + 1 >= self.cfg.bridge.probe_every
+
+    def _serve_unprobed(self, sync: StagedSync) -> dict[str, Any]:
+        self._unprobed_syncs += 1
+        self._fire("PROBE_SKIP")
+        # Recovery before the next probe compares a relaunched vLLM with this version's scores.
+        self._reference = (sync.version, sync.reference) if sync.reference else None
+        self._open()
+        return {"skipped": True, "syncs_since_probe": self._unprobed_syncs}
+
+    async def settled(self) -> None:
+        """Return once no sync is in flight (a staged one has finished). Bounded by the sync's
+        own request, probe and launch timeouts."""
+        async with self._sync_slot:
+            pass
 
     async def _bump_version_and_reset_cache(self, version: int) -> None:
         """Every weight change: the new version on vLLM's tokens, and no cached old-weight prefixes."""
@@ -276,6 +352,7 @@ class Bridge:
         if phases is not None:
             phases["stop"] = time.perf_counter() - t
         t = time.perf_counter()
+        self._launched_since_probe = True
         await self._launch(weights)
         if phases is not None:
             phases["launch"] = time.perf_counter() - t
@@ -318,7 +395,7 @@ class Bridge:
         backoff = 1.0
         while True:
             await anyio.sleep(self.cfg.inference.health_interval_s)
-            if self.machine.state != self.State["SERVING"] or self._sync_lock.locked():
+            if self.machine.state != self.State["SERVING"] or self._sync_slot.value == 0:
                 failures = 0
                 continue
             if await self._engine_healthy():
@@ -336,7 +413,7 @@ class Bridge:
     async def recover(self) -> None:
         """Relaunch a dead vLLM on the current version's weights and probe it against that
         version's reference scores (a sync that ran meanwhile may already have recovered it)."""
-        async with self._sync_lock:
+        async with self._sync_slot:
             if self.machine.state != self.State["SERVING"] or await self._engine_healthy():
                 return
             began = time.perf_counter()

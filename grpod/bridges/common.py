@@ -16,6 +16,7 @@ class Event(enum.Enum):
     READY = "ready"
     PROBE_OK = "probe_ok"
     PROBE_FAIL = "probe_fail"
+    PROBE_SKIP = "probe_skip"
     SYNC = "sync"
     SAVED = "saved"
     APPLIED = "applied"
@@ -48,6 +49,7 @@ def lifecycle_rows(S: type[enum.Enum], E: type[enum.Enum], sync_state: str) -> d
         (S.LAUNCHING, E.READY): S.PROBING,
         (S.PROBING, E.PROBE_OK): S.SERVING,
         (S.PROBING, E.PROBE_FAIL): S.FAILED,
+        (S.PROBING, E.PROBE_SKIP): S.SERVING,
         (S.SERVING, E.LOST): S.RECOVERING,
         (S.RECOVERING, E.RECOVERED): S.PROBING,
         (applying, E.LOST): S.RECOVERING,

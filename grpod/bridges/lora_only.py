@@ -27,6 +27,7 @@ recovery after a crash relaunches it with the current adapter preloaded. Transit
     LAUNCHING   --READY------>  PROBING
     PROBING     --PROBE_OK--->  SERVING
     PROBING     --PROBE_FAIL->  FAILED
+    PROBING     --PROBE_SKIP->  SERVING       (bridge.probe_every: this sync is not probed)
     SERVING     --SYNC------->  SAVING        (adapter → new versioned directory)
     SAVING      --SAVED------>  SWAPPING      (load new name, switch requests, unload old, reset cache)
     SWAPPING    --APPLIED---->  PROBING

@@ -17,6 +17,7 @@ Recovery after a crash relaunches the same way with the current adapter. Transit
     LAUNCHING   --READY------>  PROBING
     PROBING     --PROBE_OK--->  SERVING
     PROBING     --PROBE_FAIL->  FAILED
+    PROBING     --PROBE_SKIP->  SERVING       (bridge.probe_every: this sync is not probed)
     SERVING     --SYNC------->  SAVING        (adapter → new versioned directory)
     SAVING      --SAVED------>  RESTARTING    (stop, wait released, launch with the new adapter)
     RESTARTING  --APPLIED---->  PROBING

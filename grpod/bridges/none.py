@@ -16,6 +16,7 @@ Either way the sync ends with the alignment probe. Transition table:
     LAUNCHING   --READY------>  PROBING
     PROBING     --PROBE_OK--->  SERVING
     PROBING     --PROBE_FAIL->  FAILED
+    PROBING     --PROBE_SKIP->  SERVING       (bridge.probe_every: this sync is not probed)
     SERVING     --SYNC------->  SAVING
     SAVING      --SAVED------>  APPLYING      (reload in place, or stop + relaunch)
     APPLYING    --APPLIED---->  PROBING

@@ -54,19 +54,33 @@ def probe_sequences(tokenizer) -> list[list[int]]:
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROBE_TEXTS]
 
 
+def trainer_scores(trainer) -> list[list[float]]:
+    """The trainer's scores of the probe sequences with its weights now (blocking: run it in a
+    thread); what a probe of these weights compares vLLM with."""
+    return [trainer.score(ids) for ids in probe_sequences(trainer.tokenizer)]
+
+
 async def run_probe(
     client, trainer, *, model: str, tolerance: float, timeout_s: float, reference: list[list[float]] | None = None
 ) -> ProbeResult:
     """Score the probe sequences with vLLM and compare with the trainer's scores now, or with
     `reference` (an earlier probe's `reference`, for the weights vLLM should be serving)."""
-    diffs: list[float] = []
-    scores: list[list[float]] = []
+    sequences = probe_sequences(trainer.tokenizer)
+    served: list[list[float]] = []
+
+    async def score_served() -> None:
+        served.extend(await client.score_many(sequences, model=model))
+
+    # vLLM scores the sequences (one request) while the trainer scores them in its thread.
     with anyio.fail_after(timeout_s):
-        for i, ids in enumerate(probe_sequences(trainer.tokenizer)):
-            served = await client.score(ids, model=model)
-            own = reference[i] if reference is not None else await anyio.to_thread.run_sync(trainer.score, ids)
-            if len(served) != len(own):
-                raise ProbeMismatch(f"probe length differs: vLLM {len(served)} positions, trainer {len(own)}")
-            diffs.extend(abs(a - b) for a, b in zip(served, own, strict=True))
-            scores.append(list(own))
-    return ProbeResult(max(diffs), sum(diffs) / len(diffs), len(diffs), tolerance, scores)
+        async with anyio.create_task_group() as group:
+            group.start_soon(score_served)
+            own = reference
+            if own is None:
+                own = await anyio.to_thread.run_sync(trainer_scores, trainer)
+    diffs: list[float] = []
+    for vllm_scores, own_scores in zip(served, own, strict=True):
+        if len(vllm_scores) != len(own_scores):
+            raise ProbeMismatch(f"probe length differs: vLLM {len(vllm_scores)} positions, trainer {len(own_scores)}")
+        diffs.extend(abs(a - b) for a, b in zip(vllm_scores, own_scores, strict=True))
+    return ProbeResult(max(diffs), sum(diffs) / len(diffs), len(diffs), tolerance, [list(s) for s in own])

@@ -39,6 +39,7 @@ Transition table:
     LAUNCHING   --READY------>  PROBING
     PROBING     --PROBE_OK--->  SERVING
     PROBING     --PROBE_FAIL->  FAILED
+    PROBING     --PROBE_SKIP->  SERVING       (bridge.probe_every: this sync is not probed)
     SERVING     --SYNC------->  SAVING        (nothing to write: the buffer is the weights)
     SAVING      --SAVED------>  FENCED        (paused; optimizer step; cache reset; version bump)
     FENCED      --APPLIED---->  PROBING       (resumed)
@@ -119,6 +120,8 @@ def check_supported(cfg: GrpodConfig, trainer_device: str, vllm_on_gpu: bool) ->
 
 class SharedBridge(Bridge):
     mode = "shared"
+    # The optimizer step itself runs inside the fence: there is no copy to apply later.
+    pipelined = False
     State = State
     Event = Event
     TABLE = TABLE

@@ -21,6 +21,7 @@ LIVE_KEYS = (
     "train.max_staleness",
     "source.temperature",
     "bridge.sync_every",
+    "bridge.probe_every",
     "checkpoint.every",
 )
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import structlog
 
@@ -81,10 +83,11 @@ def watchdog_interval_s() -> float | None:
 class Heartbeat:
     """Tracks training progress; the watchdog pings only while progress is recent.
 
-    `busy()` marks the start of a unit of work that must finish (a step, a sync); `progress()`
-    marks its end. The heartbeat is healthy when nothing is running, or when what runs started
-    less than `stall_after_s` ago. A hung step or sync therefore stops WATCHDOG=1 and systemd
-    restarts the service.
+    `busy()` marks the start of a unit of work of the step loop that must finish (a step, a
+    sync); `progress()` marks its end. Work that runs beside the loop (a pipelined sync's vLLM
+    half) is held in `running()`. The heartbeat is healthy when nothing is running, or when the
+    oldest unit running started less than `stall_after_s` ago. A hung step or sync therefore
+    stops WATCHDOG=1 and systemd restarts the service.
     """
 
     def __init__(self, stall_after_s: float) -> None:
@@ -92,6 +95,7 @@ class Heartbeat:
         self.last_progress = time.monotonic()
         self.busy_since: float | None = None
         self.last_ping: float | None = None
+        self._beside: dict[object, float] = {}
 
     def busy(self) -> None:
         self.busy_since = time.monotonic()
@@ -100,16 +104,31 @@ class Heartbeat:
         self.busy_since = None
         self.last_progress = time.monotonic()
 
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """A unit of work running beside the step loop, from entry to exit."""
+        key = object()
+        self._beside[key] = time.monotonic()
+        try:
+            yield
+        finally:
+            del self._beside[key]
+            self.last_progress = time.monotonic()
+
+    def _oldest_start(self) -> float | None:
+        starts = [t for t in (self.busy_since, *self._beside.values()) if t is not None]
+        return min(starts, default=None)
+
     def healthy(self) -> bool:
-        if self.busy_since is None:
-            return True
-        return time.monotonic() - self.busy_since < self.stall_after_s
+        oldest = self._oldest_start()
+        return oldest is None or time.monotonic() - oldest < self.stall_after_s
 
     def describe(self) -> dict:
         now = time.monotonic()
+        oldest = self._oldest_start()
         return {
             "last_progress_age_s": round(now - self.last_progress, 3),
-            "busy_for_s": None if self.busy_since is None else round(now - self.busy_since, 3),
+            "busy_for_s": None if oldest is None else round(now - oldest, 3),
             "last_heartbeat_age_s": None if self.last_ping is None else round(now - self.last_ping, 3),
             "healthy": self.healthy(),
         }

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 import structlog
 
 from grpod.bridges import make_bridge
-from grpod.bridges.base import BridgeFailed
+from grpod.bridges.base import BridgeFailed, StagedSync, SyncRecord
 from grpod.config import ConfigError, GrpodConfig, load_config
 from grpod.daemon.control import ControlError, ControlServer
 from grpod.daemon.live import LIVE_KEYS, SettingChange, diff_file, plan_changes
@@ -98,6 +99,7 @@ class Daemon:
         self.notifier = SystemdNotifier()
         self.pending: list[PendingRequest] = []
         self.last_metrics: dict[str, Any] = {}
+        self._work: TaskGroup | None = None  # the step loop's task group (fetch, pipelined syncs)
         self.last_eval: dict[str, Any] = {}
         self.last_checkpoint: dict[str, Any] | None = None
         self.config_changes: list[dict[str, Any]] = []
@@ -297,6 +299,7 @@ class Daemon:
                 self.phase = RunPhase.RUNNING
                 try:
                     async with anyio.create_task_group() as work:
+                        self._work = work
                         if self.cfg.source.overlap:
                             work.start_soon(self._fetch)
                         await self._train_loop()
@@ -431,7 +434,9 @@ class Daemon:
             if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
                 await self._checkpoint()
             if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < self.cfg.train.steps:
+                await self.bridge.settled()
                 await self._evaluate("periodic")
+        await self.bridge.settled()
         if self.step >= self.cfg.train.steps:
             self.stop_reason = self.stop_reason or "steps done"
         elif self.draining and not self._stop_requested:
@@ -464,14 +469,25 @@ class Daemon:
         self.step += 1
         self.heartbeat.progress()
         train_s = time.perf_counter() - started
-        sync = None
+        sync, sync_s = None, None
+        sync_began = time.perf_counter()
         self.heartbeat.busy()
         if self._sync_pending():
             sync = await self.bridge.sync_now(forced=True)
             self._complete_pending("sync", sync.as_dict())
-        elif not metrics.get("skipped"):
+        elif metrics.get("skipped"):
+            pass
+        elif self.cfg.source.overlap and self.bridge.pipelined and self.bridge.sync_due(self.step):
+            # The trainer half now; vLLM applies and probes while the next step trains.
+            staged = await self.bridge.stage_sync()
+            self._work.start_soon(self._finish_sync, staged, self.step)
+            sync_s = time.perf_counter() - sync_began
+        else:
             sync = await self.bridge.after_step(self.step)
         self.heartbeat.progress()
+        if sync is not None:
+            self._record_sync(sync, self.step)
+            sync_s = sync.total_s
         record = {
             **metrics,
             "groups": len(groups),
@@ -483,13 +499,23 @@ class Daemon:
             "step_s": round(time.perf_counter() - started, 4),
             "queue_depth": len(self.buffer),
             "group_ids": [g.group_id for g in trainable],
-            "sync_s": round(sync.total_s, 4) if sync else None,
-            "probe_max_abs_diff": sync.probe["max_abs_diff"] if sync else None,
+            # Seconds this step spent on a sync: all of it, or its trainer half when pipelined.
+            "sync_s": round(sync_s, 4) if sync_s is not None else None,
         }
         self.last_metrics = {k: v for k, v in record.items() if isinstance(v, (int, float, type(None)))}
         self.metrics.write("step", self.step, record)
         self._progress_line(record)
         self.notifier.status(f"step {self.step}/{self.cfg.train.steps} reward {record.get('reward_mean', 0):.3f}")
+
+    async def _finish_sync(self, staged: StagedSync, step: int) -> None:
+        with self.heartbeat.running():
+            record = await self.bridge.finish_sync(staged)
+        self._record_sync(record, step)
+
+    def _record_sync(self, sync: SyncRecord, weights_step: int) -> None:
+        """One `sync` line in metrics.jsonl per sync, written at the current step (W&B needs
+        steps in order); `weights_step` is the step whose weights it carries."""
+        self.metrics.write("sync", self.step, {**sync.as_dict(), "weights_step": weights_step})
 
     def _progress_line(self, record: dict[str, Any]) -> None:
         if not self.cfg.run.progress:
@@ -523,6 +549,7 @@ class Daemon:
             except BridgeFailed as exc:
                 self._complete_pending("sync", error=str(exc))
                 raise
+            self._record_sync(record, self.step)
             self._complete_pending("sync", record.as_dict())
         if any(r.kind == "checkpoint" for r in self.pending):
             try:
@@ -534,6 +561,7 @@ class Daemon:
                 self._complete_pending("checkpoint", info)
 
     async def _checkpoint(self) -> dict[str, Any]:
+        await self.bridge.settled()  # the checkpoint's policy version is the trainer's weights'
         self.heartbeat.busy()
         began = time.perf_counter()
         path = await anyio.to_thread.run_sync(

@@ -184,10 +184,16 @@ class InferenceClient:
 
     async def score(self, token_ids: list[int], *, model: str = "policy", cache_salt: str | None = None) -> list[float]:
         """Logprob of `token_ids[t]` given `token_ids[:t]` for t = 1..n-1, at temperature 1."""
+        return (await self.score_many([token_ids], model=model, cache_salt=cache_salt))[0]
+
+    async def score_many(
+        self, sequences: list[list[int]], *, model: str = "policy", cache_salt: str | None = None
+    ) -> list[list[float]]:
+        """`score` of each sequence, in one request (vLLM runs them as one batch)."""
         route = "/v1/completions"
         body: dict[str, Any] = {
             "model": model,
-            "prompt": token_ids,
+            "prompt": sequences,
             "max_tokens": 1,
             "temperature": 1.0,
             "prompt_logprobs": 0,
@@ -196,11 +202,15 @@ class InferenceClient:
             body["cache_salt"] = cache_salt
         answer = await self._request("POST", route, json_body=body)
         try:
-            entries = answer["choices"][0]["prompt_logprobs"]
-            scores = [float(entries[t][str(token_ids[t])]["logprob"]) for t in range(1, len(token_ids))]
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
+            if len(choices) != len(sequences):
+                raise ValueError(f"{len(choices)} choices for {len(sequences)} prompts")
+            return [
+                [float(entries[t][str(ids[t])]["logprob"]) for t in range(1, len(ids))]
+                for ids, entries in zip(sequences, (c["prompt_logprobs"] for c in choices), strict=True)
+            ]
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise InferenceRequestError(route, 200, f"unexpected prompt_logprobs shape ({exc!r})") from None
-        return scores
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         """Stop scheduling: `keep` freezes in-flight requests until `resume`, `wait` drains them,

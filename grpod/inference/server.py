@@ -197,8 +197,31 @@ def _add_grpod_routes(app: Any, args: Any) -> None:
         app.add_middleware(KeyOnEveryRoute, tokens=tokens)
 
 
+# While vLLM's worker and engine wait for their next message on a shared-memory queue, they spin
+# for a second after each message with sched_yield (vLLM's SpinCondition), which keeps a whole core
+# busy as long as requests keep coming. On a CPU machine that core is the trainer's: measured on
+# the embedded default (2 cores), the worker used 0.185 CPU-s per 0.19 s step; 0.089 with the nap.
+# A nap of NAP_S between checks adds at most that much latency to a forward pass of ~ms.
+NAP_S = 1e-4
+
+
+def _nap_while_waiting() -> None:
+    """On CPU, replace the waiting spin's `sched_yield` with a NAP_S sleep (same loop, same
+    1 s window before vLLM parks the reader on its socket; only the spin's CPU use changes).
+    Runs in every vLLM process: the API server and, through `__mp_main__`, its spawned children."""
+    import time
+
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        shm_broadcast.sched_yield = lambda: time.sleep(NAP_S)
+
+
 def main() -> None:
     import vllm.entrypoints.launchers.api_server.entry as launcher
+
+    _nap_while_waiting()
 
     stock_build_app = launcher.build_app
 
@@ -213,3 +236,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":
+    _nap_while_waiting()

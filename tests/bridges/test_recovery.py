@@ -1,4 +1,5 @@
-"""The bridge's two ways of meeting a dead vLLM, driven with a scripted vLLM.
+"""The bridge's sync sequence driven with a scripted vLLM: the two ways of meeting a dead vLLM,
+the pipelined sync (trainer half, then vLLM half while the trainer steps) and the probe cadence.
 
 A real vLLM cannot be made to die at one exact await on demand, so `ScriptedBridge` replaces the
 launch, the health answer and the HTTP client of the `none` bridge with a scripted engine whose
@@ -15,6 +16,7 @@ import anyio
 import pytest
 
 from grpod.bridges.base import BridgeFailed
+from grpod.bridges.probe import ProbeMismatch
 from grpod.bridges.none import NoneBridge
 from grpod.config import GrpodConfig
 
@@ -47,8 +49,10 @@ class Engine:
         self.weights = float((weights_dir / "w").read_text()) if (weights_dir / "w").exists() else 1.0
         self.alive = True
         self.die_at: str | None = None
+        self.calls: list[str] = []
 
     def _call(self, name):
+        self.calls.append(name)
         if self.die_at == name:
             self.alive = False
         if not self.alive:
@@ -78,9 +82,9 @@ class Client:
     async def update_weight_version(self, version):
         self.engine._call("update_weight_version")
 
-    async def score(self, ids, model):
+    async def score_many(self, sequences, model):
         self.engine._call("score")
-        return [-self.engine.weights] * (len(ids) - 1)
+        return [[-self.engine.weights] * (len(ids) - 1) for ids in sequences]
 
 
 class ScriptedBridge(NoneBridge):
@@ -103,12 +107,13 @@ class ScriptedBridge(NoneBridge):
         return self.client is not None and self.client.engine.alive
 
 
-def _bridge(tmp_path, max_restarts=3) -> ScriptedBridge:
+def _bridge(tmp_path, max_restarts=3, probe_every=1) -> ScriptedBridge:
     cfg = GrpodConfig.model_validate(
         {
             "run": {"dir": str(tmp_path / "run")},
             "model": {"path": str(tmp_path / "model"), "init_if_missing": False},
             "inference": {"max_restarts": max_restarts, "health_interval_s": 0.01, "health_failures": 1},
+            "bridge": {"probe_every": probe_every},
         }
     )
     return ScriptedBridge(cfg, tmp_path / "run", Trainer())
@@ -228,3 +233,93 @@ def test_watch_fails_when_the_budget_is_spent(tmp_path):
 
     bridge = anyio.run(main)
     assert bridge.state == "FAILED"
+
+
+def test_a_staged_sync_serves_the_staged_weights_while_the_trainer_steps_on(tmp_path):
+    """The vLLM half runs after the trainer moved: it applies and probes what was staged."""
+
+    async def main():
+        bridge = await _started(tmp_path)
+        bridge.trainer.weights = 2.0
+        staged = await bridge.stage_sync()
+        assert bridge.state == "APPLYING" and bridge.policy_version == 0
+        bridge.trainer.weights = 7.0  # the next step trains before vLLM has the staged weights
+        record = await bridge.finish_sync(staged)
+        return bridge, record
+
+    bridge, record = anyio.run(main)
+    assert bridge.state == "SERVING" and bridge.policy_version == 1
+    assert bridge.engines[-1].weights == 2.0
+    assert record.probe["ok"] and record.probe["max_abs_diff"] == 0.0
+    assert set(record.phases) >= {"save", "score", "reload", "apply", "probe"}
+
+
+def test_a_sync_waits_for_the_staged_one_to_finish(tmp_path):
+    async def main():
+        bridge = await _started(tmp_path)
+        bridge.trainer.weights = 2.0
+        staged = await bridge.stage_sync()
+        bridge.trainer.weights = 3.0
+        done: list[str] = []
+
+        async def second_sync():
+            await bridge.sync_now()
+            done.append("second")
+
+        async def settle():
+            await bridge.settled()
+            done.append("settled")
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(second_sync)
+                tg.start_soon(settle)
+                await anyio.sleep(0.05)
+                assert done == [] and _events(bridge).count("SYNC") == 1, "nothing passes a sync in flight"
+                await bridge.finish_sync(staged)
+        return bridge, done
+
+    bridge, done = anyio.run(main)
+    assert sorted(done) == ["second", "settled"] and bridge.policy_version == 2
+    assert bridge.engines[-1].weights == 3.0
+    assert _events(bridge)[-8:] == ["SYNC", "SAVED", "APPLIED", "PROBE_OK", "SYNC", "SAVED", "APPLIED", "PROBE_OK"]
+
+
+def test_probe_every_probes_each_nth_sync_and_every_sync_after_a_launch(tmp_path):
+    async def main():
+        bridge = await _started(tmp_path, probe_every=3)
+        records = []
+        for weights in (2.0, 3.0, 4.0, 5.0):
+            bridge.trainer.weights = weights
+            records.append(await bridge.sync_now())
+        bridge.trainer.weights = 6.0
+        bridge.engines[-1].die_at = "pause"  # the 5th sync relaunches vLLM: probed though not due
+        records.append(await bridge.sync_now())
+        return bridge, records
+
+    bridge, records = anyio.run(main)
+    probed = [not r.probe.get("skipped") for r in records]
+    assert probed == [False, False, True, False, True]
+    assert records[0].probe == {"skipped": True, "syncs_since_probe": 1}
+    assert _events(bridge).count("PROBE_SKIP") == 3 and bridge.state == "SERVING"
+    assert bridge.engines[0].calls.count("score") == 2, "the start-up probe and the 3rd sync's"
+
+
+def test_a_broken_unprobed_sync_is_caught_by_the_next_probe(tmp_path):
+    async def main():
+        bridge = await _started(tmp_path, probe_every=2)
+        engine = bridge.engines[-1]
+
+        async def reload_ignored(method, kwargs):
+            engine._call(method)  # answers, but the weights stay as they were
+
+        bridge.client.collective_rpc = reload_ignored
+        bridge.trainer.weights = 2.0
+        first = await bridge.sync_now()
+        bridge.trainer.weights = 3.0
+        with pytest.raises(ProbeMismatch, match="differ from the trainer's by up to 2"):
+            await bridge.sync_now()
+        return bridge, first
+
+    bridge, first = anyio.run(main)
+    assert first.probe["skipped"] and bridge.state == "FAILED"

@@ -58,3 +58,16 @@ def test_heartbeat_stops_when_work_hangs():
     assert not hb.healthy(), "a step running past stall_after_s must withhold the heartbeat"
     hb.progress()
     assert hb.healthy()
+
+
+def test_heartbeat_counts_work_running_beside_the_step_loop():
+    """A pipelined sync hanging in the background withholds the heartbeat even while the step
+    loop itself finishes its units of work (or waits for rollouts, which is not a stall)."""
+    hb = Heartbeat(stall_after_s=0.2)
+    with hb.running():
+        hb.busy()
+        hb.progress()  # the step loop moves on
+        assert hb.healthy()
+        time.sleep(0.3)
+        assert not hb.healthy() and hb.describe()["busy_for_s"] >= 0.3
+    assert hb.healthy() and hb.describe()["busy_for_s"] is None

@@ -19,9 +19,13 @@ from grpod.training.trainer import Trainer
 
 class VersionOnlyBridge:
     state = "SERVING"
+    pipelined = False
 
     def __init__(self, version):
         self.policy_version = version
+
+    def sync_due(self, step):
+        return False
 
     async def after_step(self, step):
         return None

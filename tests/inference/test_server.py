@@ -7,6 +7,10 @@ engine (and atroposlib's own client) is in tests/e2e/test_inference_process.py.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
 from argparse import Namespace
 
 import pytest
@@ -14,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from grpod.inference.server import (
+    NAP_S,
     GenerateRequestError,
     _add_grpod_routes,
     atropos_response,
@@ -156,3 +161,23 @@ def test_generate_model_route_sets_the_default(monkeypatch):
     assert client.app.state.grpod_generate_model is None
     assert client.post("/grpod/generate_model", json={"model": 3}).status_code == 400
     assert client.post("/grpod/generate_model", json={}).status_code == 400
+
+
+def test_vllm_processes_nap_instead_of_spinning_on_cpu():
+    """vLLM's spawned engine and worker import this module as `__mp_main__`; on CPU that import
+    replaces the shared-memory queue's busy `sched_yield` with a NAP_S sleep."""
+    code = textwrap.dedent(
+        """
+        import json, runpy, time
+        naps = []
+        time.sleep = naps.append
+        runpy.run_module("grpod.inference.server", run_name="__mp_main__")
+        from vllm.distributed.device_communicators import shm_broadcast
+        from vllm.platforms import current_platform
+        shm_broadcast.sched_yield()
+        print(json.dumps({"cpu": current_platform.is_cpu(), "naps": naps}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["naps"] == ([NAP_S] if seen["cpu"] else [])
