@@ -7,6 +7,12 @@ recovery), and `stop`. Every sync follows the same sequence, whatever the mode:
 
     SYNC → save (mode) → apply (mode) → version bump + prefix-cache reset → alignment probe
 
+A sync is two halves. `stage_sync` is the trainer's: save, and score the probe sequences with the
+saved weights. `finish_sync` is vLLM's: apply, and probe against those scores. Modes that ship a
+copy (`pipelined`) let the supervisor train the next step between the halves; one sync is in
+flight at a time (the next one, `recover` and `settled` wait for it). `bridge.probe_every` probes
+only every N-th sync (always the first after a launch).
+
 Each mode's module holds only what is particular to it: its states, events, transition table and
 its `_save` / `_apply` / `_launch_args` pieces.
 
