@@ -71,8 +71,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one more override for both runs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="grpod-bench-") as tmp:
-        sync = steady(run(False, args.model, args.steps, Path(tmp), [f"--set={kv}" for kv in args.set]), args.skip)
-        over = steady(run(True, args.model, args.steps, Path(tmp), [f"--set={kv}" for kv in args.set]), args.skip)
+        extra = [f"--set={kv}" for kv in args.set]
+        sync = steady(run(False, args.model, args.steps, Path(tmp), extra), args.skip)
+        over = steady(run(True, args.model, args.steps, Path(tmp), extra), args.skip)
     generate = sync["period_s"] - sync["train_sync_s"]
     ideal = max(generate, sync["train_sync_s"])
     result = {

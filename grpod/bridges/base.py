@@ -84,7 +84,7 @@ class StagedSync:
 
     version: int
     staged: Path
-    reference: list[list[float]]
+    reference: list[list[float]] | None  # None: the mode is not pipelined, probe the live trainer
     phases: dict[str, float]
     began: float
     forced: bool
@@ -215,15 +215,11 @@ class Bridge:
         self._fire("READY")
         return await self._probe_and_serve()
 
-    async def _probe_and_serve(
-        self, *, against_reference: bool = False, reference: list[list[float]] | None = None
-    ) -> ProbeResult:
-        """Probe vLLM against `reference` (the trainer's scores when a sync was staged), the
-        trainer's live weights, or (after a relaunch between syncs, `against_reference`) the
-        scores the trainer had when the current policy version was synced."""
+    async def _probe_and_serve(self, reference: list[list[float]] | None = None) -> ProbeResult:
+        """Probe vLLM against `reference` (trainer scores taken earlier: at a sync's staging, or
+        at the current version's sync for a relaunch between syncs), else the trainer's live
+        weights."""
         assert self.client is not None
-        if against_reference and self._reference is not None and self._reference[0] == self.policy_version:
-            reference = self._reference[1]
         result = await run_probe(
             self.client,
             self.trainer,
@@ -268,7 +264,7 @@ class Bridge:
                 t = time.perf_counter()
                 staged = await self._save(new_version)
                 phases = {"save": time.perf_counter() - t}
-                reference: list[list[float]] = []
+                reference = None
                 if self.pipelined:
                     t = time.perf_counter()
                     reference = await anyio.to_thread.run_sync(trainer_scores, self.trainer)
@@ -306,7 +302,7 @@ class Bridge:
                 raise BridgeFailed(message) from exc
             t = time.perf_counter()
             if self._probe_due():
-                probe = (await self._probe_and_serve(reference=sync.reference or None)).as_dict()
+                probe = (await self._probe_and_serve(sync.reference)).as_dict()
                 phases["probe"] = time.perf_counter() - t
             else:
                 probe = self._serve_unprobed(sync)
@@ -327,7 +323,7 @@ class Bridge:
         self._unprobed_syncs += 1
         self._fire("PROBE_SKIP")
         # Recovery before the next probe compares a relaunched vLLM with this version's scores.
-        self._reference = (sync.version, sync.reference) if sync.reference else None
+        self._reference = (sync.version, sync.reference) if sync.reference is not None else None
         self._open()
         return {"skipped": True, "syncs_since_probe": self._unprobed_syncs}
 
@@ -433,7 +429,8 @@ class Bridge:
             log.warning("inference_lost", bridge=self.mode, pid=self.inference.pid, restarts=self.stats.restarts)
             await self._relaunch(self.current_weights)
             self._fire("RECOVERED")
-            await self._probe_and_serve(against_reference=True)
+            reference = self._reference[1] if self._reference and self._reference[0] == self.policy_version else None
+            await self._probe_and_serve(reference)
             log.info("inference_recovered", bridge=self.mode, seconds=round(time.perf_counter() - began, 3))
 
     async def stop(self) -> None:

@@ -469,7 +469,7 @@ class Daemon:
         self.step += 1
         self.heartbeat.progress()
         train_s = time.perf_counter() - started
-        sync, sync_s = None, None
+        sync, staged = None, None
         sync_began = time.perf_counter()
         self.heartbeat.busy()
         if self._sync_pending():
@@ -481,13 +481,13 @@ class Daemon:
             # The trainer half now; vLLM applies and probes while the next step trains.
             staged = await self.bridge.stage_sync()
             self._work.start_soon(self._finish_sync, staged, self.step)
-            sync_s = time.perf_counter() - sync_began
         else:
             sync = await self.bridge.after_step(self.step)
         self.heartbeat.progress()
+        # Seconds this step spent on a sync: all of it, or its trainer half when pipelined.
+        sync_s = time.perf_counter() - sync_began if sync or staged else None
         if sync is not None:
             self._record_sync(sync, self.step)
-            sync_s = sync.total_s
         record = {
             **metrics,
             "groups": len(groups),
@@ -499,7 +499,6 @@ class Daemon:
             "step_s": round(time.perf_counter() - started, 4),
             "queue_depth": len(self.buffer),
             "group_ids": [g.group_id for g in trainable],
-            # Seconds this step spent on a sync: all of it, or its trainer half when pipelined.
             "sync_s": round(sync_s, 4) if sync_s is not None else None,
         }
         self.last_metrics = {k: v for k, v in record.items() if isinstance(v, (int, float, type(None)))}
