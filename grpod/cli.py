@@ -92,7 +92,10 @@ def _render_status(result: dict) -> str:
         ("last checkpoint", (result.get("last_checkpoint") or {}).get("path")),
     ]
     metrics = result.get("last_metrics") or {}
-    for key in ("reward_mean", "loss", "grad_norm", "sync_s"):
+    for key in (
+        "reward_mean", "loss", "grad_norm", "entropy", "clipped_fraction", "mismatch_kl", "tis_weight_mean",
+        "tis_masked_fraction", "sync_s",
+    ):
         if key in metrics:
             rows.append((key, metrics[key]))
     width = max(len(k) for k, _ in rows)

@@ -81,23 +81,81 @@ class SourceConfig(_Section):
     task_seed: int = 1234
     # source.kind = "replay": a rollouts.jsonl recorded by an earlier run (run.record_rollouts).
     replay_path: Path | None = None
+    # DAPO's dynamic sampling (builtin source): a group whose scores are all equal is not queued;
+    # generation goes on until the step has groups with signal. After `dynamic_sampling_max_filtered`
+    # such groups in a row one is let through anyway (counted), so a saturated task cannot stall a run.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_filtered: int = Field(256, ge=1)
 
 
 class LossConfig(_Section):
+    """The policy loss (`grpod/training/loss.py` has the formulas).
+
+    `type` picks the per-token objective: `grpo` and `dapo` PPO's clipped ratio (dapo = grpo with
+    the token-mean aggregation, DAPO's name for it), `dr_grpo` the same objective with Dr. GRPO's
+    constant normaliser and no std scaling of advantages, `cispo` the clipped, stop-gradient ratio
+    times the logprob, `gspo` a sequence-level (geometric-mean) ratio clipped per sequence. A type
+    chooses `aggregation` (and for dr_grpo `train.advantages.scale`) unless those keys are set.
+    """
+
+    type: Literal["grpo", "dapo", "dr_grpo", "cispo", "gspo"] = "grpo"
+    # Ratio bounds 1 - clip_low .. 1 + clip_high of the PPO clip (and of CISPO's weight, GSPO's
+    # sequence ratio). They bind only when a batch gets several updates (train.epochs > 1 or
+    # train.minibatches > 1): with one update the ratio is exactly 1.
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
     kl_coef: float = Field(0.0, ge=0)
     kl_reference: Literal["inference", "model"] = "inference"
+    # Estimator of KL(pi || ref) reported and added to the loss; all three get the same, exact
+    # reverse-KL gradient (the per-token coefficient logp - logp_ref clamped to +-kl_clamp).
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_clamp: float = Field(10.0, gt=0)
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    tis_cap: float | None = Field(2.0, gt=0)
+    # Dr. GRPO's constant M (seq_mean_token_sum_norm): 0 = the source's completion budget
+    # (source.max_tokens; for Atropos, model.max_seq_len, which grpod registers as max_token_len).
+    max_completion_tokens: int = Field(0, ge=0)
+    # Correction of the trainer/vLLM mismatch with the weight rho = pi_old / pi_inference:
+    # token_truncate min(rho_t, cap); token_mask rho_t inside [tis_floor, tis_cap], else 0;
+    # sequence_* the same with the sequence's product of token ratios; icepop a two-sided token
+    # mask (needs tis_floor > 0); "off" no correction (weight 1).
+    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop", "off"] = (
+        "token_truncate"
+    )
+    tis_cap: float = Field(2.0, gt=0)
+    tis_floor: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)  # entropy bonus (0 = metric only)
     mask_truncated: bool = False
     logprob_chunk_tokens: int = Field(1024, ge=1)
 
+    @model_validator(mode="after")
+    def _type_defaults(self) -> LossConfig:
+        if "aggregation" not in self.model_fields_set:
+            chosen = {"dr_grpo": "seq_mean_token_sum_norm", "gspo": "seq_mean_token_mean"}.get(self.type, "token_mean")
+            object.__setattr__(self, "aggregation", chosen)
+        if self.type == "dapo" and self.aggregation != "token_mean":
+            raise ValueError("train.loss.type = 'dapo' is the token-mean aggregation; drop train.loss.aggregation")
+        if self.tis_mode == "icepop" and self.tis_floor <= 0:
+            raise ValueError("train.loss.tis_mode = 'icepop' is a two-sided mask: set train.loss.tis_floor > 0 (e.g. 0.5)")
+        if self.tis_floor >= self.tis_cap:
+            raise ValueError(f"train.loss.tis_floor ({self.tis_floor}) must be below tis_cap ({self.tis_cap})")
+        return self
+
 
 class AdvantageConfig(_Section):
+    """How scores become advantages (`grpod/training/advantages.py` has the formulas)."""
+
+    # grpo: centred in the group, scaled by `scale`; rloo: leave-one-out baseline (no scaling);
+    # reinforce_pp: REINFORCE++, raw scores normalised over the whole step.
+    estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
     scale: Literal["group", "batch", "none"] = "group"
+    # "sample" (Bessel, n - 1: TRL's and verl's) or "population" std for `scale`.
+    std: Literal["sample", "population"] = "sample"
     drop_zero_variance: bool = True
     use_source_advantages: bool = False
+    # DAPO's soft overlong punishment: a completion within `overlong_buffer` tokens of the
+    # completion budget loses up to `overlong_penalty` of score, linearly (0 = off).
+    overlong_buffer: int = Field(0, ge=0)
+    overlong_penalty: float = Field(1.0, ge=0)
 
 
 class LoraConfig(_Section):
@@ -120,6 +178,16 @@ class TrainConfig(_Section):
     # A micro-batch is also cut where the next (longer) sequence would bring its share of real,
     # unpadded tokens below this (0 = cut by micro_batch_tokens only).
     micro_batch_min_efficiency: float = Field(0.95, ge=0, le=1)
+    # PPO epochs and minibatches: each batch is trained `epochs` times, split into `minibatches`
+    # optimizer steps per epoch, against pi_old recorded before the batch's first update. With
+    # 1 and 1 (one update per batch) the PPO clip cannot bind (see train.loss.clip_low).
+    epochs: int = Field(1, ge=1)
+    minibatches: int = Field(1, ge=1)
+    # Run the training forward with dropout off (as vLLM serves the model), whatever the base
+    # config's dropout says (LoRA dropout included).
+    disable_dropout: bool = True
+    # Staleness is counted in policy versions (syncs: one every bridge.sync_every optimizer
+    # steps), not in optimizer steps.
     max_staleness: int = Field(4, ge=0)
     stale_policy: Literal["drop", "downweight"] = "drop"
     lora: bool = False
@@ -128,6 +196,13 @@ class TrainConfig(_Section):
     loss: LossConfig = LossConfig()
     advantages: AdvantageConfig = AdvantageConfig()
     lora_config: LoraConfig = LoraConfig()
+
+    @model_validator(mode="after")
+    def _dr_grpo_scale(self) -> TrainConfig:
+        # Dr. GRPO divides by no std; an explicit train.advantages.scale still wins.
+        if self.loss.type == "dr_grpo" and "scale" not in self.advantages.model_fields_set:
+            object.__setattr__(self.advantages, "scale", "none")
+        return self
 
 
 class BridgeConfig(_Section):
@@ -206,6 +281,15 @@ class GrpodConfig(_Section):
         if self.train.loss.clip_low >= 1:
             raise ValueError("train.loss.clip_low must be < 1 (the ratio floor is 1 - clip_low)")
         return self
+
+    @property
+    def completion_budget(self) -> int:
+        """The completion length M of Dr. GRPO's normaliser and of overlong shaping: the explicit
+        `train.loss.max_completion_tokens`, else the source's cap (`source.max_tokens`; Atropos
+        environments decide their own lengths, bounded by `model.max_seq_len`)."""
+        if self.train.loss.max_completion_tokens:
+            return self.train.loss.max_completion_tokens
+        return self.model.max_seq_len if self.source.kind == "atropos" else self.source.max_tokens
 
     @property
     def socket_path(self) -> Path:

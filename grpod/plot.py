@@ -1,7 +1,8 @@
 """`grpod plot RUN_DIR`: one PNG of a run's curves, so a user can look instead of read.
 
 Reads `<run>/metrics.jsonl` (step, eval and sync records) and draws reward, held-out accuracy, loss,
-KL, importance ratio, clipped fraction, staleness and sync latency against the step. A panel
+KL, entropy, importance ratio, clipped fraction, the trainer/vLLM mismatch (mismatch KL and the
+share of IS weights truncated or masked), staleness and sync latency against the step. A panel
 whose metric the run never recorded says so instead of disappearing.
 """
 
@@ -15,8 +16,10 @@ PANELS = (
     ("held-out accuracy", "eval", ("eval_accuracy",)),
     ("loss", "step", ("loss",)),
     ("KL", "step", ("kl",)),
+    ("entropy (nats/token)", "step", ("entropy",)),
     ("importance ratio", "step", ("ratio_mean", "ratio_min", "ratio_max")),
     ("clipped fraction", "step", ("clipped_low_fraction", "clipped_high_fraction")),
+    ("trainer/vLLM mismatch", "step", ("mismatch_kl", "tis_capped_fraction", "tis_masked_fraction")),
     ("staleness (versions)", "step", ("staleness_mean", "staleness_max")),
     ("sync latency (s)", "sync", ("total_s",)),
 )
@@ -49,7 +52,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
 
     records = read_metrics(run_dir)
     out = Path(out) if out else Path(run_dir) / "metrics.png"
-    fig, axes = plt.subplots(4, 2, figsize=(12, 13))
+    fig, axes = plt.subplots(5, 2, figsize=(12, 16))
     for ax, (title, kind, keys) in zip(axes.flat, PANELS, strict=True):
         drawn = False
         for key in keys:

@@ -26,3 +26,13 @@ def test_plot_errors_name_the_problem(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"kind": "step"}\nnot json\n')
     with pytest.raises(PlotError, match=":2: not a JSON line"):
         plot_run(tmp_path)
+
+
+def test_the_algorithm_metrics_have_panels_and_status_rows():
+    from grpod.cli import _render_status
+    from grpod.plot import PANELS
+
+    plotted = {key for _, _, keys in PANELS for key in keys}
+    assert {"entropy", "clipped_low_fraction", "clipped_high_fraction", "mismatch_kl", "tis_masked_fraction"} <= plotted
+    table = _render_status({"last_metrics": {"entropy": 1.25, "clipped_fraction": 0.1, "mismatch_kl": 0.002}})
+    assert "entropy" in table and "1.25" in table and "clipped_fraction" in table and "mismatch_kl" in table

@@ -18,6 +18,7 @@ LIVE_KEYS = (
     "train.loss.clip_low",
     "train.loss.clip_high",
     "train.loss.kl_coef",
+    "train.loss.entropy_coef",
     "train.max_staleness",
     "source.temperature",
     "bridge.sync_every",

@@ -453,6 +453,9 @@ class Daemon:
             vocab_size=self.trainer.vocab_size,
             max_seq_len=self.cfg.model.max_seq_len,
             group_normalised=self.cfg.train.advantages.scale != "none" or self.cfg.train.advantages.drop_zero_variance,
+            # Groups without inference logprobs (an Atropos environment that sends none) train
+            # with IS weight 1, counted as `is_uncorrected_tokens` (see training/loss.py).
+            require_logprobs=False,
         )
         for _, rejection in rejected:
             self.rejections.add(rejection)

@@ -7,7 +7,8 @@ while it ran). Problems are drawn by index from a seeded stream, so the source's
 integer and a resumed run continues the stream instead of repeating it.
 
 A group whose generation failed (vLLM restarting or dead) is dropped and counted, never
-half-used; the problem is simply skipped.
+half-used; the problem is simply skipped. With `source.dynamic_sampling`, groups without signal
+are not queued (`grpod.rollouts.dynamic_sampling`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import structlog
 from grpod.config import GrpodConfig
 from grpod.rollouts.arithmetic import ArithmeticTask, Problem, prompt_ids
 from grpod.rollouts.buffer import RolloutBuffer
+from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
 
 log = structlog.get_logger(__name__)
@@ -32,6 +34,10 @@ class SourceStats:
     dropped: int = 0
     drop_reasons: dict[str, int] = field(default_factory=dict)
     generation_s: float = 0.0
+    # Dynamic sampling (source.dynamic_sampling): zero-variance groups not queued, and those
+    # queued anyway after too many in a row.
+    dynamic_filtered: int = 0
+    dynamic_let_through: int = 0
 
     def drop(self, reason: str) -> None:
         self.dropped += 1
@@ -49,6 +55,7 @@ class BuiltinSource:
         self.task = ArithmeticTask(seed=cfg.source.task_seed)
         self.next_index = int((cursor or {}).get("next_index", 0))
         self.stats = SourceStats()
+        self.dynamic_sampling = DynamicSampling(cfg)
 
     def cursor(self) -> dict:
         return {"kind": self.kind, "next_index": self.next_index}
@@ -111,7 +118,7 @@ class BuiltinSource:
 
     async def _one_into(self, buffer: RolloutBuffer) -> None:
         group = await self.generate_group()
-        if group is not None:
+        if group is not None and self.dynamic_sampling.admit(group, self.stats):
             await buffer.put(group)
 
     async def run(self, buffer: RolloutBuffer, may_generate) -> None:
@@ -127,7 +134,8 @@ class BuiltinSource:
                 if group is None:
                     await anyio.sleep(0.5)
                     continue
-                await buffer.put(group)
+                if self.dynamic_sampling.admit(group, self.stats):
+                    await buffer.put(group)
 
         async with anyio.create_task_group() as tg:
             for _ in range(self.src.concurrency):

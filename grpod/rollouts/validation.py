@@ -14,7 +14,8 @@ Rules a valid group satisfies (`validate_group`):
 - logprobs are finite everywhere (NaN at a masked position still poisons a masked sum) and
   <= LOGPROB_TOLERANCE at loss positions;
 - at least one loss token in the group (a sequence without any simply contributes nothing);
-- temperature finite and > 0, top_p in (0, 1], policy_version an int >= 0, weight finite >= 0.
+- temperature finite and > 0 (also a per-sequence `overrides[i]["temperature"]`, where null means
+  not overridden), top_p in (0, 1], policy_version an int >= 0, weight finite >= 0.
 
 `group_from_atropos` turns one item of an Atropos `/batch` into a `RolloutGroup`, raising
 `MalformedGroup` (with the same reason codes) when the item cannot even be converted.
@@ -282,6 +283,13 @@ def _check_group(
         overrides = _require_list("overrides", group.overrides)
         _require_count("overrides", overrides, n)
         _require_elements("overrides", overrides, lambda o: isinstance(o, dict), "a dict")
+        for i, override in enumerate(overrides):
+            t = override.get("temperature")
+            if t is not None and (not _is_number(t) or not _is_finite(t) or t <= 0):
+                raise _Invalid(
+                    RejectionReason.BAD_TEMPERATURE,
+                    f"overrides[{i}].temperature = {_show(t)}, expected a finite number > 0 (or null: not overridden)",
+                )
     if group.truncated is not None:
         truncated = _require_list("truncated", group.truncated)
         _require_count("truncated", truncated, n)
@@ -536,6 +544,11 @@ def _convert_atropos(item: Any, default_version: int, group_id: str) -> RolloutG
     group_overrides = _optional_dict(item, "group_overrides")
     temperature, top_p = _atropos_sampling(n, overrides, _optional_dict(item, "generation_params"), group_overrides)
 
+    truncated = None
+    if overrides is not None and any("truncated" in o or "finish_reason" in o for o in overrides):
+        # An environment says a completion ran out of tokens either way; mask_truncated needs it.
+        truncated = [bool(o.get("truncated")) or o.get("finish_reason") == "length" for o in overrides]
+
     extra: dict[str, Any] = {}
     if item.get("env_id") is not None:
         extra["env_id"] = item["env_id"]
@@ -548,6 +561,7 @@ def _convert_atropos(item: Any, default_version: int, group_id: str) -> RolloutG
         inference_logprobs=logprobs,
         advantages=advantages,
         overrides=overrides,
+        truncated=truncated,
         temperature=temperature,
         top_p=top_p,
         policy_version=default_version,
@@ -562,7 +576,9 @@ def group_from_atropos(item: dict[str, Any], *, default_version: int, group_id: 
 
     `masks` (-100 = no loss, else the token id) become a 0/1 loss mask; `inference_logprobs`
     keep their alignment with tokens, with the prompt placeholders (1.0, or null) set to 0.0;
-    per-token `advantages` must be constant over each sequence's loss tokens. Temperature:
+    per-token `advantages` must be constant over each sequence's loss tokens. A per-sequence
+    override `truncated: true` or `finish_reason: "length"` marks a truncated completion (for
+    `train.loss.mask_truncated`). Temperature:
     per-sequence override > generation_params > group_overrides > 1.0, and all sequences of a
     group must agree. Atropos carries no policy version, so `default_version` (the version being
     served when the batch was fetched) is recorded. Values that convert but are out of range

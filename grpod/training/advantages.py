@@ -1,19 +1,27 @@
-"""Group-relative advantages: one number per completion, from the scores of its group.
+"""Advantages: one number per completion, from the scores of its group (or of the whole step).
 
-For a group with scores `r_1..r_k` (mean `m`, population std `s`) the advantage of completion `i` is
+Scores first go through optional overlong shaping (DAPO's soft punishment): with a completion
+budget M (`GrpodConfig.completion_budget`) and a buffer B = `overlong_buffer`, a completion of
+L loss tokens loses `overlong_penalty` x min(1, (L - (M - B)) / B) when L > M - B.
 
-    scale = "group":  A_i = (r_i - m) / (s + eps)           GRPO
-    scale = "batch":  A_i = (r_i - m) / (S + eps)           S = std of every kept (r_j - m_g) in the step
-    scale = "none":   A_i =  r_i - m                        Dr. GRPO (mean-centred, no std division)
+`estimator` then turns the scores `r_1..r_k` of a group (mean `m`, std `s`, `std` = "sample"
+(n - 1, the peers' default) or "population") into advantages:
+
+    grpo, scale = "group":   A_i = (r_i - m) / (s + eps)              GRPO
+    grpo, scale = "batch":   A_i = (r_i - m) / (S + eps)              S = std of every kept (r_j - m_g) in the step
+    grpo, scale = "none":    A_i =  r_i - m                           Dr. GRPO (mean-centred, no std division)
+    rloo:                    A_i =  r_i - mean_{j != i} r_j = k / (k - 1) (r_i - m)    leave-one-out
+    reinforce_pp:            A_i = (r_i - M) / (S' + eps)             REINFORCE++: M, S' over all kept scores
 
 then multiplied by the group's `weight` (the staleness policy's down-weighting, 1.0 by default).
-Centring is always within the group: what a completion is compared with is its siblings. "batch"
+GRPO's centring is within the group: what a completion is compared with is its siblings. "batch"
 divides by one spread for the whole step, so a group whose scores barely differ does not get its
 noise blown up to unit scale as "group" does.
 
-A group whose scores are all equal (a zero-variance group) carries no learning signal; with
-`drop_zero_variance` it is left out of the step entirely (its tokens are not trained on and not
-counted in the loss normalisers) and counted in `AdvantageResult.dropped_zero_variance`.
+A group whose (shaped) scores are all equal (a zero-variance group) carries no learning signal
+among its siblings; with `drop_zero_variance` it is left out of the step entirely (its tokens are
+not trained on and not counted in the loss normalisers) and counted in
+`AdvantageResult.dropped_zero_variance`.
 
 With `use_source_advantages`, a group that arrives with advantages (Atropos environments may send
 them) uses those as they are instead (times `weight`); such a group counts as zero-variance when
@@ -30,11 +38,9 @@ from dataclasses import dataclass, field
 
 from grpod.config import AdvantageConfig
 from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.signal import is_zero_variance, shaped_scores, source_advantages
 
 EPS = 1e-6
-# Scores closer than this count as equal (reward functions return exact values; this absorbs
-# float noise from averaged or weighted rewards).
-ZERO_VARIANCE_TOL = 1e-9
 
 
 @dataclass
@@ -44,28 +50,20 @@ class AdvantageResult:
     groups: list[RolloutGroup] = field(default_factory=list)
     advantages: list[list[float]] = field(default_factory=list)
     dropped_zero_variance: int = 0
+    overlong_penalized: int = 0
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def _population_std(values: list[float]) -> float:
+def _std(values: list[float], kind: str) -> float:
+    """The sample (n - 1) or population std; 0 for fewer than two sample values."""
     m = _mean(values)
-    return math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
-
-
-def _source_advantages(group: RolloutGroup, cfg: AdvantageConfig) -> list[float] | None:
-    if cfg.use_source_advantages and group.advantages is not None:
-        return [float(a) for a in group.advantages]
-    return None
-
-
-def _is_zero_variance(group: RolloutGroup, cfg: AdvantageConfig) -> bool:
-    source = _source_advantages(group, cfg)
-    if source is not None:
-        return all(a == 0.0 for a in source)
-    return max(group.scores) - min(group.scores) <= ZERO_VARIANCE_TOL
+    squares = sum((v - m) ** 2 for v in values)
+    if kind == "sample":
+        return math.sqrt(squares / (len(values) - 1)) if len(values) > 1 else 0.0
+    return math.sqrt(squares / len(values))
 
 
 def _overridden_to_zero(group: RolloutGroup, i: int) -> bool:
@@ -74,36 +72,45 @@ def _overridden_to_zero(group: RolloutGroup, i: int) -> bool:
     return bool((group.overrides[i] or {}).get("set_advantage_to_zero"))
 
 
-def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig) -> AdvantageResult:
+def _from_scores(scores: list[float], cfg: AdvantageConfig, batch: tuple[float, float], pooled_std: float) -> list[float]:
+    m = _mean(scores)
+    if cfg.estimator == "rloo":
+        k = len(scores)
+        return [k / (k - 1) * (r - m) if k > 1 else 0.0 for r in scores]
+    if cfg.estimator == "reinforce_pp":
+        batch_mean, batch_std = batch
+        return [(r - batch_mean) / (batch_std + EPS) for r in scores]
+    if cfg.scale == "group":
+        std = _std(scores, cfg.std)
+        return [(r - m) / (std + EPS) for r in scores]
+    if cfg.scale == "batch":
+        return [(r - m) / (pooled_std + EPS) for r in scores]
+    return [r - m for r in scores]
+
+
+def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig, completion_budget: int = 0) -> AdvantageResult:
     """Advantages for every kept group; see the module docstring for the formulas."""
     result = AdvantageResult()
+    kept_scores: list[list[float]] = []
     for group in groups:
-        if cfg.drop_zero_variance and _is_zero_variance(group, cfg):
+        scores = shaped_scores(group, cfg, completion_budget)
+        result.overlong_penalized += sum(1 for r, raw in zip(scores, group.scores) if r != float(raw))
+        if cfg.drop_zero_variance and is_zero_variance(group, scores, cfg):
             result.dropped_zero_variance += 1
             continue
         result.groups.append(group)
+        kept_scores.append(scores)
 
-    centred: list[list[float] | None] = []
-    for group in result.groups:
-        if _source_advantages(group, cfg) is not None:
-            centred.append(None)
-        else:
-            m = _mean(group.scores)
-            centred.append([float(r) - m for r in group.scores])
+    from_scores = [s for g, s in zip(result.groups, kept_scores) if source_advantages(g, cfg) is None]
+    every = [r for scores in from_scores for r in scores]
+    residuals = [r - _mean(scores) for scores in from_scores for r in scores]
+    batch = (_mean(every), _std(every, cfg.std)) if every else (0.0, 0.0)
+    pooled_std = _std(residuals, cfg.std) if residuals else 0.0
 
-    batch_values = [a for values in centred if values is not None for a in values]
-    batch_std = _population_std(batch_values) if batch_values else 0.0
-
-    for group, values in zip(result.groups, centred, strict=True):
-        if values is None:
-            advantages = _source_advantages(group, cfg)
-        elif cfg.scale == "group":
-            std = _population_std(group.scores)
-            advantages = [a / (std + EPS) for a in values]
-        elif cfg.scale == "batch":
-            advantages = [a / (batch_std + EPS) for a in values]
-        else:
-            advantages = values
+    for group, scores in zip(result.groups, kept_scores, strict=True):
+        advantages = source_advantages(group, cfg)
+        if advantages is None:
+            advantages = _from_scores(scores, cfg, batch, pooled_std)
         advantages = [
             0.0 if _overridden_to_zero(group, i) else a * group.weight for i, a in enumerate(advantages)
         ]

@@ -48,7 +48,8 @@ def training_sequences(result: AdvantageResult, *, mask_truncated: bool) -> list
     """Every sequence of the kept groups that has at least one loss token left.
 
     A per-sequence override `{"temperature": T}` (Atropos sends them) replaces the group's sampling
-    temperature for that sequence: its logprobs were taken at T.
+    temperature for that sequence: its logprobs were taken at T. A null override means "not
+    overridden" (validation has already refused any other non-number).
     """
     sequences = []
     for group, advantages in zip(result.groups, result.advantages, strict=True):
@@ -60,12 +61,17 @@ def training_sequences(result: AdvantageResult, *, mask_truncated: bool) -> list
                 tokens=list(tokens),
                 loss_mask=mask,
                 advantage=float(advantages[i]),
-                temperature=float(override.get("temperature", group.temperature)),
+                temperature=float(_overridden(override, "temperature", group.temperature)),
                 inference_logprobs=list(group.inference_logprobs[i]) if group.inference_logprobs else None,
             )
             if sequence.loss_positions:
                 sequences.append(sequence)
     return sequences
+
+
+def _overridden(override: dict, key: str, default: float) -> float:
+    value = override.get(key)
+    return default if value is None else value
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,8 @@ class MicroBatch:
 
     Loss token k sits at `input_ids[rows[k], positions[k]]` and is predicted by the logits at
     `[rows[k], positions[k] - 1]`. `inference_logprobs[k]` is NaN where the source sent none.
+    `old_logprobs` is pi_old's logprob of each loss token when the trainer recorded it before a
+    batch's first update (several updates per batch), else None.
     """
 
     input_ids: Tensor
@@ -125,14 +133,21 @@ class MicroBatch:
     inference_logprobs: Tensor
     sequence_loss_tokens: Tensor
     real_tokens: int
+    old_logprobs: Tensor | None = None
 
     @property
     def processed_tokens(self) -> int:
         return self.input_ids.numel()
 
 
-def collate(sequences: list[TrainingSequence], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
-    """Right-pad `sequences` into one block and gather their loss tokens."""
+def collate(
+    sequences: list[TrainingSequence],
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    old_logprobs: list[Tensor] | None = None,
+) -> MicroBatch:
+    """Right-pad `sequences` into one block and gather their loss tokens (`old_logprobs`: one
+    tensor per sequence over its loss positions, in the same order)."""
     width = max(len(s.tokens) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     rows, positions, temps, advantages, inference, counts = [], [], [], [], [], []
@@ -160,4 +175,5 @@ def collate(sequences: list[TrainingSequence], pad_id: int, device: torch.device
         inference_logprobs=torch.tensor(inference, dtype=torch.float32, device=device),
         sequence_loss_tokens=torch.tensor(counts, dtype=torch.long, device=device),
         real_tokens=sum(len(s.tokens) for s in sequences),
+        old_logprobs=torch.cat(old_logprobs).to(device) if old_logprobs is not None else None,
     )

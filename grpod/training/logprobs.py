@@ -116,3 +116,20 @@ def token_entropy(logits: Tensor, temperature: float | Tensor = 1.0, chunk_token
         probs = torch.softmax(scaled, dim=-1)
         out[start:end] = -torch.special.xlogy(probs, probs).sum(dim=-1)
     return out
+
+
+def token_entropy_with_grad(logits: Tensor, temperature: float | Tensor = 1.0, chunk_tokens: int = 1024) -> Tensor:
+    """`token_entropy` with a gradient, for an entropy bonus (train.loss.entropy_coef > 0).
+
+    Autograd keeps each chunk's fp32 softmax for the backward pass: [tokens x vocab] fp32 in all,
+    the price of the bonus (the metric alone costs nothing extra).
+    """
+    _check_chunk(chunk_tokens)
+    n = logits.shape[0]
+    temps = _per_token_temperature(temperature, n, logits.device)
+    parts = []
+    for start in range(0, n, chunk_tokens):
+        end = min(start + chunk_tokens, n)
+        logp = torch.log_softmax(logits[start:end].float() / temps[start:end, None], dim=-1)
+        parts.append(-(logp.exp() * logp).sum(dim=-1))
+    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)

@@ -1,19 +1,25 @@
-"""The policy trainer: a HF causal LM (full fine-tuning or a peft LoRA) and one GRPO step per batch.
+"""The policy trainer: a HF causal LM (full fine-tuning or a peft LoRA) and the GRPO updates of a batch.
 
 Full training loads the model in fp32 (fp32 master weights and optimizer states) on
 `train.device`. LoRA loads the frozen base in `model.dtype` and trains fp32 adapters with
 `train.lora_config`'s dropout (default 0, which is what vLLM applies: none). Tied input/output
 embeddings stay one parameter (one optimizer state, one update), as the checkpoint stores them.
+With `train.disable_dropout` (the default) every dropout of the model (LoRA's included) is set to
+0 at load: training computes the function vLLM serves.
 
-`train_step` is the whole step, top to bottom: advantages, micro-batches, forward + loss + backward
-per micro-batch (gradients accumulate; the loss normalisers are the step's, see `loss`), clip,
-optimizer step, schedule step. `step` counts optimizer steps taken: a batch with nothing to train
-on (every group zero-variance) or a non-finite gradient leaves the weights, the schedule and `step`
-untouched and reports `skipped = 1`.
+`train_step` is the whole batch, top to bottom: advantages, pi_old (recorded once when the batch
+gets several updates), then for each of `train.epochs` epochs and each of `train.minibatches`
+minibatches: micro-batches, forward + loss + backward per micro-batch (gradients accumulate; the
+loss normalisers are the minibatch's, see `loss`), clip, optimizer step. The learning-rate
+schedule advances once per batch, trained or skipped, so it follows `train.steps` to its end.
+`step` counts batches that took at least one optimizer update, `updates` the updates; a batch
+with nothing to train on (every group zero-variance) or only non-finite gradients leaves the
+weights and `step` untouched and reports `skipped = 1`.
 
 Resuming: the weights come back through the constructor (`model_path` = saved full weights, or
 `adapter_path` = a saved adapter over the base at `model_path`), the optimizer, schedule and step
-counter through `load_state_dict`.
+counter through `load_state_dict`. A `train.lr` that differs from the checkpoint's is applied (the
+config file is what a restart means) and logged.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,8 +39,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from grpod.config import GrpodConfig
 from grpod.rollouts.group import RolloutGroup
 from grpod.training.advantages import compute_advantages
-from grpod.training.batching import MicroBatch, collate, plan_micro_batches, training_sequences
-from grpod.training.logprobs import token_entropy, token_logprobs
+from grpod.training.batching import MicroBatch, TrainingSequence, collate, plan_micro_batches, training_sequences
+from grpod.training.logprobs import token_entropy, token_entropy_with_grad, token_logprobs
 from grpod.training.loss import LossStats, LossTokens, StepNormalizer, aggregation_weights, policy_loss
 from grpod.training.optim import build_optimizer, build_scheduler
 
@@ -50,6 +57,16 @@ TOKENIZER_FILES = (
 
 def _run_unfenced(update: Callable[[], object]) -> object:
     return update()
+
+
+def _zero_dropout(model: torch.nn.Module) -> None:
+    """Every dropout of the model to 0 (nn.Dropout layers, LoRA's included, and the attention
+    dropout HF attention modules keep as a float), so training computes what vLLM serves."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
@@ -74,22 +91,18 @@ class Trainer:
             if adapter_path is not None:
                 raise ValueError(f"adapter_path {adapter_path} given but train.lora = false")
             self.model = _load_model(self.model_path, torch.float32, self.device)
+        if cfg.train.disable_dropout:
+            _zero_dropout(self.model)
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
         # The frozen reference for kl_reference = "model" is the initial policy, `model.path` (not
         # `model_path`, which is the resumed weights after a restart); LoRA has it for free
-        # (the base with adapters off), full training holds a second copy.
+        # (the base with adapters off), full training holds a second copy, loaded the first time
+        # a step needs it (kl_coef may be turned on live).
         self.reference_model: PreTrainedModel | None = None
-        loss_cfg = cfg.train.loss
-        if loss_cfg.kl_coef > 0 and loss_cfg.kl_reference == "model" and not cfg.train.lora:
-            if not cfg.model.path.exists():
-                raise FileNotFoundError(
-                    f"train.loss.kl_reference = 'model' needs the initial policy at model.path = "
-                    f"{cfg.model.path}, which does not exist; set model.path or use kl_reference = 'inference'"
-                )
-            self.reference_model = _load_model(cfg.model.path, torch.float32, self.device).eval()
-            self.reference_model.requires_grad_(False)
+        if self._needs_reference():
+            self._load_reference()
 
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.trainable, cfg.train)
@@ -99,6 +112,7 @@ class Trainer:
         self.update_fence: Callable[[Callable[[], object]], object] = _run_unfenced
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
+        self.updates = 0
         self.vocab_size: int = self.model.config.vocab_size
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
@@ -122,75 +136,160 @@ class Trainer:
             torch.manual_seed(self.cfg.run.seed)
             return get_peft_model(base, peft_cfg)
 
+    def _needs_reference(self) -> bool:
+        loss_cfg = self.cfg.train.loss
+        return loss_cfg.kl_coef > 0 and loss_cfg.kl_reference == "model" and not self.cfg.train.lora
+
+    def _load_reference(self) -> None:
+        path = self.cfg.model.path
+        if not path.exists():
+            raise FileNotFoundError(
+                f"train.loss.kl_reference = 'model' needs the initial policy at model.path = "
+                f"{path}, which does not exist; set model.path or use kl_reference = 'inference'"
+            )
+        self.reference_model = _load_model(path, torch.float32, self.device).eval()
+        self.reference_model.requires_grad_(False)
+        log.info("reference_model_loaded", path=str(path))
+
+    def _forward_mode(self) -> None:
+        """Train mode (gradient checkpointing only acts in it), with dropout zeroed at load time
+        when `train.disable_dropout`."""
+        self.model.train()
+
     def train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
-        """One optimizer step on `groups`; returns its metrics (see the module docstring)."""
+        """The updates of one batch, `groups`; returns its metrics (see the module docstring)."""
         started = time.perf_counter()
         cfg = self.cfg.train
         scores = [s for g in groups for s in g.scores]
-        advantages = compute_advantages(groups, cfg.advantages)
+        advantages = compute_advantages(groups, cfg.advantages, self.cfg.completion_budget)
         sequences = training_sequences(advantages, mask_truncated=cfg.loss.mask_truncated)
         metrics: dict[str, float] = {
             "reward_mean": sum(scores) / len(scores) if scores else float("nan"),
             "dropped_zero_variance": float(advantages.dropped_zero_variance),
+            "overlong_penalized": float(advantages.overlong_penalized),
             "sequences": float(len(sequences)),
             "lr": self.scheduler.get_last_lr()[0],
         }
         if not sequences:
+            self._advance_schedule()
             log.info("train_step_skipped", reason="no_trainable_sequences", groups=len(groups), **metrics)
-            return metrics | {"skipped": 1.0, "optimizer_steps": float(self.step)}
+            return metrics | {"skipped": 1.0, "optimizer_steps": float(self.updates)}
+        if self.reference_model is None and self._needs_reference():
+            self._load_reference()
 
-        plan = plan_micro_batches(
-            [len(s.tokens) for s in sequences], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency
-        )
-        normalizer = StepNormalizer.for_step([len(s.loss_positions) for s in sequences], self.cfg.source.max_tokens)
-
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._forward_mode()
+        several = cfg.epochs * cfg.minibatches > 1
+        old = self._old_logprobs(sequences) if several else None
         stats = LossStats()
-        for indices in plan.batches:
-            batch = collate([sequences[i] for i in indices], self.pad_id, self.device)
-            loss, batch_stats = self._micro_batch_loss(batch, normalizer)
-            loss.backward()
-            stats.merge(batch_stats)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip))
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            log.warning("train_step_skipped", reason="non_finite_grad_norm", grad_norm=grad_norm, step=self.step)
-            return metrics | {"skipped": 1.0, "grad_norm": grad_norm, "optimizer_steps": float(self.step)}
-        self.update_fence(self.optimizer.step)
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norms: list[float] = []
+        real_tokens = processed_tokens = micro_batches = 0
+        for epoch in range(cfg.epochs):
+            for part in self._minibatches(len(sequences), epoch):
+                chosen = [sequences[i] for i in part]
+                plan = plan_micro_batches(
+                    [len(s.tokens) for s in chosen], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency
+                )
+                normalizer = StepNormalizer.for_step([len(s.loss_positions) for s in chosen], self.cfg.completion_budget)
+                self.optimizer.zero_grad(set_to_none=True)
+                for indices in plan.batches:
+                    batch = collate(
+                        [chosen[i] for i in indices], self.pad_id, self.device,
+                        old_logprobs=[old[part[i]] for i in indices] if old is not None else None,
+                    )
+                    loss, batch_stats = self._micro_batch_loss(batch, normalizer)
+                    loss.backward()
+                    stats.merge(batch_stats)
+                real_tokens += plan.real_tokens
+                processed_tokens += plan.processed_tokens
+                micro_batches += len(plan.batches)
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip))
+                grad_norms.append(grad_norm)
+                if not math.isfinite(grad_norm):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    log.warning("update_skipped", reason="non_finite_grad_norm", grad_norm=grad_norm, step=self.step)
+                    continue
+                self.update_fence(self.optimizer.step)
+                self.updates += 1
+                self.optimizer.zero_grad(set_to_none=True)
+        self._advance_schedule()
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        if not finite:
+            log.warning("train_step_skipped", reason="non_finite_grad_norm", grad_norm=grad_norms[-1], step=self.step)
+            return metrics | {"skipped": 1.0, "grad_norm": grad_norms[-1], "optimizer_steps": float(self.updates)}
         self.step += 1
 
         metrics |= stats.as_metrics()
         metrics |= {
-            "optimizer_steps": float(self.step),
+            "optimizer_steps": float(self.updates),
+            "updates": float(len(finite)),
             "skipped": 0.0,
-            "grad_norm": grad_norm,
-            "tokens": float(plan.real_tokens),
-            "processed_tokens": float(plan.processed_tokens),
-            "padding_efficiency": plan.efficiency,
-            "micro_batches": float(len(plan.batches)),
+            "grad_norm": sum(finite) / len(finite),
+            "tokens": float(real_tokens),
+            "processed_tokens": float(processed_tokens),
+            "padding_efficiency": real_tokens / processed_tokens if processed_tokens else 1.0,
+            "micro_batches": float(micro_batches),
             "step_time_s": time.perf_counter() - started,
         }
         log.debug("train_step", **metrics)
         return metrics
 
+    def _advance_schedule(self) -> None:
+        """One schedule step per batch (F12 of the audit: a skipped batch used to leave the cosine
+        behind `train.steps`). torch warns when this precedes any optimizer step; here that is
+        meant: the schedule counts batches, not updates."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.scheduler.step()
+
+    def _minibatches(self, n: int, epoch: int) -> list[list[int]]:
+        """The batch's sequences split into `train.minibatches` parts, shuffled per epoch with a
+        generator seeded by (run seed, batch index, epoch), so a resumed run splits the same way."""
+        parts = min(self.cfg.train.minibatches, n)
+        if parts == 1:
+            return [list(range(n))]
+        generator = torch.Generator().manual_seed(
+            hash((self.cfg.run.seed, self.scheduler.last_epoch, epoch)) & 0x7FFFFFFF
+        )
+        order = torch.randperm(n, generator=generator).tolist()
+        return [order[k::parts] for k in range(parts)]
+
+    @torch.no_grad()
+    def _old_logprobs(self, sequences: list[TrainingSequence]) -> list[torch.Tensor]:
+        """pi_old's logprob of every loss token, per sequence, before the batch's first update."""
+        cfg = self.cfg.train
+        plan = plan_micro_batches([len(s.tokens) for s in sequences], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
+        old: list[torch.Tensor | None] = [None] * len(sequences)
+        for indices in plan.batches:
+            batch = collate([sequences[i] for i in indices], self.pad_id, self.device)
+            logits = self.model(input_ids=batch.input_ids, use_cache=False).logits
+            logprobs = token_logprobs(
+                logits[batch.rows, batch.positions - 1], batch.targets, batch.temperatures, cfg.loss.logprob_chunk_tokens
+            )
+            for row, i in enumerate(indices):
+                old[i] = logprobs[batch.rows == row].detach()
+        return old
+
     def _micro_batch_loss(self, batch: MicroBatch, normalizer: StepNormalizer) -> tuple[torch.Tensor, LossStats]:
-        """Forward one micro-batch; its share of the step loss and its statistics."""
+        """Forward one micro-batch; its share of the (mini)batch loss and its statistics."""
         loss_cfg = self.cfg.train.loss
         chunk = loss_cfg.logprob_chunk_tokens
         logits = self.model(input_ids=batch.input_ids, use_cache=False).logits
         predicting = logits[batch.rows, batch.positions - 1]
         logprobs = token_logprobs(predicting, batch.targets, batch.temperatures, chunk)
+        if loss_cfg.entropy_coef > 0:
+            entropy = token_entropy_with_grad(predicting, batch.temperatures, chunk)
+        else:
+            entropy = token_entropy(predicting.detach(), batch.temperatures, chunk)
         tokens = LossTokens(
             logprobs=logprobs,
-            old_logprobs=logprobs.detach(),  # one optimizer step per batch: pi_old = pi before it
+            # One update per batch: pi_old is the policy before it, the weights of this forward.
+            old_logprobs=batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach(),
             advantages=batch.advantages,
             weights=aggregation_weights(loss_cfg.aggregation, batch.sequence_loss_tokens, normalizer),
             inference_logprobs=batch.inference_logprobs,
             reference_logprobs=self._reference_logprobs(batch),
-            entropy=token_entropy(predicting.detach(), batch.temperatures, chunk),
+            entropy=entropy,
+            sequence_index=batch.rows,
         )
         return policy_loss(tokens, loss_cfg)
 
@@ -257,9 +356,15 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
+            "updates": self.updates,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
+        self.updates = int(state.get("updates", self.step))
+        saved_lr = self.scheduler.base_lrs[0]
+        if not math.isclose(saved_lr, self.cfg.train.lr, rel_tol=1e-9):
+            log.warning("learning_rate_from_config", checkpoint_lr=saved_lr, config_lr=self.cfg.train.lr)
+            self.set_learning_rate(self.cfg.train.lr)

@@ -115,3 +115,31 @@ def test_a_batch_with_nothing_valid_is_skipped_not_fatal(daemon, monkeypatch):
     anyio.run(daemon._train_one, [bad])
     assert seen == []
     assert daemon.step == 1 and daemon.metrics.read()[-1]["skipped"] == 1
+
+
+def test_groups_without_inference_logprobs_train_uncorrected(daemon, monkeypatch):
+    # F6: such groups (Atropos sends `inference_logprobs: null`) were all rejected while the run
+    # counted the step; now they train with IS weight 1 and the metrics say how many tokens.
+    rng = random.Random(4)
+    seen = _trained_ids(daemon, monkeypatch)
+    group = _group("no-logprobs", 10, rng)
+    group.inference_logprobs = None
+    anyio.run(daemon._train_one, [group])
+    assert seen == [["no-logprobs"]]
+    record = daemon.metrics.read()[-1]
+    assert record["skipped"] == 0.0 and record["is_uncorrected_tokens"] == 16.0
+    assert daemon.status()["rejected"] == {}
+
+
+def test_a_null_temperature_override_trains_at_the_groups_temperature(daemon, monkeypatch):
+    # F2: `{"temperature": null}` passed validation, then float(None) ended the run in train_step.
+    rng = random.Random(5)
+    seen = _trained_ids(daemon, monkeypatch)
+    group = _group("null-override", 10, rng)
+    group.overrides = [{"temperature": None}, {}, {"temperature": None}, {}]
+    bad = _group("string-override", 10, rng)
+    bad.overrides = [{"temperature": "hot"}, {}, {}, {}]
+    anyio.run(daemon._train_one, [group, bad])
+    assert seen == [["null-override"]]
+    assert daemon.status()["rejected"] == {"bad_temperature": 1}
+    assert daemon.metrics.read()[-1]["skipped"] == 0.0

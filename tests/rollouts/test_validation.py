@@ -411,3 +411,22 @@ def test_fuzz_atropos_conversion_raises_only_malformed_group(item) -> None:
         return
     rejection = validate_group(group, vocab_size=16, max_seq_len=8, group_normalised=True)
     assert rejection is None or rejection.reason != RejectionReason.INTERNAL_ERROR
+
+
+def test_atropos_truncation_reaches_mask_truncated() -> None:
+    # F13: group_from_atropos never set `truncated`, so train.loss.mask_truncated did nothing.
+    item = atropos_item(overrides=[{"finish_reason": "length"}, {"truncated": False}])
+    assert group_from_atropos(item, default_version=0).truncated == [True, False]
+    item = atropos_item(overrides=[{"truncated": True}, None])
+    assert group_from_atropos(item, default_version=0).truncated == [True, False]
+    assert group_from_atropos(atropos_item(), default_version=0).truncated is None
+
+
+def test_override_temperatures_are_validated() -> None:
+    # F2: a null override is "not overridden"; anything else that is not a positive number is refused.
+    group = group_from_atropos(atropos_item(overrides=[{"temperature": None}, {}]), default_version=0)
+    assert validate_group(group, vocab_size=16, max_seq_len=8, group_normalised=True) is None
+    for bad in ("hot", 0.0, -1.0, float("nan"), True):
+        group.overrides = [{"temperature": bad}, {}]
+        rejection = validate_group(group, vocab_size=16, max_seq_len=8, group_normalised=True)
+        assert rejection is not None and rejection.reason == "bad_temperature", bad

@@ -19,7 +19,7 @@ def pstd(values):
 
 def test_group_scale_is_mean_centred_and_divided_by_the_group_std():
     groups = [group([1.0, 0.0, 0.0, 1.0]), group([3.0, 1.0, 2.0, 2.0])]
-    result = compute_advantages(groups, AdvantageConfig(scale="group"))
+    result = compute_advantages(groups, AdvantageConfig(scale="group", std="population"))
     assert result.dropped_zero_variance == 0
     a = 0.5 / (0.5 + EPS)
     assert result.advantages[0] == pytest.approx([a, -a, -a, a])
@@ -34,7 +34,7 @@ def test_none_scale_is_dr_grpo_mean_centring_only():
 
 def test_batch_scale_uses_one_std_over_all_centred_values():
     groups = [group([1.0, 0.0]), group([10.0, 0.0])]
-    result = compute_advantages(groups, AdvantageConfig(scale="batch"))
+    result = compute_advantages(groups, AdvantageConfig(scale="batch", std="population"))
     s = pstd([0.5, -0.5, 5.0, -5.0])
     assert result.advantages[0] == pytest.approx([0.5 / (s + EPS), -0.5 / (s + EPS)])
     assert result.advantages[1] == pytest.approx([5 / (s + EPS), -5 / (s + EPS)])
@@ -84,3 +84,40 @@ def test_source_advantages_all_zero_count_as_zero_variance():
     g = group([1.0, 0.0], advantages=[0.0, 0.0])
     result = compute_advantages([g], AdvantageConfig(use_source_advantages=True))
     assert result.dropped_zero_variance == 1
+
+
+def test_sample_std_is_the_default_and_matches_the_peers():
+    # scores [1, 0, 0, 0]: mean 0.25, sample std sqrt(0.75 / 3) = 0.5 -> [1.5, -0.5, -0.5, -0.5]
+    result = compute_advantages([group([1.0, 0.0, 0.0, 0.0])], AdvantageConfig())
+    assert AdvantageConfig().std == "sample"
+    assert result.advantages[0] == pytest.approx([0.75 / (0.5 + EPS)] + [-0.25 / (0.5 + EPS)] * 3)
+    population = compute_advantages([group([1.0, 0.0, 0.0, 0.0])], AdvantageConfig(std="population"))
+    assert population.advantages[0][0] == pytest.approx(0.75 / (math.sqrt(0.1875) + EPS))
+
+
+def test_rloo_is_the_leave_one_out_baseline():
+    # r = [3, 1, 2, 2]: A_0 = 3 - (1 + 2 + 2) / 3 = 4/3, A_1 = 1 - 7/3 = -4/3, A_2 = A_3 = 2 - 2 = 0
+    result = compute_advantages([group([3.0, 1.0, 2.0, 2.0])], AdvantageConfig(estimator="rloo"))
+    assert result.advantages[0] == pytest.approx([4 / 3, -4 / 3, 0.0, 0.0])
+
+
+def test_reinforce_pp_normalises_raw_scores_over_the_step():
+    # all kept scores [1, 0, 3, 1]: mean 1.25, sample std sqrt(((-.25)^2 + 1.25^2 + 1.75^2 + .25^2) / 3)
+    groups = [group([1.0, 0.0]), group([3.0, 1.0])]
+    result = compute_advantages(groups, AdvantageConfig(estimator="reinforce_pp"))
+    s = math.sqrt((0.0625 + 1.5625 + 3.0625 + 0.0625) / 3)
+    assert result.advantages[0] == pytest.approx([-0.25 / (s + EPS), -1.25 / (s + EPS)])
+    assert result.advantages[1] == pytest.approx([1.75 / (s + EPS), -0.25 / (s + EPS)])
+
+
+def test_overlong_shaping_is_dapos_soft_punishment():
+    from grpod.rollouts.signal import overlong_penalty
+
+    # budget 16, buffer 4: no penalty up to 12 tokens, linear to -penalty at 16, capped beyond
+    assert [overlong_penalty(n, 16, 4, 1.0) for n in (12, 13, 14, 16, 20)] == [0.0, -0.25, -0.5, -1.0, -1.0]
+    g = RolloutGroup(tokens=[[1] * 20, [1] * 20], loss_mask=[[0] * 6 + [1] * 14, [0] * 10 + [1] * 10], scores=[1.0, 1.0])
+    cfg = AdvantageConfig(scale="none", overlong_buffer=4, overlong_penalty=2.0)
+    result = compute_advantages([g], cfg, completion_budget=16)
+    # shaped scores [1 - 2 * 0.5, 1] = [0, 1]: no longer zero-variance, advantages [-0.5, 0.5]
+    assert result.dropped_zero_variance == 0 and result.overlong_penalized == 1
+    assert result.advantages[0] == pytest.approx([-0.5, 0.5])

@@ -14,8 +14,9 @@ from grpod.training.loss import (
     clipped_surrogate,
     k3_kl,
     masked_for_truncation,
+    kl_penalty,
+    mismatch_weights,
     policy_loss,
-    tis_weights,
 )
 
 # Four loss tokens: three from sequence 0 (advantage +1), one from sequence 1 (advantage -0.5).
@@ -53,7 +54,7 @@ def loss_and_grad(cfg, old=None, inference=None, reference=None):
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_on_policy_loss_is_minus_weighted_advantage(aggregation):
-    cfg = LossConfig(aggregation=aggregation, tis_cap=None, kl_coef=0.0)
+    cfg = LossConfig(aggregation=aggregation, tis_mode="off", kl_coef=0.0)
     loss, grad, stats = loss_and_grad(cfg)
     c = coefficients(aggregation)
     # r = 1 in value, d r / d logp = 1: l_t = -A_t, dL/dlogp_t = -c_t A_t.
@@ -93,14 +94,15 @@ def test_truncated_importance_weight_scales_the_policy_gradient():
 
 def test_tis_weights_are_detached_and_capped():
     old = torch.tensor([0.0, 0.0], requires_grad=True)
-    w = tis_weights(old, torch.tensor([0.5, -3.0]), cap=2.0)
+    has = torch.tensor([True, True])
+    w = mismatch_weights(old, torch.tensor([0.5, -3.0]), has, torch.arange(2), "token_truncate", cap=2.0).weights
     assert not w.requires_grad
     assert w.tolist() == pytest.approx([math.exp(-0.5), 2.0])
 
 
 @pytest.mark.parametrize("reference", ["inference", "model"])
-def test_k3_kl_term_value_and_gradient(reference):
-    cfg = LossConfig(aggregation="token_mean", tis_cap=None, kl_coef=0.1, kl_reference=reference)
+def test_k3_kl_term_value_and_reverse_kl_gradient(reference):
+    cfg = LossConfig(aggregation="token_mean", tis_mode="off", kl_coef=0.1, kl_reference=reference)
     ref = INFERENCE
     loss, grad, stats = loss_and_grad(
         cfg,
@@ -109,7 +111,9 @@ def test_k3_kl_term_value_and_gradient(reference):
     )
     c = 1 / 8
     kl = [math.exp(r - lp) - (r - lp) - 1 for lp, r in zip(LOGP, ref)]
-    dkl = [-math.exp(r - lp) + 1 for lp, r in zip(LOGP, ref)]
+    # The value is k3's; the gradient is the score-function gradient of KL(pi || ref):
+    # (logp - logp_ref) per token (the old k3-as-loss gradient was 1 - exp(ref - logp)).
+    dkl = [lp - r for lp, r in zip(LOGP, ref)]
     assert loss == pytest.approx(sum(c * (-a + 0.1 * k) for a, k in zip(ADV, kl)), rel=1e-6)
     assert grad == pytest.approx([c * (-a + 0.1 * d) for a, d in zip(ADV, dkl)], rel=1e-5)
     assert stats.as_metrics()["kl"] == pytest.approx(sum(kl) / 4, rel=1e-6)
@@ -155,7 +159,7 @@ def test_clip_zeroes_the_gradient_exactly_where_ppo_says(sign):
 
 
 def test_clip_statistics_reach_the_metrics():
-    cfg = LossConfig(aggregation="token_mean", tis_cap=None, clip_low=0.2, clip_high=0.28)
+    cfg = LossConfig(aggregation="token_mean", tis_mode="off", clip_low=0.2, clip_high=0.28)
     # ratios 0.5 (A=+1, not clipped), 1.5 (A=+1, clipped high), 1.0, 0.5 (A=-0.5, clipped low)
     old = [lp - math.log(r) for lp, r in zip(LOGP, [0.5, 1.5, 1.0, 0.5])]
     _, grad, stats = loss_and_grad(cfg, old=old)
@@ -212,3 +216,187 @@ def test_truncated_completion_is_masked_only_when_asked():
     assert masked_for_truncation([0, 1, 1], truncated=True, mask_truncated=True) == [0, 0, 0]
     assert masked_for_truncation([0, 1, 1], truncated=True, mask_truncated=False) == [0, 1, 1]
     assert masked_for_truncation([0, 1, 1], truncated=False, mask_truncated=True) == [0, 1, 1]
+
+
+# ---- the IS correction modes against hand-computed weights -------------------------------------
+# Two sequences: tokens 0-2 belong to sequence 0, token 3 to sequence 1 (as in the module's tables).
+SEQUENCE = torch.tensor([0, 0, 0, 1])
+
+
+def weights_for(mode, cap=2.0, floor=0.0, inference=INFERENCE):
+    old = torch.tensor(LOGP)
+    inf = torch.tensor(inference)
+    return mismatch_weights(old, inf, ~torch.isnan(inf), SEQUENCE, mode, cap, floor)
+
+
+def test_token_modes_truncate_or_mask_each_token():
+    rho = [math.exp(lp - inf) for lp, inf in zip(LOGP, INFERENCE)]  # [1.22, 0.37, 1.0, 4.48]
+    assert weights_for("token_truncate").weights.tolist() == pytest.approx([rho[0], rho[1], rho[2], 2.0])
+    masked = weights_for("token_mask", floor=0.5)
+    assert masked.weights.tolist() == pytest.approx([rho[0], 0.0, rho[2], 0.0])
+    assert masked.masked.tolist() == [False, True, False, True]
+    # icepop is the two-sided token mask; the same band gives the same weights
+    assert weights_for("icepop", floor=0.5).weights.tolist() == masked.weights.tolist()
+    assert weights_for("off").weights.tolist() == [1.0] * 4
+
+
+def test_sequence_modes_use_the_product_of_the_sequences_token_ratios():
+    rho0 = math.exp(sum(lp - inf for lp, inf in zip(LOGP[:3], INFERENCE[:3])))  # exp(-0.8) = 0.449
+    rho1 = math.exp(LOGP[3] - INFERENCE[3])  # 4.48
+    assert weights_for("sequence_truncate").weights.tolist() == pytest.approx([rho0] * 3 + [2.0])
+    assert weights_for("sequence_mask", cap=3.0).weights.tolist() == pytest.approx([rho0] * 3 + [0.0])
+    assert weights_for("sequence_mask", cap=5.0, floor=0.5).weights.tolist() == pytest.approx([0.0] * 3 + [rho1])
+
+
+def test_sequence_weights_ignore_tokens_without_inference_logprobs():
+    inference = [float("nan"), -1.0, -0.5, float("nan")]
+    w = weights_for("sequence_truncate", cap=10.0, inference=inference).weights
+    rho0 = math.exp((LOGP[1] - -1.0) + (LOGP[2] - -0.5))
+    # a token without logprobs is uncorrected (w = 1) and adds nothing to its sequence's ratio
+    assert w.tolist() == pytest.approx([1.0, rho0, rho0, 1.0])
+
+
+def test_mismatch_diagnostics_ess_masked_share_and_kl():
+    cfg = LossConfig(tis_mode="token_mask", tis_cap=2.0, tis_floor=0.5)
+    _, _, stats = loss_and_grad(cfg, inference=INFERENCE)
+    m = stats.as_metrics()
+    rho = [math.exp(lp - inf) for lp, inf in zip(LOGP, INFERENCE)]
+    kept = [rho[0], 0.0, rho[2], 0.0]
+    assert m["tis_masked_fraction"] == 0.5
+    assert m["tis_ess"] == pytest.approx(sum(kept) ** 2 / (4 * sum(w * w for w in kept)), rel=1e-6)
+    d = [lp - inf for lp, inf in zip(LOGP, INFERENCE)]
+    assert m["mismatch_kl"] == pytest.approx(sum(math.exp(x) - x - 1 for x in d) / 4, rel=1e-6)
+
+
+def test_tis_cap_can_be_switched_off_from_toml():
+    # F10: TOML cannot say None; tis_mode = "off" is the documented switch.
+    from grpod.config import parse_config
+
+    cfg = parse_config({"train": {"loss": {"tis_mode": "off"}}})
+    _, grad, stats = loss_and_grad(cfg.train.loss, inference=INFERENCE)
+    assert grad == pytest.approx([-a / 8 for a in ADV], rel=1e-6)
+    assert stats.tis_tokens == 0
+
+
+# ---- KL: the exact reverse-KL gradient on a small vocabulary -----------------------------------
+
+
+def _exact_kl_gradient_check(estimator, sample_from_inference):
+    """Enumerate a 6-token vocabulary: the expected gradient of the per-token KL term under the
+    sampling distribution (IS-weighted when it is pi_inference) must equal grad KL(pi || ref)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(6), dim=0)
+    inference = torch.log_softmax(torch.randn(6), dim=0)
+    logp = torch.log_softmax(logits, dim=0)
+    exact = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), logits)[0]
+
+    cfg = LossConfig(kl_coef=1.0, kl_reference="model", kl_estimator=estimator, tis_mode="token_truncate", tis_cap=1e6)
+    sampler = inference if sample_from_inference else logp.detach()
+    expected = torch.zeros(6)
+    for token in range(6):
+        lp = torch.log_softmax(logits, dim=0)
+        tokens = LossTokens(
+            logprobs=lp[token : token + 1],
+            old_logprobs=lp[token : token + 1].detach(),
+            advantages=torch.zeros(1),
+            weights=torch.ones(1),
+            inference_logprobs=sampler[token : token + 1].detach(),
+            reference_logprobs=ref[token : token + 1],
+        )
+        loss, _ = policy_loss(tokens, cfg)
+        expected += sampler[token].exp().detach() * torch.autograd.grad(loss, logits)[0]
+    return expected, exact
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("sample_from_inference", [False, True])
+def test_kl_term_has_the_exact_reverse_kl_gradient(estimator, sample_from_inference):
+    expected, exact = _exact_kl_gradient_check(estimator, sample_from_inference)
+    assert expected.tolist() == pytest.approx(exact.tolist(), abs=1e-6)
+
+
+def test_kl_estimator_values():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    d = [0.5, -1.0]
+    assert kl_penalty(logp, ref, "k1", 10.0).tolist() == pytest.approx(d)
+    assert kl_penalty(logp, ref, "k2", 10.0).tolist() == pytest.approx([x * x / 2 for x in d])
+    assert kl_penalty(logp, ref, "k3", 10.0).tolist() == pytest.approx([math.exp(-x) + x - 1 for x in d])
+
+
+def test_kl_gradient_is_clamped_for_a_mismatched_token():
+    # F7c: vLLM gave -0.05, the trainer -12: the coefficient logp - ref = -11.95 is cut at -kl_clamp.
+    logp = torch.tensor([-12.0], requires_grad=True)
+    kl_penalty(logp, torch.tensor([-0.05]), "k3", 2.0).sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-2.0])
+
+
+# ---- CISPO and GSPO against hand-computed values ------------------------------------------------
+
+
+def test_cispo_weight_is_the_clipped_detached_ratio_and_never_zeroes_a_token():
+    cfg = LossConfig(type="cispo", tis_mode="off", clip_low=0.2, clip_high=0.28)
+    old = [-1.5, -1.0, -0.5, -1.0]  # r = exp(0.5) = 1.65, exp(-1) = 0.37, 1, exp(-0.5) = 0.61
+    loss, grad, stats = loss_and_grad(cfg, old=old)
+    r = [math.exp(lp - o) for lp, o in zip(LOGP, old)]
+    clipped = [min(max(x, 0.8), 1.28) for x in r]
+    c = 1 / 8
+    assert grad == pytest.approx([-c * w * a for w, a in zip(clipped, ADV)], rel=1e-6)
+    assert loss == pytest.approx(sum(-c * w * a for w, a in zip(clipped, ADV)), rel=1e-6)
+    assert stats.clipped_high == 1 and stats.clipped_low == 2  # bounded, yet every gradient is non-zero
+    assert all(g != 0 for g in grad)
+
+
+def test_ppo_clip_zeroes_the_gradient_where_cispo_does_not():
+    old = [-1.5, -1.0, -0.5, -1.0]
+    _, grad, _ = loss_and_grad(LossConfig(type="grpo", tis_mode="off"), old=old)
+    assert grad[0] == 0.0  # A > 0, r = 1.65 > 1.28: PPO stops pushing
+
+
+def test_gspo_uses_the_sequences_geometric_mean_ratio():
+    cfg = LossConfig(type="gspo", tis_mode="off", clip_low=0.2, clip_high=0.28)
+    assert cfg.aggregation == "seq_mean_token_mean"
+    old = [-1.1, -2.1, -0.4, -1.2]  # seq 0: mean(0.1, 0.1, -0.1) = 0.0333; seq 1: -0.3
+    logp = torch.tensor(LOGP, requires_grad=True)
+    weights = aggregation_weights(cfg.aggregation, torch.tensor(SEQ_TOKENS), NORM)
+    tokens = LossTokens(
+        logprobs=logp, old_logprobs=torch.tensor(old), advantages=torch.tensor(ADV), weights=weights,
+        sequence_index=SEQUENCE,
+    )
+    loss, stats = policy_loss(tokens, cfg)
+    loss.backward()
+    q0, q1 = math.exp(0.1 / 3), math.exp(-0.3)  # 1.034 (unclipped), 0.741 (< 0.8 with A < 0: clipped)
+    c0, c1 = 1 / (3 * 3), 1 / (3 * 1)
+    # seq 0: d/dlogp_t of c0 * -q0 * A summed over its tokens = -c0 * A * q0 / 3 ... per token: each
+    # token's coefficient is c0 (aggregation) times q0 A (the token form's gradient is q0 d logp_t).
+    assert logp.grad.tolist()[:3] == pytest.approx([-c0 * q0 * 1.0] * 3, rel=1e-5)
+    assert logp.grad.tolist()[3] == 0.0
+    assert loss.item() == pytest.approx(-3 * c0 * q0 * 1.0 - c1 * 0.8 * -0.5, rel=1e-5)
+    assert stats.clipped_low == 1 and stats.ratio_min == pytest.approx(q1, rel=1e-5)
+
+
+def test_dapo_is_token_mean_and_dr_grpo_picks_its_normaliser_and_no_std():
+    from grpod.config import ConfigError, parse_config
+
+    assert LossConfig(type="dapo").aggregation == "token_mean"
+    dr = parse_config({"train": {"loss": {"type": "dr_grpo"}}})
+    assert dr.train.loss.aggregation == "seq_mean_token_sum_norm" and dr.train.advantages.scale == "none"
+    explicit = parse_config({"train": {"loss": {"type": "dr_grpo"}, "advantages": {"scale": "group"}}})
+    assert explicit.train.advantages.scale == "group"
+    with pytest.raises(ConfigError, match="dapo"):
+        parse_config({"train": {"loss": {"type": "dapo", "aggregation": "seq_mean_token_mean"}}})
+    with pytest.raises(ConfigError, match="icepop"):
+        parse_config({"train": {"loss": {"tis_mode": "icepop"}}})
+
+
+def test_entropy_bonus_adds_minus_eta_times_entropy():
+    logp = torch.tensor(LOGP, requires_grad=True)
+    entropy = torch.tensor([0.5, 1.0, 1.5, 2.0], requires_grad=True)
+    cfg = LossConfig(tis_mode="off", entropy_coef=0.01)
+    weights = aggregation_weights("token_mean", torch.tensor(SEQ_TOKENS), NORM)
+    tokens = LossTokens(logprobs=logp, old_logprobs=logp.detach(), advantages=torch.tensor(ADV), weights=weights, entropy=entropy)
+    loss, stats = policy_loss(tokens, cfg)
+    loss.backward()
+    assert entropy.grad.tolist() == pytest.approx([-0.01 / 8] * 4)
+    assert loss.item() == pytest.approx(sum(-a / 8 for a in ADV) - 0.01 * 5.0 / 8, rel=1e-6)
+    assert stats.as_metrics()["entropy"] == pytest.approx(1.25)

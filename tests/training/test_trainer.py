@@ -70,7 +70,7 @@ def completion_logprob(trainer, prompt, completion):
 
 
 def test_positive_advantage_completion_rises_and_negative_falls(model_dir):
-    trainer = Trainer(config(lr=1e-3, loss={"tis_cap": None}), model_dir)
+    trainer = Trainer(config(lr=1e-3, loss={"tis_mode": "off"}), model_dir)
     prompt, good, bad = [1, 10, 11, 12, 13], [20, 21, 22], [30, 31, 32]
     group = RolloutGroup(
         tokens=[prompt + good, prompt + bad], loss_mask=[[0] * 5 + [1] * 3] * 2, scores=[1.0, 0.0]
@@ -323,3 +323,128 @@ def test_adafactor_takes_a_step(model_dir):
 def test_adamw_8bit_without_bitsandbytes_or_cuda_fails_at_start(model_dir):
     with pytest.raises(OptimizerUnavailable, match="adamw_8bit"):
         Trainer(config(optimizer="adamw_8bit"), model_dir)
+
+
+# ---- the algorithm audit's defects (each failed before its fix) and PPO epochs -------------------
+
+
+def test_turning_kl_on_live_with_a_model_reference_loads_it_instead_of_crashing(model_dir):
+    # F3: kl_coef 0 at start, then `ctl set train.loss.kl_coef` > 0 with kl_reference = "model".
+    cfg = config(loss={"kl_coef": 0.0, "kl_reference": "model"})
+    cfg.model.path = model_dir
+    trainer = Trainer(cfg, model_dir)
+    assert trainer.reference_model is None
+    trainer.train_step(random_groups())
+    cfg.train.loss.kl_coef = 0.1
+    metrics = trainer.train_step(random_groups(seed=3))
+    assert trainer.reference_model is not None
+    assert metrics["skipped"] == 0.0 and metrics["kl"] > 0
+
+
+def test_one_update_per_batch_cannot_clip_but_ppo_epochs_do(model_dir):
+    # F8: with one update the ratio is 1 and the clip metrics are constants; with 2 epochs x 2
+    # minibatches pi_old is recorded before the first update and the later updates see r != 1.
+    one = Trainer(config(lr=1e-2, loss={"clip_low": 0.01, "clip_high": 0.01}), model_dir).train_step(random_groups())
+    assert one["ratio_min"] == one["ratio_max"] == 1.0 and one["clipped_fraction"] == 0.0
+    assert one["updates"] == 1.0
+    ppo = Trainer(
+        config(lr=1e-2, epochs=2, minibatches=2, loss={"clip_low": 0.01, "clip_high": 0.01}), model_dir
+    ).train_step(random_groups())
+    assert ppo["updates"] == 4.0 and ppo["optimizer_steps"] == 4.0
+    assert ppo["ratio_max"] > 1.01 or ppo["ratio_min"] < 0.99
+    assert ppo["clipped_fraction"] > 0
+
+
+def test_first_update_of_ppo_epochs_sees_ratio_one(model_dir):
+    # pi_old is the policy before the first update: the first minibatch's ratios are 1 (to float
+    # noise from a different micro-batch shape), so one epoch of one minibatch equals the old path.
+    groups = random_groups()
+    a = Trainer(config(lr=1e-3), model_dir)
+    b = Trainer(config(lr=1e-3, epochs=1, minibatches=1), model_dir)
+    a.train_step(groups)
+    b.train_step(groups)
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb), name
+    forced = Trainer(config(lr=1e-3, epochs=2), model_dir)
+    metrics = forced.train_step(random_groups())
+    assert metrics["updates"] == 2.0
+
+
+def test_a_skipped_batch_advances_the_schedule(model_dir):
+    # F12: the cosine follows train.steps (batches), skipped or not.
+    trainer = Trainer(config(schedule="cosine", steps=4, lr=1e-3), model_dir)
+    zero = random_groups(n_groups=1)
+    zero[0].scores = [1.0] * 4
+    assert trainer.train_step(zero)["skipped"] == 1.0
+    lr_after_skip = trainer.scheduler.get_last_lr()[0]
+    assert lr_after_skip == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert trainer.step == 0
+
+
+def test_resume_applies_a_train_lr_changed_in_the_config(model_dir, tmp_path):
+    # F12: a train.lr changed between runs used to be overridden by the checkpoint's.
+    trainer = Trainer(config(lr=1e-4), model_dir)
+    trainer.train_step(random_groups())
+    state = copy.deepcopy(trainer.state_dict())
+    resumed = Trainer(config(lr=1e-5), model_dir)
+    resumed.load_state_dict(state)
+    assert resumed.scheduler.base_lrs[0] == pytest.approx(1e-5)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-5)
+    same = Trainer(config(lr=1e-4), model_dir)
+    same.load_state_dict(copy.deepcopy(state))
+    assert same.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+
+
+@pytest.fixture(scope="module")
+def dropout_model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-dropout")
+    model, tokenizer = build_model(seed=0)
+    model.config.attention_dropout = 0.5
+    save_model(model, tokenizer, out)
+    return out
+
+
+@pytest.mark.parametrize("disable_dropout", [True, False])
+def test_the_training_forward_runs_without_dropout_by_default(dropout_model_dir, disable_dropout):
+    # F13: a base config with dropout trained with it on, while vLLM serves without it.
+    from grpod.training.advantages import compute_advantages
+    from grpod.training.batching import collate, training_sequences
+    from grpod.training.loss import StepNormalizer
+
+    trainer = Trainer(config(disable_dropout=disable_dropout), dropout_model_dir)
+    result = compute_advantages(random_groups(), trainer.cfg.train.advantages)
+    sequences = training_sequences(result, mask_truncated=False)
+    norm = StepNormalizer.for_step([len(s.loss_positions) for s in sequences], 16)
+    losses = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        trainer._forward_mode()
+        losses.append(trainer._micro_batch_loss(collate(sequences, trainer.pad_id), norm)[0].item())
+    assert (losses[0] == losses[1]) is disable_dropout
+
+
+def test_completion_budget_of_dr_grpo_follows_the_source():
+    # F11: M was source.max_tokens even for Atropos (the builtin source's knob).
+    assert parse_config({"source": {"max_tokens": 24}}).completion_budget == 24
+    atropos = parse_config({"source": {"kind": "atropos"}, "model": {"max_seq_len": 512}})
+    assert atropos.completion_budget == 512
+    explicit = parse_config({"source": {"kind": "atropos"}, "train": {"loss": {"max_completion_tokens": 300}}})
+    assert explicit.completion_budget == 300
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "cispo", "gspo"])
+def test_every_loss_type_trains_with_ppo_epochs(model_dir, loss_type):
+    trainer = Trainer(config(lr=1e-3, epochs=2, loss={"type": loss_type}), model_dir)
+    before = params(trainer)
+    metrics = trainer.train_step(random_groups())
+    assert metrics["skipped"] == 0.0 and math.isfinite(metrics["loss"]) and metrics["updates"] == 2.0
+    assert any(not torch.equal(v, before[k]) for k, v in params(trainer).items())
+
+
+def test_entropy_bonus_changes_the_step(model_dir):
+    groups = random_groups()
+    plain = Trainer(config(lr=1e-3), model_dir)
+    bonus = Trainer(config(lr=1e-3, loss={"entropy_coef": 0.5}), model_dir)
+    m_plain, m_bonus = plain.train_step(groups), bonus.train_step(groups)
+    assert m_bonus["entropy"] == pytest.approx(m_plain["entropy"])
+    assert m_bonus["loss"] == pytest.approx(m_plain["loss"] - 0.5 * m_plain["entropy"], rel=1e-4)

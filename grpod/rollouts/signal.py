@@ -1,0 +1,51 @@
+"""What a group's scores say before any advantage is computed: overlong shaping and signal.
+
+Shared by the trainer's advantages (`grpod.training.advantages`) and by the sources' dynamic
+sampling, so the two never disagree about which groups carry a learning signal.
+"""
+
+from __future__ import annotations
+
+from grpod.config import AdvantageConfig
+from grpod.rollouts.group import RolloutGroup
+
+# Scores closer than this count as equal (reward functions return exact values; this absorbs
+# float noise from averaged or weighted rewards).
+ZERO_VARIANCE_TOL = 1e-9
+
+
+def overlong_penalty(completion_tokens: int, budget: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment (<= 0) for a completion of `completion_tokens` tokens."""
+    if buffer <= 0 or completion_tokens <= budget - buffer:
+        return 0.0
+    return -penalty * min(1.0, (completion_tokens - (budget - buffer)) / buffer)
+
+
+def shaped_scores(group: RolloutGroup, cfg: AdvantageConfig, budget: int) -> list[float]:
+    """The group's scores after overlong shaping (the scores themselves when it is off)."""
+    scores = [float(r) for r in group.scores]
+    if cfg.overlong_buffer <= 0:
+        return scores
+    return [
+        r + overlong_penalty(sum(mask), budget, cfg.overlong_buffer, cfg.overlong_penalty)
+        for r, mask in zip(scores, group.loss_mask, strict=True)
+    ]
+
+
+def source_advantages(group: RolloutGroup, cfg: AdvantageConfig) -> list[float] | None:
+    if cfg.use_source_advantages and group.advantages is not None:
+        return [float(a) for a in group.advantages]
+    return None
+
+
+def is_zero_variance(group: RolloutGroup, scores: list[float], cfg: AdvantageConfig) -> bool:
+    source = source_advantages(group, cfg)
+    if source is not None:
+        return all(a == 0.0 for a in source)
+    return max(scores) - min(scores) <= ZERO_VARIANCE_TOL
+
+
+def carries_signal(group: RolloutGroup, cfg: AdvantageConfig, completion_budget: int) -> bool:
+    """False for a zero-variance group, the kind `drop_zero_variance` leaves out of a step (what
+    dynamic sampling filters before a group is queued)."""
+    return not is_zero_variance(group, shaped_scores(group, cfg, completion_budget), cfg)
