@@ -70,6 +70,8 @@ class SourceConfig(_Section):
     group_size: int = Field(8, ge=1)
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, gt=0)
+    # Only 1.0: the trainer computes full-vocabulary logprobs, so nucleus truncation would bias
+    # every importance weight (refused rather than silently off-policy).
     top_p: float = Field(1.0, gt=0, le=1)
     # Groups generated ahead of the trainer (bounded prefetch queue).
     prefetch_groups: int = Field(16, ge=1)
@@ -275,6 +277,11 @@ class GrpodConfig(_Section):
         if self.train.lora and self.bridge.mode not in lora_modes:
             raise ValueError(
                 f"train.lora = true needs bridge.mode 'lora_only' or 'lora_restart', not {self.bridge.mode!r}"
+            )
+        if self.source.top_p < 1:
+            raise ValueError(
+                f"source.top_p = {self.source.top_p} is refused: the trainer does not replicate nucleus "
+                "truncation, so every importance weight would be biased; sample with top_p = 1.0"
             )
         if self.source.kind == "replay" and self.source.replay_path is None:
             raise ValueError("source.kind = 'replay' needs source.replay_path (a rollouts.jsonl)")

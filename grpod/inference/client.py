@@ -19,6 +19,7 @@ from typing import Any, Literal
 import aiohttp
 import structlog
 
+from grpod.inference.sampling import NEUTRAL_SAMPLING
 from grpod.inference.server import PAUSE_ROUTE, RESUME_ROUTE
 
 log = structlog.get_logger(__name__)
@@ -141,9 +142,11 @@ class InferenceClient:
         cache_salt: str | None = None,
         stop_token_ids: list[int] | None = None,
     ) -> list[Completion]:
-        """Sample `n` completions of a token-id prompt, each with one logprob per generated token."""
+        """Sample `n` completions of a token-id prompt, each with one logprob per generated token
+        (every other sampling parameter stated neutral: `grpod.inference.sampling`)."""
         route = "/v1/completions"
         body: dict[str, Any] = {
+            **NEUTRAL_SAMPLING,
             "model": model,
             "prompt": prompt_ids,
             "n": n,
@@ -192,6 +195,7 @@ class InferenceClient:
         """`score` of each sequence, in one request (vLLM runs them as one batch)."""
         route = "/v1/completions"
         body: dict[str, Any] = {
+            **NEUTRAL_SAMPLING,
             "model": model,
             "prompt": sequences,
             "max_tokens": 1,

@@ -180,6 +180,9 @@ class InferenceProcess:
             # The trainer divides its logits by the sampling temperature; vLLM must report the
             # same temperature-processed logprobs (its default is the raw, pre-temperature ones).
             "--logprobs-mode", "processed_logprobs",
+            # vLLM's neutral sampling defaults, not the model's generation_config.json (see
+            # grpod.inference.sampling): the trainer replicates plain temperature sampling only.
+            "--generation-config", "vllm",
             "--disable-access-log-for-endpoints", "/health",
         ]  # fmt: skip
         if self.gpu:

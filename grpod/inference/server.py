@@ -33,6 +33,8 @@ stock route, middleware and the engine lifecycle stay vLLM's. `/health` stays vL
 
 from typing import Any
 
+from grpod.inference.sampling import with_neutral_sampling
+
 TOKEN_ID_PREFIX = "token_id:"
 GENERATE_MODEL_ROUTE = "/grpod/generate_model"
 PAUSE_ROUTE = "/grpod/pause"
@@ -49,7 +51,8 @@ def completion_request_body(body: dict[str, Any], default_model: str | None = No
     the body names no model).
 
     Token ids and their logprobs come back as ids (`return_token_ids`, `return_tokens_as_token_ids`)
-    so that no detokenise/retokenise step can change them.
+    so that no detokenise/retokenise step can change them. Sampling parameters the body leaves out
+    are stated neutral (`grpod.inference.sampling`); the environment's own values are kept.
     """
     if not isinstance(body, dict):
         raise GenerateRequestError("the body must be a JSON object")
@@ -64,6 +67,7 @@ def completion_request_body(body: dict[str, Any], default_model: str | None = No
     if request.pop("stream", False):
         raise GenerateRequestError("streaming is not supported on /generate; use /v1/completions")
     request["prompt"] = prompt
+    request = with_neutral_sampling(request)
     if request.get("model") is None and default_model is not None:
         request["model"] = default_model
     request["return_token_ids"] = True

@@ -15,7 +15,8 @@ Rules a valid group satisfies (`validate_group`):
   <= LOGPROB_TOLERANCE at loss positions;
 - at least one loss token in the group (a sequence without any simply contributes nothing);
 - temperature finite and > 0 (also a per-sequence `overrides[i]["temperature"]`, where null means
-  not overridden), top_p in (0, 1], policy_version an int >= 0, weight finite >= 0.
+  not overridden), top_p exactly 1 (truncated sampling is not replicated by the trainer: rejected
+  as `truncated_sampling`, as is an Atropos top_k > 0), policy_version an int >= 0, weight finite >= 0.
 
 `group_from_atropos` turns one item of an Atropos `/batch` into a `RolloutGroup`, raising
 `MalformedGroup` (with the same reason codes) when the item cannot even be converted.
@@ -65,6 +66,8 @@ class RejectionReason(StrEnum):
     NONFINITE_ADVANTAGE = "nonfinite_advantage"
     BAD_TEMPERATURE = "bad_temperature"
     BAD_TOP_P = "bad_top_p"
+    # top_p < 1 or top_k > 0: sampling the trainer does not replicate (biased IS weights).
+    TRUNCATED_SAMPLING = "truncated_sampling"
     BAD_POLICY_VERSION = "bad_policy_version"
     BAD_WEIGHT = "bad_weight"
     # Only from group_from_atropos:
@@ -235,6 +238,11 @@ def _check_scalars(group: RolloutGroup) -> None:
     p = group.top_p
     if not _is_number(p) or not (0 < p <= 1):
         raise _Invalid(RejectionReason.BAD_TOP_P, f"top_p = {_show(p)}, expected a number in (0, 1]")
+    if p < 1:
+        raise _Invalid(
+            RejectionReason.TRUNCATED_SAMPLING,
+            f"top_p = {_show(p)} < 1: the trainer does not replicate nucleus truncation; sample with top_p = 1",
+        )
     v = group.policy_version
     if not _is_int(v) or v < 0:
         raise _Invalid(RejectionReason.BAD_POLICY_VERSION, f"policy_version = {_show(v)}, expected an int >= 0")
@@ -542,7 +550,15 @@ def _convert_atropos(item: Any, default_version: int, group_id: str) -> RolloutG
         _require_elements("overrides", rows, lambda o: o is None or isinstance(o, dict), "an object or null")
         overrides = [dict(o) if o is not None else {} for o in rows]
     group_overrides = _optional_dict(item, "group_overrides")
-    temperature, top_p = _atropos_sampling(n, overrides, _optional_dict(item, "generation_params"), group_overrides)
+    generation = _optional_dict(item, "generation_params")
+    temperature, top_p = _atropos_sampling(n, overrides, generation, group_overrides)
+    for name, params in (("generation_params", generation), ("group_overrides", group_overrides)):
+        top_k = params.get("top_k")
+        if top_k is not None and top_k not in (0, -1):
+            raise _Invalid(
+                RejectionReason.TRUNCATED_SAMPLING,
+                f"{name}.top_k = {_show(top_k)}: the trainer does not replicate top-k truncation; sample with top_k = 0",
+            )
 
     truncated = None
     if overrides is not None and any("truncated" in o or "finish_reason" in o for o in overrides):

@@ -8,6 +8,7 @@ synchronous (each lifecycle call runs in its own `anyio.run`), so any test style
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import anyio
@@ -18,12 +19,21 @@ from grpod.inference.process import InferenceProcess
 from grpod.models.tiny import build_model, save_model
 
 
+# Sampling defaults like those real instruct models publish in generation_config.json (SmolLM2,
+# Qwen2.5: top_k, repetition penalty, ...), made strong so that any leak into what vLLM samples
+# moves its logprobs far from the trainer's: every e2e test on this model runs under them.
+HOSTILE_GENERATION_DEFAULTS = {"top_k": 3, "min_p": 0.2, "repetition_penalty": 1.5, "temperature": 0.3, "top_p": 0.5}
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """The tiny built-in model, random weights from seed 0, saved in HF format (no warm-up)."""
+    """The tiny built-in model, random weights from seed 0, saved in HF format (no warm-up), whose
+    generation_config.json carries `HOSTILE_GENERATION_DEFAULTS`."""
     out = tmp_path_factory.mktemp("tiny-model")
     model, tokenizer = build_model(seed=0)
     save_model(model, tokenizer, out)
+    generation = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps(generation | HOSTILE_GENERATION_DEFAULTS))
     return out
 
 

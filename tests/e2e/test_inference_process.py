@@ -56,6 +56,22 @@ async def test_score_matches_sampled_logprobs_at_temperature_one(vllm_server):
     assert cold_scores[len(PROMPT) - 1 :] != pytest.approx(cold.logprobs, abs=1e-3)
 
 
+async def test_a_request_stating_no_sampling_parameters_gets_plain_temperature_sampling(vllm_server):
+    # The model's generation_config.json asks for top_k 3, min_p 0.2, a repetition penalty and
+    # top_p 0.5 (conftest.HOSTILE_GENERATION_DEFAULTS). A bare request (as an environment might
+    # send to /v1) must still be sampled at plain temperature 1: its processed logprobs equal the
+    # full-vocabulary ones scoring gives, which those processors would have changed.
+    url = f"{vllm_server.base_url}/v1/completions"
+    body = {"model": "policy", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "logprobs": 0,
+            "return_token_ids": True, "seed": 5}
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        assert response.status == 200
+        choice = (await response.json())["choices"][0]
+    async with vllm_server.client() as client:
+        scores = await client.score(PROMPT + choice["token_ids"])
+    assert scores[len(PROMPT) - 1 :] == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-4)
+
+
 async def test_dev_routes_pause_holds_requests_until_resume(vllm_server):
     async with vllm_server.client() as client:
         await client.pause("keep")

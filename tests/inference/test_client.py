@@ -65,6 +65,9 @@ async def test_http_error_names_route_status_and_body(failing_server):
     assert "max_tokens too large" in str(err.value)
     assert seen[0]["auth"] == "Bearer k"
     assert seen[0]["logprobs"] == 0 and seen[0]["return_token_ids"] is True and seen[0]["prompt"] == [1, 2]
+    # every sampling parameter the trainer does not replicate is stated neutral
+    assert (seen[0]["top_k"], seen[0]["min_p"], seen[0]["repetition_penalty"]) == (0, 0.0, 1.0)
+    assert (seen[0]["presence_penalty"], seen[0]["frequency_penalty"]) == (0.0, 0.0)
 
 
 async def test_timeout_is_an_error_with_the_timeout(failing_server):

@@ -47,6 +47,8 @@ def test_args_run_grpod_server_with_model_settings_on_cpu():
     assert _value(args, "--kv-cache-memory-bytes") == "96M"
     assert "--gpu-memory-utilization" not in args
     assert _value(args, "--logprobs-mode") == "processed_logprobs"
+    # the model's generation_config.json sampling defaults are not applied behind the trainer's back
+    assert _value(args, "--generation-config") == "vllm"
     assert _value(args, "--served-model-name") == "policy"
     assert "--enforce-eager" in args
     assert "--enable-lora" not in args and "--worker-extension-cls" not in args

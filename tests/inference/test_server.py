@@ -63,6 +63,14 @@ def test_request_becomes_a_token_id_completion_request():
     assert ATROPOS_REQUEST["prompt"] == {"prompt_token_ids": [3, 4, 5]}, "the caller's body must not change"
 
 
+def test_unset_sampling_parameters_are_stated_neutral_and_the_environments_own_kept():
+    body = completion_request_body(ATROPOS_REQUEST)
+    assert {k: body[k] for k in ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_p")} == {
+        "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "top_p": 1.0,
+    }
+    assert completion_request_body(ATROPOS_REQUEST | {"top_k": 5})["top_k"] == 5
+
+
 def test_default_model_applies_only_when_the_request_names_none():
     assert completion_request_body(ATROPOS_REQUEST, "policy-v3")["model"] == "policy-v3"
     assert completion_request_body(ATROPOS_REQUEST | {"model": "policy"}, "policy-v3")["model"] == "policy"

@@ -285,7 +285,7 @@ def atropos_item(**changes) -> dict:
         "advantages": None,
         "ref_logprobs": None,
         "messages": None,
-        "generation_params": {"temperature": 0.7, "top_p": 0.9},
+        "generation_params": {"temperature": 0.7, "top_p": 1.0},
         "inference_logprobs": [[1.0, 1.0, 1.0, -0.2, -0.3], [1.0, 1.0, 1.0, -1.5, -0.1]],
         "overrides": None,
         "group_overrides": None,
@@ -302,7 +302,7 @@ def test_atropos_item_converts_and_validates() -> None:
     assert group.loss_mask == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
     assert group.inference_logprobs == [[0.0, 0.0, 0.0, -0.2, -0.3], [0.0, 0.0, 0.0, -1.5, -0.1]]
     assert group.scores == [1.0, 0.0]
-    assert (group.temperature, group.top_p) == (0.7, 0.9)
+    assert (group.temperature, group.top_p) == (0.7, 1.0)
     assert group.policy_version == 5 and group.source == "atropos"
     assert group.group_id.startswith("atropos-") and group.extra == {"env_id": 0}
     assert group.advantages is None and group.overrides is None
@@ -430,3 +430,20 @@ def test_override_temperatures_are_validated() -> None:
         group.overrides = [{"temperature": bad}, {}]
         rejection = validate_group(group, vocab_size=16, max_seq_len=8, group_normalised=True)
         assert rejection is not None and rejection.reason == "bad_temperature", bad
+
+
+def test_truncated_sampling_is_refused_with_a_reason() -> None:
+    # Nucleus / top-k truncation is not replicated by the trainer: its IS weights would be biased.
+    group = group_from_atropos(atropos_item(generation_params={"temperature": 0.7, "top_p": 0.9}), default_version=0)
+    rejection = validate_group(group, vocab_size=16, max_seq_len=8, group_normalised=True)
+    assert rejection.reason == "truncated_sampling" and "top_p = 0.9" in rejection.detail
+    with pytest.raises(MalformedGroup, match="truncated_sampling: generation_params.top_k = 20"):
+        group_from_atropos(atropos_item(generation_params={"temperature": 0.7, "top_k": 20}), default_version=0)
+    assert group_from_atropos(atropos_item(generation_params={"temperature": 0.7, "top_k": -1}), default_version=0)
+
+
+def test_a_config_asking_for_top_p_below_one_is_refused() -> None:
+    from grpod.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="source.top_p = 0.9 is refused"):
+        parse_config({"source": {"top_p": 0.9}})
