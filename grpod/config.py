@@ -81,6 +81,9 @@ class SourceConfig(_Section):
     atropos_url: str = "http://127.0.0.1:8000"
     atropos_poll_s: float = Field(0.5, gt=0)
     task_seed: int = 1234
+    # Builtin arithmetic prompt: "bare" (`37+45=`, exact answer: the tiny model), "instruct" (a
+    # question, the last integer of the answer: a chat model), "auto" (by the tokenizer's vocabulary).
+    task_prompt: Literal["auto", "bare", "instruct"] = "auto"
     # source.kind = "replay": a rollouts.jsonl recorded by an earlier run (run.record_rollouts).
     replay_path: Path | None = None
     # DAPO's dynamic sampling (builtin source): a group whose scores are all equal is not queued;

@@ -14,6 +14,14 @@ chooses which held-out problems `eval_set(n)` returns, and in which order.
 Reward. `score` gives 1.0 for the exact answer and `format_reward` (0.0 unless configured) for a
 well-formed but wrong integer; anything else scores 0.0. With the default, the mean score of a set
 of completions is their accuracy.
+
+Two prompt styles. `bare` (grpod's tiny model, character tokenizer): the question `37+45=` as the
+user turn, and the completion must be exactly the answer. `instruct` (a real chat model): the
+user turn asks "What is 37 + 45? Answer with the number only." and the answer is extracted: the
+last integer in the completion. Measured on SmolLM2-135M-Instruct (greedy): it answers "17 + 25 =
+32." or "The answer is 16.", about 11 tokens, never a bare number; exact matching scored it 0.000
+and trained nothing. `prompt_style_for` picks `bare` for a character-level vocabulary (grpod's
+tiny tokenizer has about 70 entries; a real model's BPE has thousands) and `instruct` otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +39,12 @@ OPERATORS = ("+", "-")
 # One problem in HELD_OUT_MODULUS is held out for evaluation.
 HELD_OUT_MODULUS = 5
 _INTEGER = re.compile(r"-?\d+")
+PROMPT_STYLES = ("bare", "instruct")
+# At most this many tokens: a character-level vocabulary (the `bare` style's tokenizer).
+CHARACTER_VOCAB_MAX = 256
+# An instruct model writes "a + b = c." before it stops (~11 SmolLM2 tokens): the least
+# completion budget that leaves room for the answer.
+INSTRUCT_MIN_TOKENS = 24
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,29 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int
     """The prompt tokens: the question as one user turn, then the opened assistant turn."""
     messages = [{"role": "user", "content": problem.question}]
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def prompt_style_for(tokenizer: PreTrainedTokenizerBase, configured: str = "auto") -> str:
+    """`configured` unless it is "auto": then `bare` for a character-level vocabulary, else `instruct`."""
+    if configured != "auto":
+        return configured
+    return "bare" if len(tokenizer) <= CHARACTER_VOCAB_MAX else "instruct"
+
+
+def instruct_question(problem: Problem) -> str:
+    a, operator, b = re.fullmatch(r"(\d+)([+-])(\d+)=", problem.question).groups()
+    return f"What is {a} {operator} {b}? Answer with the number only."
+
+
+def instruct_prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
+    messages = [{"role": "user", "content": instruct_question(problem)}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def extracted_answer(completion_text: str) -> str | None:
+    """The last integer a completion writes (an instruct model's answer), or None."""
+    found = _INTEGER.findall(completion_answer(completion_text))
+    return found[-1] if found else None
 
 
 def answer_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
@@ -106,6 +143,7 @@ class ArithmeticTask:
         max_operand: int = 19,
         operators: tuple[str, ...] = OPERATORS,
         format_reward: float = 0.0,
+        prompt_style: str = "bare",
     ) -> None:
         if max_operand < 1:
             raise ValueError(f"max_operand must be >= 1, got {max_operand}")
@@ -114,6 +152,9 @@ class ArithmeticTask:
             raise ValueError(f"operators must be a non-empty subset of {OPERATORS}, got {operators!r}")
         if not 0.0 <= format_reward < 1.0:
             raise ValueError(f"format_reward must be in [0, 1), got {format_reward}")
+        if prompt_style not in PROMPT_STYLES:
+            raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {prompt_style!r}")
+        self.prompt_style = prompt_style
         self.seed = seed
         self.max_operand = max_operand
         self.operators = tuple(operators)
@@ -158,5 +199,13 @@ class ArithmeticTask:
     prompt_ids = staticmethod(prompt_ids)
     answer_ids = staticmethod(answer_ids)
 
+    def prompt_for(self, tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
+        """The prompt tokens of `problem` in this task's prompt style."""
+        if self.prompt_style == "instruct":
+            return instruct_prompt_ids(tokenizer, problem)
+        return prompt_ids(tokenizer, problem)
+
     def score(self, problem: Problem, completion_text: str) -> float:
+        if self.prompt_style == "instruct":
+            return 1.0 if extracted_answer(completion_text) == problem.answer else 0.0
         return score(problem, completion_text, self.format_reward)

@@ -14,13 +14,14 @@ are not queued (`grpod.rollouts.dynamic_sampling`).
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass, field
 
 import anyio
 import structlog
 
 from grpod.config import GrpodConfig
-from grpod.rollouts.arithmetic import ArithmeticTask, Problem, prompt_ids
+from grpod.rollouts.arithmetic import INSTRUCT_MIN_TOKENS, ArithmeticTask, Problem, prompt_style_for
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
@@ -52,7 +53,18 @@ class BuiltinSource:
         self.src = cfg.source
         self.tokenizer = tokenizer
         self.bridge = bridge
-        self.task = ArithmeticTask(seed=cfg.source.task_seed)
+        style = prompt_style_for(tokenizer, cfg.source.task_prompt) if tokenizer is not None else "bare"
+        self.task = ArithmeticTask(seed=cfg.source.task_seed, prompt_style=style)
+        self.max_tokens = self.src.max_tokens
+        if style == "instruct" and self.max_tokens < INSTRUCT_MIN_TOKENS:
+            # A chat model writes "a + b = c" before the answer: 8 tokens would cut every answer off.
+            self.max_tokens = INSTRUCT_MIN_TOKENS
+            log.warning("instruct_completion_budget", configured=self.src.max_tokens, used=self.max_tokens)
+            print(
+                f"grpod: source.max_tokens = {self.src.max_tokens} is too short for an instruct model's answer; "
+                f"the arithmetic task uses {self.max_tokens} (set source.max_tokens to choose)",
+                file=sys.stderr, flush=True,
+            )
         self.next_index = int((cursor or {}).get("next_index", 0))
         self.stats = SourceStats()
         self.dynamic_sampling = DynamicSampling(cfg)
@@ -67,7 +79,7 @@ class BuiltinSource:
 
     async def generate_group(self) -> RolloutGroup | None:
         index, problem = self._draw()
-        prompt = prompt_ids(self.tokenizer, problem)
+        prompt = self.task.prompt_for(self.tokenizer, problem)
         started = anyio.current_time()
         try:
             client = await self.bridge.wait_available(self.cfg.inference.start_timeout_s)
@@ -75,7 +87,7 @@ class BuiltinSource:
             completions = await client.generate(
                 prompt,
                 n=self.src.group_size,
-                max_tokens=self.src.max_tokens,
+                max_tokens=self.max_tokens,
                 temperature=self.src.temperature,
                 top_p=self.src.top_p,
                 model=self.bridge.request_model(),
@@ -108,6 +120,8 @@ class BuiltinSource:
         )
 
     async def evaluate(self, size: int, max_tokens: int) -> dict:
+        if self.task.prompt_style == "instruct":
+            max_tokens = max(max_tokens, self.max_tokens)
         return await evaluate_greedy(self.bridge, self.tokenizer, self.task, self.task.eval_set(size), max_tokens)
 
     async def fill(self, buffer: RolloutBuffer, count: int) -> None:
@@ -152,7 +166,7 @@ async def evaluate_greedy(bridge, tokenizer, task: ArithmeticTask, problems: lis
         nonlocal correct
         async with limiter:
             out = await client.generate(
-                prompt_ids(tokenizer, problem),
+                task.prompt_for(tokenizer, problem),
                 n=1,
                 max_tokens=max_tokens,
                 temperature=0.0,

@@ -135,3 +135,58 @@ def test_prompt_is_the_chat_template_and_the_answer_ends_with_eos(tokenizer):
     assert answer[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(answer) == "19<|im_end|>"
     assert completion_answer(tokenizer.decode(answer)) == problem.answer
+
+
+# ---- the instruct prompt style (a real chat model) --------------------------------------------
+
+
+class _BigVocab:
+    chat_template = "x"
+
+    def __len__(self):
+        return 49152
+
+
+def test_prompt_style_follows_the_vocabulary_unless_configured():
+    from grpod.models.tiny import build_tokenizer
+    from grpod.rollouts.arithmetic import prompt_style_for
+
+    assert prompt_style_for(build_tokenizer()) == "bare"
+    assert prompt_style_for(_BigVocab()) == "instruct"
+    assert prompt_style_for(_BigVocab(), "bare") == "bare"
+
+
+def test_instruct_scoring_extracts_the_last_integer():
+    # What SmolLM2-135M-Instruct answered greedily (notes/real-model.md and a run here): exact
+    # matching scored all of these 0.0.
+    from grpod.rollouts.arithmetic import make_problem
+
+    task = ArithmeticTask(seed=0, prompt_style="instruct")
+    assert task.score(make_problem(17, "+", 25), "17 + 25 = 42.<|im_end|>") == 1.0
+    assert task.score(make_problem(17, "+", 25), "17 + 25 = 32.<|im_end|>") == 0.0
+    assert task.score(make_problem(8, "+", 8), "The answer is 16.<|im_end|>") == 1.0
+    assert task.score(make_problem(3, "-", 9), "3 - 9 = -6") == 1.0
+    assert task.score(make_problem(3, "-", 9), "I cannot say") == 0.0
+    bare = ArithmeticTask(seed=0)
+    assert bare.score(make_problem(17, "+", 25), "17 + 25 = 42.<|im_end|>") == 0.0
+
+
+def test_instruct_prompt_asks_for_the_number():
+    from grpod.models.tiny import build_tokenizer
+    from grpod.rollouts.arithmetic import instruct_question, make_problem
+
+    assert instruct_question(make_problem(12, "-", 7)) == "What is 12 - 7? Answer with the number only."
+    tokenizer = build_tokenizer()
+    task = ArithmeticTask(seed=0, prompt_style="instruct")
+    text = tokenizer.decode(task.prompt_for(tokenizer, make_problem(12, "-", 7)))
+    assert "12 - 7" in text and text.rstrip().endswith("assistant")
+
+
+def test_the_builtin_source_gives_an_instruct_model_room_to_answer():
+    from grpod.config import parse_config
+    from grpod.rollouts.builtin import BuiltinSource
+
+    source = BuiltinSource(parse_config({"source": {"max_tokens": 8}}), _BigVocab(), bridge=None)
+    assert source.task.prompt_style == "instruct" and source.max_tokens == 24
+    explicit = BuiltinSource(parse_config({"source": {"max_tokens": 40}}), _BigVocab(), bridge=None)
+    assert explicit.max_tokens == 40
