@@ -214,7 +214,12 @@ class BridgeConfig(_Section):
     mode: Literal["none", "shared", "lora_only", "lora_restart"] = "none"
     sync_every: int = Field(1, ge=1)
     reload: Literal["in_place", "restart"] = "in_place"
+    # fp32 serving: max |vLLM - trainer| over the probe positions.
     probe_tolerance: float = Field(0.02, gt=0)
+    # bf16/fp16 serving (model.dtype): rounding alone moves single tokens by ~0.2, so the mean and
+    # the 95th percentile of |diff| are bounded instead (grpod/bridges/probe.py has the measurements).
+    probe_low_precision_mean: float = Field(0.07, gt=0)
+    probe_low_precision_p95: float = Field(0.3, gt=0)
     # Probe every N-th sync (1 = every sync); the first sync after any vLLM launch is always probed.
     probe_every: int = Field(1, ge=1)
     probe_timeout_s: float = Field(60.0, gt=0)

@@ -42,7 +42,7 @@ import anyio
 import structlog
 
 from grpod.bridges.machine import StateMachine
-from grpod.bridges.probe import ProbeMismatch, ProbeResult, run_probe, trainer_scores
+from grpod.bridges.probe import ProbeMismatch, ProbeResult, ProbeTolerance, run_probe, trainer_scores
 from grpod.config import GrpodConfig
 from grpod.inference.client import InferenceClient
 from grpod.inference.process import InferenceProcess
@@ -224,14 +224,15 @@ class Bridge:
             self.client,
             self.trainer,
             model=self.request_model(),
-            tolerance=self.cfg.bridge.probe_tolerance,
+            tolerance=ProbeTolerance.for_serving(self.cfg.model.dtype, self.cfg.bridge),
             timeout_s=self.cfg.bridge.probe_timeout_s,
             reference=reference,
         )
         if not result.ok:
             message = (
                 f"alignment probe failed: vLLM's logprobs differ from the trainer's by up to "
-                f"{result.max_abs_diff:.4g} (tolerance {result.tolerance}); vLLM is not serving the "
+                f"{result.max_abs_diff:.4g} (mean {result.mean_abs_diff:.4g}, p95 {result.p95_abs_diff:.4g}; "
+                f"tolerance {result.tolerance.describe()}); vLLM is not serving the "
                 f"trainer's weights (policy version {self.policy_version})"
             )
             self._fire("PROBE_FAIL", error=message)

@@ -42,3 +42,19 @@ def test_every_state_can_stop_and_the_docstring_shows_the_table():
     assert "SERVING" in rendered and "--SYNC" in rendered
     for row in ("SAVING      --SAVED------>  APPLYING", "APPLYING    --APPLIED---->  PROBING"):
         assert row in none.__doc__
+
+
+def test_probe_tolerance_knows_the_serving_dtype():
+    from grpod.bridges.probe import ProbeResult, ProbeTolerance
+    from grpod.config import BridgeConfig
+
+    cfg = BridgeConfig()
+    fp32 = ProbeTolerance.for_serving("float32", cfg)
+    bf16 = ProbeTolerance.for_serving("bfloat16", cfg)
+    # bf16 rounding of the same weights as measured (tiny model): max 0.18, mean 0.028, p95 0.10
+    rounding = dict(max_abs_diff=0.181, mean_abs_diff=0.028, tokens=65, p95_abs_diff=0.104)
+    assert not ProbeResult(tolerance=fp32, **rounding).ok
+    assert ProbeResult(tolerance=bf16, **rounding).ok
+    # one missed step under bf16: mean 0.168, p95 0.60
+    assert not ProbeResult(tolerance=bf16, max_abs_diff=0.85, mean_abs_diff=0.168, tokens=65, p95_abs_diff=0.6).ok
+    assert fp32.describe() == "max <= 0.02" and bf16.describe() == "mean <= 0.07, p95 <= 0.3"

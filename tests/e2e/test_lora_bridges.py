@@ -26,7 +26,7 @@ import torch
 
 from grpod.bridges.lora_only import LoraOnlyBridge
 from grpod.bridges.lora_restart import LoraRestartBridge
-from grpod.bridges.probe import ProbeMismatch, probe_sequences, run_probe
+from grpod.bridges.probe import ProbeMismatch, ProbeTolerance, probe_sequences, run_probe
 from grpod.config import GrpodConfig
 from grpod.inference.release import group_members
 from grpod.models.tiny import build_model, save_model
@@ -159,7 +159,7 @@ def assert_probe_sees_the_unsynced_step(portal, bridge, trainer) -> None:
     """The trainer stepped but nothing was synced: the probe on the served adapter must fail."""
     cfg = bridge.cfg.bridge
     probe = functools.partial(
-        run_probe, bridge.client, trainer, model=bridge.request_model(), tolerance=cfg.probe_tolerance,
+        run_probe, bridge.client, trainer, model=bridge.request_model(), tolerance=ProbeTolerance(max_abs=cfg.probe_tolerance),
         timeout_s=cfg.probe_timeout_s,
     )  # fmt: skip
     result = portal.call(probe)

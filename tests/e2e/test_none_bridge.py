@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from grpod.bridges.none import NoneBridge
-from grpod.bridges.probe import run_probe
+from grpod.bridges.probe import ProbeTolerance, run_probe
 from grpod.config import GrpodConfig
 from grpod.inference.release import group_members
 from grpod.models.tiny import build_model, save_model
@@ -68,7 +68,7 @@ def _train(bridge, seed):
 
 def _probe(portal, bridge):
     return portal.call(
-        lambda: run_probe(bridge.client, bridge.trainer, model=bridge.request_model(), tolerance=TOLERANCE, timeout_s=60)
+        lambda: run_probe(bridge.client, bridge.trainer, model=bridge.request_model(), tolerance=ProbeTolerance(max_abs=TOLERANCE), timeout_s=60)
     )
 
 
