@@ -84,6 +84,7 @@ def _render_status(result: dict) -> str:
     rows = [
         ("state", result.get("state")),
         ("step", f"{result.get('step')}/{result.get('steps')}"),
+        ("trained / skipped", f"{result.get('trained_steps')} / {result.get('skipped_batches')}"),
         ("paused / draining", f"{result.get('paused')} / {result.get('draining')}"),
         ("policy version", result.get("policy_version")),
         ("bridge", f"{bridge.get('mode')} {bridge.get('state')}" + (f" ({bridge['error']})" if bridge.get("error") else "")),

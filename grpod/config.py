@@ -30,6 +30,9 @@ class RunConfig(_Section):
     dir: Path = Path("runs/default")
     seed: int = 0
     resume: str = "auto"  # "auto" | "never" | path of a checkpoint directory
+    # A checkpoint whose model, source kind or task differs from the config is refused
+    # ("refuse"), or resumed anyway with a warning ("allow").
+    resume_mismatch: Literal["refuse", "allow"] = "refuse"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     progress: bool = True
     # Append every group the trainer consumes to <run.dir>/rollouts.jsonl (replayable).

@@ -173,8 +173,13 @@ def request(path: Path, cmd: str, args: dict[str, Any] | None = None, timeout_s:
             if not chunk:
                 raise ControlError(f"grpod closed the connection on {path} without replying")
             buffer += chunk
-        return json.loads(buffer.split(b"\n", 1)[0])
+        try:
+            return json.loads(buffer.split(b"\n", 1)[0])
+        except json.JSONDecodeError:
+            raise ControlError(f"grpod on {path} sent a reply that is not JSON: {buffer[:80]!r}") from None
     except TimeoutError:
         raise ControlError(f"no reply from {path} within {timeout_s}s") from None
+    except OSError as exc:  # reset / broken pipe: the daemon went away mid-request
+        raise ControlError(f"lost the connection to grpod on {path} ({exc.strerror or exc}); did it exit?") from None
     finally:
         sock.close()

@@ -43,6 +43,40 @@ class Restored:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class ResumeMismatch(RuntimeError):
+    """The checkpoint to resume belongs to another run: a different model, source kind or task."""
+
+
+def run_identity(cfg: GrpodConfig) -> dict[str, str]:
+    """What a checkpoint must share with the config to be resumed by it."""
+    source = cfg.source
+    task = {
+        "builtin": f"arithmetic, task_seed {source.task_seed}",
+        "atropos": f"atropos at {source.atropos_url}",
+        "replay": f"replay of {source.replay_path}",
+    }.get(source.kind, source.kind)
+    return {"model": str(Path(cfg.model.path).resolve()), "source_kind": source.kind, "task": task}
+
+
+def check_identity(checkpoint: Path, recorded: dict[str, str] | None, cfg: GrpodConfig) -> None:
+    """Refuse (ResumeMismatch naming both sides) to resume a checkpoint of another run, unless
+    `run.resume_mismatch = "allow"`. Checkpoints written before identities were recorded pass."""
+    if recorded is None:
+        return
+    wanted = run_identity(cfg)
+    differ = {key: (recorded.get(key), value) for key, value in wanted.items() if recorded.get(key) != value}
+    if not differ:
+        return
+    described = "; ".join(f"{key}: checkpoint {old!r}, config {new!r}" for key, (old, new) in differ.items())
+    if cfg.run.resume_mismatch == "allow":
+        log.warning("resume_mismatch_allowed", checkpoint=str(checkpoint), differences=described)
+        return
+    raise ResumeMismatch(
+        f"{checkpoint} belongs to another run ({described}); use another run.dir, run.resume = \"never\", "
+        f"or run.resume_mismatch = \"allow\" to resume it anyway"
+    )
+
+
 class RunStore:
     def __init__(self, cfg: GrpodConfig, run_dir: Path) -> None:
         self.cfg = cfg
@@ -70,13 +104,14 @@ class RunStore:
         info = resolve_resume(self.root, self.cfg.run.resume)
         if info is None:
             return Restored(trainer=Trainer(self.cfg, self.cfg.model.path))
+        state = load_json(info.path, "run_state.json")
+        check_identity(info.path, state.get("identity"), self.cfg)
         if self.cfg.train.lora:
             trainer = Trainer(self.cfg, self.cfg.model.path, adapter_path=info.path / "model")
         else:
             trainer = Trainer(self.cfg, info.path / "model")
         trainer.load_state_dict(load_tensors_state(info.path, "trainer_state.pt"))
         restore_rng(load_json(info.path, "rng.json"))
-        state = load_json(info.path, "run_state.json")
         return Restored(
             trainer=trainer,
             step=state["step"],
@@ -109,6 +144,7 @@ class RunStore:
                     "source_cursor": source_cursor,
                     "buffered": [g.to_json() for g in buffered],
                     "extra": extra,
+                    "identity": run_identity(self.cfg),
                 },
             )
 

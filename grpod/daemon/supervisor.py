@@ -87,7 +87,9 @@ class Daemon:
         self.config_path = config_path
         self.run_dir = cfg.run.dir
         self.phase = RunPhase.STARTING
-        self.step = 0
+        self.step = 0  # batches consumed (train.steps counts these)
+        self.trained_steps = 0  # batches that took an optimizer update
+        self.skipped_batches = 0  # batches that trained nothing (all rejected, zero-variance, non-finite)
         self.exit_code = 0
         self.stop_reason: str | None = None
         self.paused = False
@@ -245,6 +247,8 @@ class Daemon:
             "state": self.phase.value,
             "step": self.step,
             "steps": self.cfg.train.steps,
+            "trained_steps": self.trained_steps,
+            "skipped_batches": self.skipped_batches,
             "paused": self.paused,
             "draining": self.draining,
             "policy_version": self.bridge.policy_version if self.bridge else None,
@@ -337,6 +341,9 @@ class Daemon:
         restored = await anyio.to_thread.run_sync(self.store.load_trainer)
         self.trainer = restored.trainer
         self.step = restored.step
+        counts = restored.extra.get("step_counts", {})
+        self.trained_steps = int(counts.get("trained", restored.step))
+        self.skipped_batches = int(counts.get("skipped", 0))
         self.buffer.restore(restored.buffered)
         self.bridge = make_bridge(self.cfg, self.run_dir, self.trainer, policy_version=restored.policy_version)
         self.source = self.store.make_source(self.trainer.tokenizer, self.bridge, restored.source_cursor)
@@ -437,7 +444,12 @@ class Daemon:
                 await self.bridge.settled()
                 await self._evaluate("periodic")
         await self.bridge.settled()
-        if self.step >= self.cfg.train.steps:
+        if self.step > 0 and self.trained_steps == 0 and not self._stop_requested:
+            self._fail(
+                f"no step trained: all {self.skipped_batches} batches were skipped (every group rejected, "
+                "zero-variance or with a non-finite gradient; `ctl status` shows the rejections)"
+            )
+        elif self.step >= self.cfg.train.steps:
             self.stop_reason = self.stop_reason or "steps done"
         elif self.draining and not self._stop_requested:
             self.stop_reason = "drained"
@@ -470,6 +482,10 @@ class Daemon:
             metrics = {"skipped": 1}
             log.warning("step_skipped", reason="no valid group in the batch", rejected=len(rejected))
         self.step += 1
+        if metrics.get("skipped"):
+            self.skipped_batches += 1
+        else:
+            self.trained_steps += 1
         self.heartbeat.progress()
         train_s = time.perf_counter() - started
         sync, staged = None, None
@@ -573,7 +589,11 @@ class Daemon:
             self.bridge.policy_version,
             self.buffer.snapshot(),
             self.source.cursor(),
-            {"rejections": self.rejections.as_dict(), "config_changes": self.config_changes},
+            {
+                "rejections": self.rejections.as_dict(),
+                "config_changes": self.config_changes,
+                "step_counts": {"trained": self.trained_steps, "skipped": self.skipped_batches},
+            },
         )
         self.heartbeat.progress()
         self.last_checkpoint = {"path": str(path), "step": self.step, "time": time.time()}
@@ -629,7 +649,8 @@ class Daemon:
             return
         evals = [r for r in self.metrics.read() if r["kind"] == "eval"]
         lines = [
-            f"grpod: {self.stop_reason or 'stopped'} at step {self.step}/{self.cfg.train.steps}, "
+            f"grpod: {self.stop_reason or 'stopped'} at step {self.step}/{self.cfg.train.steps} "
+            f"({self.trained_steps} trained, {self.skipped_batches} skipped), "
             f"policy version {self.bridge.policy_version if self.bridge else '-'}, run dir {self.run_dir}"
         ]
         if len(evals) >= 2:

@@ -102,3 +102,36 @@ def test_world_writable_directory_refused(tmp_path):
 def test_client_error_when_nobody_listens(tmp_path):
     with pytest.raises(ControlError, match="no grpod is listening"):
         request(tmp_path / "absent.sock", "status", timeout_s=2)
+
+
+@pytest.mark.parametrize("ending", ["reset", "half_reply"])
+def test_a_daemon_that_goes_away_mid_request_is_one_clear_error(tmp_path, ending):
+    # Issue: `grpod ctl` printed a Python traceback when the daemon exited while answering.
+    import socket as socket_module
+    import threading
+    import time
+
+    from grpod.daemon.control import ControlError, request
+
+    path = tmp_path / "s.sock"
+    server = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+
+    def accept_and_go_away():
+        conn, _ = server.accept()
+        if ending == "half_reply":
+            conn.recv(1024)
+            conn.sendall(b'{"ok": tr\n')
+        else:  # closing with the request unread resets the connection (ECONNRESET on Linux)
+            time.sleep(0.2)
+        conn.close()
+
+    thread = threading.Thread(target=accept_and_go_away)
+    thread.start()
+    try:
+        with pytest.raises(ControlError, match="grpod"):
+            request(path, "status", timeout_s=10)
+    finally:
+        thread.join(10)
+        server.close()

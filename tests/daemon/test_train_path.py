@@ -27,6 +27,9 @@ class VersionOnlyBridge:
     def sync_due(self, step):
         return False
 
+    async def settled(self):
+        return None
+
     async def after_step(self, step):
         return None
 
@@ -115,6 +118,32 @@ def test_a_batch_with_nothing_valid_is_skipped_not_fatal(daemon, monkeypatch):
     anyio.run(daemon._train_one, [bad])
     assert seen == []
     assert daemon.step == 1 and daemon.metrics.read()[-1]["skipped"] == 1
+    status = daemon.status()
+    assert (status["trained_steps"], status["skipped_batches"]) == (0, 1)
+
+
+def test_a_run_that_trained_nothing_says_so_and_fails(daemon):
+    # Issue: a run fed only rejected groups ended "steps done" with exit 0.
+    rng = random.Random(6)
+    daemon.cfg.train.steps, daemon.cfg.train.groups_per_step = 2, 1
+    bad = [_group(f"bad-{i}", 10, rng) for i in range(2)]
+    for g in bad:
+        g.scores = [float("nan")] * 4
+    daemon.buffer.restore(bad)
+    anyio.run(daemon._train_loop)
+    assert daemon.step == 2 and daemon.exit_code == 1
+    assert daemon.stop_reason.startswith("no step trained: all 2 batches were skipped")
+
+
+def test_a_run_with_some_trained_steps_ends_normally(daemon):
+    rng = random.Random(7)
+    daemon.cfg.train.steps, daemon.cfg.train.groups_per_step = 2, 1
+    bad = _group("bad", 10, rng)
+    bad.scores = [float("nan")] * 4
+    daemon.buffer.restore([bad, _group("good", 10, rng)])
+    anyio.run(daemon._train_loop)
+    assert daemon.exit_code == 0 and daemon.stop_reason == "steps done"
+    assert (daemon.trained_steps, daemon.skipped_batches) == (1, 1)
 
 
 def test_groups_without_inference_logprobs_train_uncorrected(daemon, monkeypatch):
