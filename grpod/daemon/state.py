@@ -151,7 +151,7 @@ class RunStore:
         meta = {"policy_version": policy_version, "config_hash": self.cfg.digest(), "mode": self.cfg.bridge.mode}
         return write_checkpoint(self.root, step, populate, meta, self.cfg.checkpoint.keep_last)
 
-    def make_source(self, tokenizer, bridge, cursor: dict[str, Any] | None):
+    def make_source(self, tokenizer, bridge, cursor: dict[str, Any] | None, rejections=None):
         if self.cfg.source.kind == "replay":
             from grpod.rollouts.replay import ReplaySource
 
@@ -159,7 +159,7 @@ class RunStore:
         if self.cfg.source.kind == "atropos":
             from grpod.rollouts.atropos import AtroposSource
 
-            return AtroposSource(self.cfg, bridge, cursor=cursor)
+            return AtroposSource(self.cfg, bridge, cursor=cursor, rejections=rejections)
         from grpod.rollouts.builtin import BuiltinSource
 
         return BuiltinSource(self.cfg, tokenizer, bridge, cursor=cursor)

@@ -40,10 +40,11 @@ from grpod.daemon.live import LIVE_KEYS, SettingChange, diff_file, plan_changes
 from grpod.daemon.logs import MetricsLog, WandbSink, configure_logging
 from grpod.daemon.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
 from grpod.rollouts.buffer import RolloutBuffer
+from grpod.rollouts.duplicates import DuplicateWindow
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.replay import record_groups
 from grpod.rollouts.staleness import StalenessStats, apply_staleness
-from grpod.rollouts.validation import RejectionCounter, validate_batch
+from grpod.rollouts.validation import RejectionCounter, record_rejection, validate_batch
 
 log = structlog.get_logger(__name__)
 
@@ -96,6 +97,7 @@ class Daemon:
         self.draining = False
         self.buffer = RolloutBuffer(max(cfg.source.prefetch_groups, cfg.train.groups_per_step))
         self.rejections = RejectionCounter()
+        self.duplicates = DuplicateWindow()
         self.staleness = StalenessStats()
         self.heartbeat = Heartbeat(cfg.notify.stall_after_s)
         self.notifier = SystemdNotifier()
@@ -346,7 +348,9 @@ class Daemon:
         self.skipped_batches = int(counts.get("skipped", 0))
         self.buffer.restore(restored.buffered)
         self.bridge = make_bridge(self.cfg, self.run_dir, self.trainer, policy_version=restored.policy_version)
-        self.source = self.store.make_source(self.trainer.tokenizer, self.bridge, restored.source_cursor)
+        self.source = self.store.make_source(
+            self.trainer.tokenizer, self.bridge, restored.source_cursor, rejections=self.rejections
+        )
         if restored.checkpoint is not None:
             log.info(
                 "resumed",
@@ -458,8 +462,6 @@ class Daemon:
 
     async def _train_one(self, groups: list[RolloutGroup]) -> None:
         started = time.perf_counter()
-        if self.cfg.run.record_rollouts:
-            record_groups(self.run_dir / "rollouts.jsonl", self.step + 1, groups)
         valid, rejected = validate_batch(
             groups,
             vocab_size=self.trainer.vocab_size,
@@ -471,10 +473,21 @@ class Daemon:
         )
         for _, rejection in rejected:
             self.rejections.add(rejection)
+        fresh = []
+        for group in valid:
+            duplicate = self.duplicates.admit(group)
+            if duplicate is None:
+                fresh.append(group)
+            else:
+                record_rejection(group, duplicate, self.rejections)
+                rejected.append((group, duplicate))
         version = self.bridge.policy_version
         trainable, ages = apply_staleness(
-            valid, version, self.cfg.train.max_staleness, self.cfg.train.stale_policy, self.staleness
+            fresh, version, self.cfg.train.max_staleness, self.cfg.train.stale_policy, self.staleness
         )
+        if self.cfg.run.record_rollouts and trainable:
+            # Only what reaches the trainer (a replay then trains exactly these).
+            record_groups(self.run_dir / "rollouts.jsonl", self.step + 1, trainable)
         self.heartbeat.busy()
         if trainable:
             metrics = await anyio.to_thread.run_sync(self.trainer.train_step, trainable)

@@ -28,7 +28,7 @@ What is guaranteed:
   requested only when the buffer has room for a whole batch (`train.groups_per_step` groups), so
   the pending list is normally empty.
 - Each batch item goes through `group_from_atropos`; an item that cannot be converted is counted
-  in `stats.rejected` by reason and logged (`group_rejected`), the rest of the batch is kept.
+  in the daemon's rejection counter by reason and logged (`group_rejected`), the rest of the batch is kept.
   Range checks (vocabulary, lengths, NaN, ...) are the supervisor's `validate_batch`, as for
   every source.
 
@@ -62,7 +62,7 @@ import structlog
 from grpod.config import GrpodConfig
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.group import RolloutGroup
-from grpod.rollouts.validation import MalformedGroup, group_from_atropos, record_rejection
+from grpod.rollouts.validation import MalformedGroup, RejectionCounter, group_from_atropos, record_rejection
 
 log = structlog.get_logger(__name__)
 
@@ -211,7 +211,6 @@ class AtroposStats:
     batches: int = 0
     accepted_groups: int = 0
     accepted_sequences: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)
     pending_groups: int = 0
     empty_polls: int = 0
     api_errors: int = 0
@@ -219,9 +218,6 @@ class AtroposStats:
     api_max_token_len: int | None = None
     api_step: int | None = None
     api_queue_size: int | None = None
-
-    def reject(self, reason: str) -> None:
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
 
 class _Backoff:
@@ -251,9 +247,13 @@ class AtroposSource:
         *,
         cursor: dict | None = None,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        rejections: RejectionCounter | None = None,
     ) -> None:
         self.cfg = cfg
         self.bridge = bridge
+        # The daemon's one rejection counter: conversion rejects count where validation's do
+        # (`ctl status`, Prometheus).
+        self.rejections = rejections if rejections is not None else RejectionCounter()
         self.group_size = cfg.source.group_size
         self.groups_per_step = cfg.train.groups_per_step
         self.batch_size = self.groups_per_step * self.group_size
@@ -447,8 +447,7 @@ class AtroposSource:
             try:
                 group = group_from_atropos(item, default_version=version, group_id=f"atropos-{self.batches}-{i}")
             except MalformedGroup as exc:
-                self.stats.reject(str(exc.reason))
-                record_rejection(item, exc.rejection)
+                record_rejection(item, exc.rejection, self.rejections)
                 continue
             self._pending.append(group)
             accepted += 1

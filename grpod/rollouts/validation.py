@@ -74,6 +74,8 @@ class RejectionReason(StrEnum):
     MASK_TOKEN_MISMATCH = "mask_token_mismatch"
     MIXED_TEMPERATURE = "mixed_temperature"
     PER_TOKEN_ADVANTAGES = "per_token_advantages"
+    # A group whose content the trainer has already received (grpod.rollouts.duplicates).
+    DUPLICATE = "duplicate"
     # A bug in this module, never bad data; counted rather than crashing the daemon.
     INTERNAL_ERROR = "internal_error"
 

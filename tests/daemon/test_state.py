@@ -1,5 +1,7 @@
 """RunStore: a checkpoint of another run (model, source kind, task) is refused on resume."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from grpod.config import load_config
@@ -44,3 +46,14 @@ def test_a_different_model_is_refused_and_allow_overrides(run, tmp_path):
         RunStore(cfg, cfg.run.dir).load_trainer()
     allowed = load_config(None, [*run, f"model.path={str(tmp_path / 'other')!r}", "run.resume_mismatch=allow"])
     assert RunStore(allowed, allowed.run.dir).load_trainer().step == 3
+
+
+def test_the_atropos_source_counts_conversion_rejects_in_the_daemons_counter(run):
+    # Issue: conversion rejects were missing from `ctl status` and Prometheus (a second counter).
+    from grpod.rollouts.validation import RejectionCounter
+
+    cfg = load_config(None, [*run, "source.kind=atropos", "run.resume=never"])
+    counter = RejectionCounter()
+    source = RunStore(cfg, cfg.run.dir).make_source(None, SimpleNamespace(policy_version=0), None, rejections=counter)
+    source._accept([{"tokens": "garbage"}, {"tokens": [[1, 2]], "masks": [[-100, 2]], "scores": [1.0]}])
+    assert counter.as_dict() == {"bad_type": 1}

@@ -172,3 +172,29 @@ def test_a_null_temperature_override_trains_at_the_groups_temperature(daemon, mo
     assert seen == [["null-override"]]
     assert daemon.status()["rejected"] == {"bad_temperature": 1}
     assert daemon.metrics.read()[-1]["skipped"] == 0.0
+
+
+def test_a_group_that_arrives_twice_is_trained_once(daemon, monkeypatch):
+    rng = random.Random(8)
+    seen = _trained_ids(daemon, monkeypatch)
+    group = _group("first", 10, rng)
+    again = RolloutGroup(group.tokens, group.loss_mask, group.scores, group.inference_logprobs, policy_version=10,
+                         group_id="second-id")
+    anyio.run(daemon._train_one, [group])
+    anyio.run(daemon._train_one, [again, _group("other", 10, rng)])
+    assert seen == [["first"], ["other"]]
+    assert daemon.status()["rejected"] == {"duplicate": 1}
+
+
+def test_rollouts_jsonl_records_only_trained_groups(daemon, monkeypatch):
+    import json
+
+    rng = random.Random(9)
+    daemon.cfg.run.record_rollouts = True
+    daemon.run_dir.mkdir(parents=True, exist_ok=True)
+    bad = _group("bad", 10, rng)
+    bad.scores = [float("nan")] * 4
+    stale = _group("stale", 1, rng)
+    anyio.run(daemon._train_one, [_group("good", 10, rng), bad, stale])
+    lines = (daemon.run_dir / "rollouts.jsonl").read_text().splitlines()
+    assert [json.loads(line)["group"]["group_id"] for line in lines] == ["good"]

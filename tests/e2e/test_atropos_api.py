@@ -82,7 +82,7 @@ def test_source_registers_and_receives_exactly_the_posted_groups(tmp_path):
     assert len(valid) == 6 and rejected == []
     assert source.cursor() == {"kind": "atropos", "batches": 3, "step": 3}
     stats = source.stats
-    assert (stats.batches, stats.accepted_groups, stats.accepted_sequences, stats.rejected) == (3, 6, 24, {})
+    assert (stats.batches, stats.accepted_groups, stats.accepted_sequences, source.rejections.total) == (3, 6, 24, 0)
     assert stats.registrations == 1 and stats.api_errors == 0 and stats.api_state in ("polling", "buffer_full")
 
 
@@ -113,7 +113,7 @@ def test_bad_items_are_rejected_with_a_reason_and_the_rest_of_the_batch_kept(tmp
 
         received = anyio.run(main)
     assert sorted(_key(g.tokens) for g in received) == sorted(_key(g["tokens"]) for g in good)
-    assert source.stats.rejected == {"mask_token_mismatch": 1, "length_mismatch": 1}
+    assert source.rejections.as_dict() == {"length_mismatch": 1, "mask_token_mismatch": 1}
     assert source.stats.accepted_groups == 2
 
 

@@ -240,7 +240,7 @@ def test_errors_timeouts_and_garbage_are_waited_out(tmp_path):
     assert group.tokens == good["tokens"]
     stats = source.stats
     assert stats.api_errors == 4
-    assert stats.rejected == {"bad_type": 1}
+    assert source.rejections.as_dict() == {"bad_type": 1}
     assert stats.accepted_groups == 1 and stats.batches == 1 and stats.empty_polls >= 1
     # One registration at start, one after each of the 4 failures, one after "not registered".
     assert stats.registrations == 6 == seen.count("register")
