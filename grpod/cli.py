@@ -92,6 +92,7 @@ def _render_status(result: dict) -> str:
         ("vLLM", f"pid {vllm.get('pid')} running={vllm.get('running')} available={vllm.get('available')}"),
         ("queue depth", result.get("queue_depth")),
         ("rejected groups", result.get("rejected")),
+        ("logprob gap alarm", (result.get("alarms") or {}).get("logprob_gap")),
         ("last step age (s)", hb.get("last_progress_age_s")),
         ("last heartbeat age (s)", hb.get("last_heartbeat_age_s")),
         ("last checkpoint", (result.get("last_checkpoint") or {}).get("path")),

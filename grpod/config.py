@@ -194,6 +194,9 @@ class TrainConfig(_Section):
     # Run the training forward with dropout off (as vLLM serves the model), whatever the base
     # config's dropout says (LoRA dropout included).
     disable_dropout: bool = True
+    # Alarm when |mean trainer - vLLM logprob| over the last 20 steps exceeds this (nats/token):
+    # a broken sampling contract, not staleness noise (grpod/daemon/alarms.py has the figures).
+    logprob_gap_alarm: float = Field(0.05, gt=0)
     # Staleness is counted in policy versions (syncs: one every bridge.sync_every optimizer
     # steps), not in optimizer steps.
     max_staleness: int = Field(4, ge=0)

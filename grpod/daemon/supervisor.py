@@ -35,6 +35,7 @@ import structlog
 from grpod.bridges import make_bridge
 from grpod.bridges.base import BridgeFailed, StagedSync, SyncRecord
 from grpod.config import ConfigError, GrpodConfig, load_config
+from grpod.daemon.alarms import LogprobGapAlarm
 from grpod.daemon.control import ControlError, ControlServer
 from grpod.daemon.live import LIVE_KEYS, SettingChange, diff_file, plan_changes
 from grpod.daemon.logs import MetricsLog, WandbSink, configure_logging
@@ -98,6 +99,7 @@ class Daemon:
         self.buffer = RolloutBuffer(max(cfg.source.prefetch_groups, cfg.train.groups_per_step))
         self.rejections = RejectionCounter()
         self.duplicates = DuplicateWindow()
+        self.logprob_gap = LogprobGapAlarm(cfg.train.logprob_gap_alarm)
         self.staleness = StalenessStats()
         self.heartbeat = Heartbeat(cfg.notify.stall_after_s)
         self.notifier = SystemdNotifier()
@@ -258,6 +260,7 @@ class Daemon:
             "queue_depth": len(self.buffer),
             "accepted_groups": self.buffer.accepted,
             "rejected": self.rejections.as_dict(),
+            "alarms": {"logprob_gap": self.logprob_gap.describe()},
             "staleness": self.staleness.as_dict(),
             "source": self._source_status(),
             "heartbeat": self.heartbeat.describe(),
@@ -499,6 +502,7 @@ class Daemon:
             self.skipped_batches += 1
         else:
             self.trained_steps += 1
+        self.logprob_gap.observe(self.step, metrics)
         self.heartbeat.progress()
         train_s = time.perf_counter() - started
         sync, staged = None, None
