@@ -50,7 +50,7 @@ test-fast: setup
 
 # The fault-injection suite alone (real vLLM, real SIGKILLs of vLLM and of the daemon).
 test-faults: setup
-	$(PY) -m pytest -q -ra -m faults tests/faults
+	GRPOD_FAULTS_RESULTS=bench/results/faults.json $(PY) -m pytest -q -ra -m faults tests/faults
 
 bench: setup model
 	$(PY) bench/padding.py

@@ -4,7 +4,9 @@ Every case records one or more rows (`fault_case("...")`): what was broken, how 
 took to recover, what data was lost (must be none). A row's outcome is its test's outcome (setup,
 call and teardown together), filled in by `pytest_runtest_makereport`, so a row can never say
 "passed" for a test that failed. The table is printed by `pytest_terminal_summary` and written
-as JSON to `<pytest basetemp>/faults.json` and `bench/results/faults.json`.
+as JSON to `<pytest basetemp>/faults.json`, and to the file named by GRPOD_FAULTS_RESULTS when
+set (`make test-faults` sets `bench/results/faults.json`; tests never write tracked files by
+themselves).
 
 One decoy process (command line with "vllm" and "grpod") lives for the whole session; after every
 case it must still be alive (case 7), and it is killed by its PID at the end.
@@ -13,15 +15,16 @@ case it must still be alive (case 7), and it is killed by its PID at the end.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT, start_decoy
+from tests.harness import start_decoy
 
-RESULTS_JSON = ROOT / "bench" / "results" / "faults.json"
+RESULTS_JSON = os.environ.get("GRPOD_FAULTS_RESULTS")
 
 
 @dataclass
@@ -128,7 +131,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     wall_s = time.monotonic() - TABLE.started
     tr.write_line(f"fault suite wall time: {wall_s:.0f} s")
     payload = {"wall_s": round(wall_s, 1), "cases": [asdict(r) for r in rows]}
-    targets = [RESULTS_JSON] + ([TABLE.out_dir / "faults.json"] if TABLE.out_dir else [])
+    targets = ([Path(RESULTS_JSON)] if RESULTS_JSON else []) + ([TABLE.out_dir / "faults.json"] if TABLE.out_dir else [])
     for target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(payload, indent=1) + "\n")
