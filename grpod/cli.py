@@ -77,6 +77,23 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _endpoint_row(endpoint: dict | None) -> str | None:
+    if not endpoint:
+        return None
+    return f"{endpoint['base_url']} (models: {', '.join(endpoint['model_names'])})"
+
+
+def _source_alarm_row(alarm: dict | None) -> str | None:
+    if not alarm:
+        return None
+    if not alarm.get("active"):
+        return f"off (raised {alarm.get('raised', 0)} times)"
+    return (
+        f"ACTIVE: failing for {alarm.get('failing_s')} s, {alarm.get('consecutive_errors')} errors in a row; "
+        f"last error: {(alarm.get('last_error') or '-')[:200]}"
+    )
+
+
 def _render_status(result: dict) -> str:
     bridge = result.get("bridge") or {}
     vllm = bridge.get("vllm") or {}
@@ -90,9 +107,11 @@ def _render_status(result: dict) -> str:
         ("bridge", f"{bridge.get('mode')} {bridge.get('state')}" + (f" ({bridge['error']})" if bridge.get("error") else "")),
         ("syncs / vLLM restarts", f"{bridge.get('syncs')} / {bridge.get('restarts')}"),
         ("vLLM", f"pid {vllm.get('pid')} running={vllm.get('running')} available={vllm.get('available')}"),
+        ("vLLM URL", _endpoint_row(result.get("inference"))),
         ("queue depth", result.get("queue_depth")),
         ("rejected groups", result.get("rejected")),
         ("logprob gap alarm", (result.get("alarms") or {}).get("logprob_gap")),
+        ("source alarm", _source_alarm_row((result.get("alarms") or {}).get("source"))),
         ("last step age (s)", hb.get("last_progress_age_s")),
         ("last heartbeat age (s)", hb.get("last_heartbeat_age_s")),
         ("last checkpoint", (result.get("last_checkpoint") or {}).get("path")),

@@ -94,6 +94,10 @@ class SourceConfig(_Section):
     # such groups in a row one is let through anyway (counted), so a saturated task cannot stall a run.
     dynamic_sampling: bool = False
     dynamic_sampling_max_filtered: int = Field(256, ge=1)
+    # A source failing without a single success for error_alarm_s raises the source alarm (console,
+    # `ctl status`, Prometheus, systemd STATUS); for fail_after_s (unset: never) it ends the run, exit 1.
+    error_alarm_s: float = Field(60.0, gt=0)
+    fail_after_s: float | None = Field(None, gt=0)
 
 
 class LossConfig(_Section):

@@ -172,9 +172,7 @@ class Bridge:
 
     async def _launch(self, weights: Path) -> None:
         await self.inference.start(weights, **self._launch_kwargs())
-        self.client = InferenceClient(
-            self.inference.base_url, self.cfg.inference.request_timeout_s, api_key=self.cfg.inference.api_key
-        )
+        self.client = self.inference.client()
         await self.client.__aenter__()
         await self.client.update_weight_version(self.policy_version)
 

@@ -1,4 +1,6 @@
-"""`LogprobGapAlarm`: the trainer and vLLM must compute the same logprobs; say so when they do not.
+"""The daemon's alarms: conditions that do not stop a run by themselves but must not go unnoticed.
+
+`LogprobGapAlarm`: the trainer and vLLM must compute the same logprobs; say so when they do not.
 
 Per step, `logprob_diff_mean` is the mean over loss tokens of (trainer - vLLM) logprob of the
 sampled tokens. Staleness alone moves single steps (measured on the embedded default: mean
@@ -64,5 +66,62 @@ class LogprobGapAlarm:
             "window_steps": len(self.recent),
             "threshold": self.threshold,
             "since_step": self.since_step,
+            "raised": self.raised,
+        }
+
+
+class SourceErrorAlarm:
+    """A source that keeps failing (run-api answering HTTP 500 to every `/batch`, vLLM never
+    generating) stops training for good while everything else looks alive. A source reports the
+    current unbroken run of failures in its stats (`failing_since`, wall time of the first failure
+    with no success since, and `consecutive_errors`, with `last_error`); once that run has lasted
+    `source.error_alarm_s` the alarm is raised: logged, printed on the console, in `ctl status`
+    (`alarms.source`), in Prometheus and in the systemd STATUS line. With `source.fail_after_s`
+    set, a run of failures that long ends the run with exit status 1 (`check` returns the reason).
+    """
+
+    def __init__(self, alarm_after_s: float, fail_after_s: float | None) -> None:
+        self.alarm_after_s = alarm_after_s
+        self.fail_after_s = fail_after_s
+        self.active = False
+        self.raised = 0
+        self.failing_s: float | None = None
+        self.errors = 0
+        self.last_error: str | None = None
+
+    def check(self, stats: Any, now: float) -> str | None:
+        """Look at a source's stats; the reason to end the run, or None."""
+        since = getattr(stats, "failing_since", None)
+        self.errors = int(getattr(stats, "consecutive_errors", 0) or 0)
+        self.last_error = getattr(stats, "last_error", None)
+        self.failing_s = None if since is None else max(now - since, 0.0)
+        failing = self.failing_s is not None and self.failing_s >= self.alarm_after_s
+        if failing and not self.active:
+            self.active = True
+            self.raised += 1
+            log.warning("source_error_alarm", failing_s=round(self.failing_s, 1), errors=self.errors, last_error=self.last_error)
+            print(f"grpod: ALARM: {self.summary()}", file=sys.stderr, flush=True)
+        elif not failing and self.active:
+            self.active = False
+            log.info("source_error_cleared")
+            print("grpod: the source is delivering again (alarm cleared)", file=sys.stderr, flush=True)
+        if self.fail_after_s is not None and self.failing_s is not None and self.failing_s >= self.fail_after_s:
+            return f"{self.summary()} (source.fail_after_s = {self.fail_after_s:g})"
+        return None
+
+    def summary(self) -> str:
+        return (
+            f"the source has failed for {self.failing_s or 0:.0f} s with no success "
+            f"({self.errors} errors in a row); last error: {(self.last_error or '-')[:300]}"
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "active": self.active,
+            "failing_s": None if self.failing_s is None else round(self.failing_s, 1),
+            "consecutive_errors": self.errors,
+            "last_error": self.last_error,
+            "alarm_after_s": self.alarm_after_s,
+            "fail_after_s": self.fail_after_s,
             "raised": self.raised,
         }

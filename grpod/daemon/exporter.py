@@ -69,6 +69,20 @@ class DaemonCollector:
             value=tokens / seconds if tokens and seconds else 0.0,
         )
         yield GaugeMetricFamily("grpod_reward_mean", "Mean reward of the last step", value=metrics.get("reward_mean") or 0.0)
+        alarms = status.get("alarms") or {}
+        active = GaugeMetricFamily("grpod_alarm", "1 while the named alarm is raised", labels=["alarm"])
+        for name, alarm in alarms.items():
+            active.add_metric([name], 1.0 if alarm.get("active") else 0.0)
+        yield active
+        source_alarm = alarms.get("source") or {}
+        yield GaugeMetricFamily(
+            "grpod_source_failing_seconds", "How long the source has failed with no success (0: it delivers)",
+            value=source_alarm.get("failing_s") or 0.0,
+        )
+        yield GaugeMetricFamily(
+            "grpod_source_consecutive_errors", "Source requests failed in a row",
+            value=source_alarm.get("consecutive_errors") or 0,
+        )
         if status.get("last_eval"):
             yield GaugeMetricFamily("grpod_eval_accuracy", "Last held-out accuracy", value=status["last_eval"]["eval_accuracy"])
 

@@ -35,7 +35,7 @@ import structlog
 from grpod.bridges import make_bridge
 from grpod.bridges.base import BridgeFailed, StagedSync, SyncRecord
 from grpod.config import ConfigError, GrpodConfig, load_config
-from grpod.daemon.alarms import LogprobGapAlarm
+from grpod.daemon.alarms import LogprobGapAlarm, SourceErrorAlarm
 from grpod.daemon.control import ControlError, ControlServer
 from grpod.daemon.live import LIVE_KEYS, SettingChange, diff_file, plan_changes
 from grpod.daemon.logs import MetricsLog, WandbSink, configure_logging
@@ -48,6 +48,11 @@ from grpod.rollouts.staleness import StalenessStats, apply_staleness
 from grpod.rollouts.validation import RejectionCounter, record_rejection, validate_batch
 
 log = structlog.get_logger(__name__)
+
+
+# How often the source alarm looks at the source, and refreshes the systemd STATUS line while up.
+SOURCE_CHECK_S = 1.0
+SOURCE_STATUS_S = 10.0
 
 
 class RunPhase(enum.Enum):
@@ -100,6 +105,7 @@ class Daemon:
         self.rejections = RejectionCounter()
         self.duplicates = DuplicateWindow()
         self.logprob_gap = LogprobGapAlarm(cfg.train.logprob_gap_alarm)
+        self.source_alarm = SourceErrorAlarm(cfg.source.error_alarm_s, cfg.source.fail_after_s)
         self.staleness = StalenessStats()
         self.heartbeat = Heartbeat(cfg.notify.stall_after_s)
         self.notifier = SystemdNotifier()
@@ -114,6 +120,9 @@ class Daemon:
         self._wait_scope: anyio.CancelScope | None = None
         self._fetch_scope: anyio.CancelScope | None = None
         self._stop_requested = False
+        # Set while components start (cancelled by a stop request); _started once they have.
+        self._start_scope: anyio.CancelScope | None = None
+        self._started = False
         self.source_exhausted = False
         self.trainer = None
         self.bridge = None
@@ -126,9 +135,11 @@ class Daemon:
 
     def request_stop(self, reason: str) -> None:
         if not self._stop_requested:
-            log.info("stop_requested", reason=reason, step=self.step)
+            log.info("stop_requested", reason=reason, step=self.step, phase=self.phase.value)
             self._stop_requested = True
             self.stop_reason = reason
+        if self._start_scope is not None:
+            self._start_scope.cancel()
         self._wake()
 
     async def _boundary_request(self, kind: str) -> dict[str, Any]:
@@ -260,7 +271,8 @@ class Daemon:
             "queue_depth": len(self.buffer),
             "accepted_groups": self.buffer.accepted,
             "rejected": self.rejections.as_dict(),
-            "alarms": {"logprob_gap": self.logprob_gap.describe()},
+            "inference": self.inference_endpoint(),
+            "alarms": {"logprob_gap": self.logprob_gap.describe(), "source": self.source_alarm.describe()},
             "staleness": self.staleness.as_dict(),
             "source": self._source_status(),
             "heartbeat": self.heartbeat.describe(),
@@ -300,21 +312,34 @@ class Daemon:
 
                     await tg.start(serve_metrics, self, self.cfg.metrics.prometheus_host, self.cfg.metrics.prometheus_port)
                 tg.start_soon(self._signals)
-                await self._start_components()
-                tg.start_soon(self._watchdog)
-                tg.start_soon(self._watch_bridge)
-                self.notifier.ready(f"step {self.step}/{self.cfg.train.steps}, vLLM ready")
-                await self._evaluate("start")
-                self.phase = RunPhase.RUNNING
-                try:
-                    async with anyio.create_task_group() as work:
-                        self._work = work
-                        if self.cfg.source.overlap:
-                            work.start_soon(self._fetch)
-                        await self._train_loop()
-                        work.cancel_scope.cancel()
-                except* BridgeFailed as failed:  # anyio task groups always raise ExceptionGroups
-                    self._fail(f"bridge failed: {failed.exceptions[0]}")
+                # A stop (signal, `ctl stop`/`drain`) cancels the start-up at once: loading the
+                # trainer finishes (its thread is not abandoned), a launching vLLM is stopped.
+                with anyio.CancelScope() as self._start_scope:
+                    if self._stop_requested:
+                        self._start_scope.cancel()
+                    await self._start_components()
+                    self._started = True
+                self._start_scope = None
+                if self._started and not self._stop_requested:
+                    tg.start_soon(self._watchdog)
+                    tg.start_soon(self._watch_bridge)
+                    tg.start_soon(self._watch_source)
+                    self._announce_inference()
+                    self.notifier.ready(f"step {self.step}/{self.cfg.train.steps}, vLLM ready")
+                    await self._evaluate("start")
+                    self.phase = RunPhase.RUNNING
+                    try:
+                        async with anyio.create_task_group() as work:
+                            self._work = work
+                            if self.cfg.source.overlap:
+                                work.start_soon(self._fetch)
+                            await self._train_loop()
+                            work.cancel_scope.cancel()
+                    except* BridgeFailed as failed:  # anyio task groups always raise ExceptionGroups
+                        self._fail(f"bridge failed: {failed.exceptions[0]}")
+                elif not self._started:
+                    self.stop_reason = f"{self.stop_reason} during start-up"
+                    log.info("start_cancelled", reason=self.stop_reason)
                 await self._shutdown()
                 tg.cancel_scope.cancel()
         except BaseException as exc:
@@ -392,6 +417,27 @@ class Daemon:
         except BridgeFailed as exc:
             self._fail(f"bridge failed: {exc}")
             self._wake()
+
+    async def _watch_source(self) -> None:
+        """Raise and clear the source alarm; end the run after `source.fail_after_s` of failures.
+        While the alarm is up the systemd STATUS line says so (refreshed each SOURCE_STATUS_S)."""
+        last_status = 0.0
+        while True:
+            await anyio.sleep(SOURCE_CHECK_S)
+            if self.source is None:
+                continue
+            was_active = self.source_alarm.active
+            reason = self.source_alarm.check(self.source.stats, time.time())
+            if reason is not None:
+                self._fail(reason)
+                self._wake()
+                return
+            now = time.monotonic()
+            if self.source_alarm.active and (not was_active or now - last_status >= SOURCE_STATUS_S):
+                self.notifier.status(f"ALARM step {self.step}/{self.cfg.train.steps}: {self.source_alarm.summary()[:200]}")
+                last_status = now
+            elif was_active and not self.source_alarm.active:
+                self.notifier.status(f"step {self.step}/{self.cfg.train.steps}, source delivering again")
 
     async def _may_generate(self) -> None:
         if self.paused:
@@ -552,6 +598,37 @@ class Daemon:
         steps in order); `weights_step` is the step whose weights it carries."""
         self.metrics.write("sync", self.step, {**sync.as_dict(), "weights_step": weights_step})
 
+    def inference_endpoint(self) -> dict[str, Any] | None:
+        """Where environments reach the policy: vLLM's OpenAI base URL and the model names it serves."""
+        inference = getattr(self.bridge, "inference", None)
+        if inference is None or not inference.running:
+            return None
+        lora = self.cfg.bridge.mode in ("lora_only", "lora_restart")
+        return {
+            "base_url": f"{inference.base_url}/v1",
+            "generate_url": f"{inference.base_url}/generate",
+            "model_names": inference.served_model_names(lora=lora),
+            "fixed_port": self.cfg.inference.port != 0,
+        }
+
+    def _announce_inference(self) -> None:
+        endpoint = self.inference_endpoint()
+        if endpoint is None:
+            return
+        log.info("inference_endpoint", **endpoint)
+        if not self.cfg.run.progress:
+            return
+        names = ", ".join(endpoint["model_names"])
+        lines = [f"grpod: vLLM serves the policy at {endpoint['base_url']} (model names: {names})"]
+        if self.cfg.bridge.mode in ("lora_only", "lora_restart"):
+            lines.append(
+                f"grpod: LoRA mode: environments should call {endpoint['generate_url']} (Atropos server_type = vllm), "
+                "which samples from the current adapter"
+            )
+        if not endpoint["fixed_port"]:
+            lines.append("grpod: the port was picked at random; set inference.port for a URL environments can keep")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
     def _progress_line(self, record: dict[str, Any]) -> None:
         if not self.cfg.run.progress:
             return
@@ -646,7 +723,7 @@ class Daemon:
         bridge_ok = self.bridge is not None and self.bridge.available
         if bridge_ok and self.exit_code == 0:
             await self._evaluate("end")
-        if self.cfg.checkpoint.at_shutdown and self.trainer is not None and self.step > 0:
+        if self.cfg.checkpoint.at_shutdown and self._started and self.trainer is not None and self.step > 0:
             with anyio.CancelScope(shield=True):
                 await self._checkpoint()
         await self._emergency_stop()

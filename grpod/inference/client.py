@@ -20,7 +20,7 @@ import aiohttp
 import structlog
 
 from grpod.inference.sampling import NEUTRAL_SAMPLING
-from grpod.inference.server import PAUSE_ROUTE, RESUME_ROUTE
+from grpod.inference.server import LAUNCH_HEADER, PAUSE_ROUTE, RESUME_ROUTE
 
 log = structlog.get_logger(__name__)
 
@@ -39,6 +39,10 @@ class InferenceRequestError(RuntimeError):
         super().__init__(f"vLLM {route}: {where}: {detail}")
 
 
+class ForeignServerError(InferenceRequestError):
+    """An answer without this launch's token: another process serves the port (never adopted)."""
+
+
 @dataclass(frozen=True)
 class Completion:
     """One sampled completion: `logprobs[i]` is the logprob vLLM sampled `token_ids[i]` with."""
@@ -52,9 +56,14 @@ class Completion:
 class InferenceClient:
     """Async client over one aiohttp session; use as `async with InferenceClient(...) as client`."""
 
-    def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
+    def __init__(
+        self, base_url: str, timeout_s: float, api_key: str | None = None, *, launch_token: str | None = None
+    ) -> None:
+        """`launch_token`: the token the launched server echoes (`x-grpod-launch`); when given,
+        every answer without it raises `ForeignServerError`."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.launch_token = launch_token
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
 
@@ -99,6 +108,7 @@ class InferenceClient:
                     text = await response.text()
                     status = response.status
                     is_json = response.content_type == "application/json"
+                    echoed = response.headers.get(LAUNCH_HEADER)
                 break
             except TimeoutError:
                 raise InferenceRequestError(
@@ -110,6 +120,14 @@ class InferenceClient:
                 log.info("inference_request_retried", route=route, error=f"{type(exc).__name__}: {exc}")
             except aiohttp.ClientError as exc:
                 raise InferenceRequestError(route, None, f"{type(exc).__name__}: {exc}") from None
+        if self.launch_token is not None and echoed != self.launch_token:
+            raise ForeignServerError(
+                route,
+                status,
+                f"the answer from {self.base_url} does not carry this launch's token "
+                f"({'no' if echoed is None else 'another'} {LAUNCH_HEADER} header): "
+                "the port is served by a process this grpod did not launch",
+            )
         if status != 200:
             raise InferenceRequestError(route, status, text[:BODY_EXCERPT_CHARS])
         if not text:
@@ -122,9 +140,13 @@ class InferenceClient:
             raise InferenceRequestError(route, status, f"not JSON: {text[:BODY_EXCERPT_CHARS]}") from None
 
     async def health(self, *, timeout_s: float | None = None) -> bool:
-        """True when /health answers 200 (vLLM answers 503 once its engine is dead)."""
+        """True when /health answers 200 (vLLM answers 503 once its engine is dead).
+
+        An answer from a server this client's launch did not start raises `ForeignServerError`."""
         try:
             await self._request("GET", "/health", timeout_s=timeout_s)
+        except ForeignServerError:
+            raise
         except InferenceRequestError:
             return False
         return True

@@ -22,6 +22,11 @@ Guarantees:
   its vLLM running, the next `start` stops that group first — only the processes that are in
   the recorded group AND carry the recorded scratch directory in their environment, so a
   recycled PID can never make it signal a stranger.
+- Every launch gets a random token (`GRPOD_LAUNCH_TOKEN`) that grpod's server echoes on every
+  answer; the clients `client()` makes check it, so readiness, health probes and the alignment
+  probe only ever count answers from this launch. A server grpod did not launch answering on the
+  port (a vLLM left by another, killed grpod that bound it after the free-port check) is a
+  `PortTakenError` naming the process that holds the port, never adopted.
 - Dev routes (`/pause`, `/collective_rpc`, ...) never listen on a non-loopback address without
   an API key (`UnsafeBindError`).
 """
@@ -32,6 +37,7 @@ import getpass
 import ipaddress
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -48,7 +54,8 @@ import structlog
 
 from grpod.config import InferenceConfig, ModelConfig
 from grpod.inference import release
-from grpod.inference.client import InferenceClient
+from grpod.inference.client import ForeignServerError, InferenceClient
+from grpod.inference.server import LAUNCH_TOKEN_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +63,12 @@ SERVED_MODEL_NAME = "policy"
 LOG_TAIL_LINES = 30
 # A start-up probe that hangs is abandoned and retried, so an early exit is still noticed promptly.
 HEALTH_PROBE_TIMEOUT_S = 5.0
+
+
+PORT_ADVICE = (
+    "grpod never adopts a server it did not launch (a vLLM left running by another grpod that was "
+    "killed?): stop that process, or choose another inference.port (0 = a free one)"
+)
 
 
 class InferenceStartError(RuntimeError):
@@ -72,6 +85,10 @@ class InferenceStartError(RuntimeError):
 
 class PortInUseError(InferenceStartError):
     """The configured fixed port is already taken by another process."""
+
+
+class PortTakenError(InferenceStartError):
+    """Another process (not this launch) took the port while vLLM was starting."""
 
 
 class UnsafeBindError(ValueError):
@@ -115,6 +132,7 @@ class InferenceProcess:
         self._scratch: Path | None = None
         self._log_offset = 0
         self._last_exit_code: int | None = None
+        self._launch_token: str | None = None
 
     @property
     def log_path(self) -> Path:
@@ -153,8 +171,11 @@ class InferenceProcess:
         return _exit_code(self._popen) if self._popen is not None else self._last_exit_code
 
     def client(self, timeout_s: float | None = None) -> InferenceClient:
-        """A client for this server (use it as `async with`)."""
-        return InferenceClient(self.base_url, timeout_s or self.cfg.request_timeout_s, self.cfg.api_key)
+        """A client for this launch of the server (use it as `async with`): it accepts only
+        answers that carry this launch's token."""
+        return InferenceClient(
+            self.base_url, timeout_s or self.cfg.request_timeout_s, self.cfg.api_key, launch_token=self._launch_token
+        )
 
     def build_args(
         self,
@@ -169,10 +190,11 @@ class InferenceProcess:
         configured one."""
         cfg = self.cfg
         port = self._port if self._port is not None else cfg.port
+        lora = bool(enable_lora or lora_modules)
         args = [
             sys.executable, "-m", "grpod.inference.server",
             "--model", str(model_path),
-            "--served-model-name", SERVED_MODEL_NAME,
+            "--served-model-name", *self.served_model_names(lora=lora),
             "--host", cfg.host,
             "--port", str(port),
             "--dtype", self.model.dtype,
@@ -191,13 +213,25 @@ class InferenceProcess:
             args += ["--kv-cache-memory-bytes", cfg.kv_cache_bytes]
         if cfg.enforce_eager:
             args.append("--enforce-eager")
-        if enable_lora or lora_modules:
+        if lora:
             args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
         if lora_modules:
             args += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
         if worker_extension:
             args += ["--worker-extension-cls", worker_extension]
         return args + list(cfg.extra_args)
+
+    def served_model_names(self, *, lora: bool = False) -> list[str]:
+        """`policy` first (what grpod's own requests name), then, serving full weights, the model
+        as `model.path` spells it and as an absolute path, so an environment configured with the
+        model's path reaches the policy. In LoRA modes those names would reach the base model
+        without the adapter, so only `policy` and the adapters' names are served there."""
+        names = [SERVED_MODEL_NAME]
+        if not lora:
+            for alias in (str(self.model.path), str(Path(self.model.path).resolve())):
+                if alias not in names:
+                    names.append(alias)
+        return names
 
     def build_env(self) -> dict[str, str]:
         """Variables added to grpod's environment for the server.
@@ -218,6 +252,10 @@ class InferenceProcess:
     def _resolve_port(self) -> int:
         host = self.cfg.host
         if self.cfg.port == 0:
+            # A relaunch (restart modes, crash recovery) keeps the port the first launch picked
+            # while it is free, so environments keep their URL.
+            if self._port is not None and release.port_is_free(host, self._port):
+                return self._port
             return release.free_port(host)
         if not release.port_is_free(host, self.cfg.port):
             raise PortInUseError(
@@ -255,6 +293,7 @@ class InferenceProcess:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Short on purpose: ZMQ IPC socket paths must fit in 107 bytes.
         scratch = Path(tempfile.mkdtemp(prefix="grpod-vllm-"))
+        self._launch_token = secrets.token_hex(16)
         env = {
             **os.environ,
             "TMPDIR": str(scratch),
@@ -264,6 +303,7 @@ class InferenceProcess:
                 "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
             ),
             **self.build_env(),
+            LAUNCH_TOKEN_ENV: self._launch_token,
         }
         try:
             with self.log_path.open("ab") as log_file:
@@ -322,19 +362,53 @@ class InferenceProcess:
                 while True:
                     code = _exit_code(self._popen)
                     if code is not None:
+                        holder = self._port_holder()
+                        if holder is not None:
+                            raise PortTakenError(
+                                f"vLLM exited with code {code}: inference.port {self._port} on {self.cfg.host} was taken by "
+                                f"{holder} after grpod checked that it was free. {PORT_ADVICE}",
+                                pgid=self.pgid,
+                            )
                         raise InferenceStartError(
                             f"vLLM exited with code {code} before becoming healthy "
                             f"(model {self._model_path}, port {self._port}); {self._log_excerpt()}",
                             pgid=self.pgid,
                         )
-                    if await client.health(timeout_s=min(HEALTH_PROBE_TIMEOUT_S, timeout)):
-                        return
+                    try:
+                        if await client.health(timeout_s=min(HEALTH_PROBE_TIMEOUT_S, timeout)):
+                            return
+                    except ForeignServerError:
+                        raise PortTakenError(
+                            f"inference.port {self._port} on {self.cfg.host} is answered by "
+                            f"{self._port_holder() or 'a process that is not'} — not the vLLM this grpod launched "
+                            f"(pid {self.pid}; its answers lack this launch's token). {PORT_ADVICE}",
+                            pgid=self.pgid,
+                        ) from None
                     await anyio.sleep(self.cfg.health_interval_s)
         raise InferenceStartError(
             f"vLLM did not answer /health within inference.start_timeout_s = {timeout:g} s; "
             f"raise it if start-up is just slow; {self._log_excerpt()}",
             pgid=self.pgid,
         )
+
+    def _port_holder(self) -> str | None:
+        """'pid N (command line)' of a process outside this launch's group listening on the
+        port, or None (none found, or not visible to this user)."""
+        try:
+            connections = psutil.net_connections(kind="tcp")
+        except (psutil.AccessDenied, OSError):
+            return None
+        for conn in connections:
+            if conn.status != psutil.CONN_LISTEN or not conn.laddr or conn.laddr.port != self._port or conn.pid is None:
+                continue
+            try:
+                proc = psutil.Process(conn.pid)
+                if self._popen is not None and os.getpgid(conn.pid) == self.pgid:
+                    continue
+                return f"pid {conn.pid} ({shlex.join(proc.cmdline())[:200]})"
+            except (psutil.Error, ProcessLookupError):
+                continue
+        return None
 
     def _log_excerpt(self) -> str:
         return f"last lines of {self.log_path}:\n" + "\n".join(self.log_tail())
@@ -419,7 +493,12 @@ class InferenceProcess:
                 await release.wait_group_gone(pgid, cfg.release_timeout_s)
         self._last_exit_code = await self._reap_leader()
         self._popen = None
-        await release.wait_port_free(cfg.host, port, cfg.release_timeout_s)
+        holder = None if release.port_is_free(cfg.host, port) else self._port_holder()
+        if holder is not None:
+            # This group is gone; the listener is someone else's and is not waited for.
+            log.warning("inference_port_held_by_other", port=port, holder=holder)
+        else:
+            await release.wait_port_free(cfg.host, port, cfg.release_timeout_s)
         if self.gpu:
             await release.wait_gpu_memory_released(member_pids, cfg.release_timeout_s)
         removed = release.remove_shm_segments(segments)

@@ -22,6 +22,10 @@ editing installed files:
   weight version N (vLLM's `update_weight_version`), resume — the same engine calls as
   `/reset_prefix_cache`, `/update_weight_version` and `/resume`, in that order, without two
   extra round trips.
+- The launch token: every HTTP answer, `/health` and errors included, carries the header
+  `x-grpod-launch` with the value of `GRPOD_LAUNCH_TOKEN`, a random token grpod sets for each
+  launch. grpod's client checks it on every answer, so readiness, health and the alignment probe
+  prove they reached the server this grpod launched, never another process on the same port.
 - An API-key check on every route but `/health` when the server has a key (`--api-key` or
   `VLLM_API_KEY`): vLLM's own check guards only `/v1`, `/v2`, `/inference` and `/cohere`, which
   leaves the dev routes (`/pause`, `/collective_rpc`, ...) and `/generate` open.
@@ -31,6 +35,7 @@ stock route, middleware and the engine lifecycle stay vLLM's. `/health` stays vL
 503 once the engine is dead.
 """
 
+import os
 from typing import Any
 
 from grpod.inference.sampling import with_neutral_sampling
@@ -40,6 +45,8 @@ GENERATE_MODEL_ROUTE = "/grpod/generate_model"
 PAUSE_ROUTE = "/grpod/pause"
 RESUME_ROUTE = "/grpod/resume"
 UNGUARDED_ROUTES = frozenset({"/health"})
+LAUNCH_HEADER = "x-grpod-launch"
+LAUNCH_TOKEN_ENV = "GRPOD_LAUNCH_TOKEN"
 
 
 class GenerateRequestError(ValueError):
@@ -198,7 +205,40 @@ def _add_grpod_routes(app: Any, args: Any) -> None:
 
     tokens = [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]
     if tokens:
-        app.add_middleware(KeyOnEveryRoute, tokens=tokens)
+        _wrap_outermost(app, lambda inner: KeyOnEveryRoute(inner, tokens=tokens))
+    launch_token = os.environ.get(LAUNCH_TOKEN_ENV)
+    if launch_token:
+        # Wrapped last, so outermost: 401s and vLLM's own errors carry it too.
+        _wrap_outermost(app, lambda inner: EchoLaunchToken(inner, token=launch_token))
+
+
+def _wrap_outermost(app: Any, wrap: Any) -> None:
+    """Put `wrap(stack)` around the app's whole middleware stack. vLLM's app may already have
+    built its stack (Starlette's `add_middleware` then refuses), so the builder is wrapped and the
+    stack dropped: Starlette rebuilds it, wrapped, on the first request."""
+    build = app.build_middleware_stack
+    app.build_middleware_stack = lambda: wrap(build())
+    app.middleware_stack = None
+
+
+class EchoLaunchToken:
+    """ASGI middleware: the launch token as a header on every HTTP answer."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.header = (LAUNCH_HEADER.encode(), token.encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_token(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_token)
 
 
 # While vLLM's worker and engine wait for their next message on a shared-memory queue, they spin

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import enum
 import json
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,6 +69,8 @@ log = structlog.get_logger(__name__)
 
 # Longest wait between two polls of an empty queue or two attempts at an unreachable API.
 MAX_WAIT_S = 8.0
+# While no batch arrives, a console line every WAITING_LINE_S says so (run.progress).
+WAITING_LINE_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
 # How often the fetch loop looks for room in a full buffer (the buffer offers no room event).
 ROOM_CHECK_S = 0.05
@@ -214,6 +217,10 @@ class AtroposStats:
     pending_groups: int = 0
     empty_polls: int = 0
     api_errors: int = 0
+    # The current unbroken run of failed requests: wall time of its first failure (None while
+    # `/batch` answers) and its length. Registering again does not end it; an answered `/batch` does.
+    failing_since: float | None = None
+    consecutive_errors: int = 0
     api_batch_size: int | None = None
     api_max_token_len: int | None = None
     api_step: int | None = None
@@ -272,6 +279,8 @@ class AtroposSource:
         self._state_since = time.monotonic()
         self._outage_since: float | None = None
         self._outage_errors = 0
+        self._waiting_since = time.monotonic()
+        self._last_waiting_line = self._waiting_since
         self._poll_wait = _Backoff(cfg.source.atropos_poll_s, MAX_WAIT_S)
         self._error_wait = _Backoff(cfg.source.atropos_poll_s, MAX_WAIT_S)
 
@@ -354,8 +363,7 @@ class AtroposSource:
 
     async def _api_failed(self, exc: TrajectoryApiError) -> None:
         """Show the failure, forget the registration (the API may come back empty), wait."""
-        self.stats.api_errors += 1
-        self.stats.last_error = str(exc)
+        self._count_failure(str(exc))
         self._registered = False
         self._enter(ApiState.WAITING_FOR_API, error=str(exc)[:200])
         if self._outage_since is None:
@@ -363,7 +371,37 @@ class AtroposSource:
             self._outage_errors = 0
             log.warning("atropos_api_unavailable", url=self.url, error=str(exc), retry_in_s=self._error_wait.next_s)
         self._outage_errors += 1
+        self._say_still_waiting()
         await self._error_wait.wait()
+
+    def _console(self, text: str) -> None:
+        if self.cfg.run.progress:
+            print(f"grpod: {text}", file=sys.stderr, flush=True)
+
+    def _say_still_waiting(self) -> None:
+        now = time.monotonic()
+        if now - self._last_waiting_line < WAITING_LINE_S:
+            return
+        self._last_waiting_line = now
+        error = f"; last API error: {self.stats.last_error[:200]}" if self.stats.last_error else ""
+        self._console(
+            f"waiting for Atropos batches for {now - self._waiting_since:.0f} s (run-api at {self.url}: "
+            f"step {self.stats.api_step}, {self.stats.api_queue_size} groups queued, a batch is "
+            f"{self.batch_size} sequences){error}"
+        )
+
+    def _count_failure(self, error: str, *, api_error: bool = True) -> None:
+        """One failed request: part of the current run of failures (`api_errors` counts requests
+        that failed outright, not a run-api that forgot the trainer)."""
+        self.stats.api_errors += int(api_error)
+        self.stats.last_error = error
+        self.stats.consecutive_errors += 1
+        if self.stats.failing_since is None:
+            self.stats.failing_since = time.time()
+
+    def _count_success(self) -> None:
+        self.stats.failing_since = None
+        self.stats.consecutive_errors = 0
 
     async def _register(self, api: TrajectoryApiClient) -> None:
         self._enter(ApiState.REGISTERING)
@@ -394,6 +432,12 @@ class AtroposSource:
             api_step=self.stats.api_step,
             api_queue_size=self.stats.api_queue_size,
         )
+        again = " again" if self.stats.registrations > 1 else ""
+        self._console(
+            f"registered{again} with run-api at {self.url} (batch of {self.batch_size} sequences = "
+            f"train.groups_per_step {self.groups_per_step} x source.group_size {self.group_size}); "
+            "waiting for environments to send scored groups"
+        )
         if self.stats.api_batch_size != self.batch_size:
             self.stats.last_error = (
                 f"run-api keeps batch_size {self.stats.api_batch_size} from an earlier registration, not "
@@ -418,6 +462,7 @@ class AtroposSource:
                 # run-api forgets a batch once it is sent: finish the request even when cancelled.
                 with anyio.CancelScope(shield=True):
                     items = await api.batch()
+                    self._count_success()
                     if items is not None:
                         self._accept(items)
                         self._poll_wait.reset()
@@ -425,9 +470,11 @@ class AtroposSource:
                         return
                 self._error_wait.reset()
                 self.stats.empty_polls += 1
+                self._say_still_waiting()
                 self._record_status(await api.status())
             except TrainerNotRegistered as exc:
                 log.warning("atropos_trainer_forgotten", url=self.url, detail=exc.detail)
+                self._count_failure(str(exc), api_error=False)
                 self._registered = False
                 await self._error_wait.wait()
                 continue
@@ -452,6 +499,7 @@ class AtroposSource:
             self._pending.append(group)
             accepted += 1
             sequences += group.size
+        self._waiting_since = self._last_waiting_line = time.monotonic()
         self.stats.accepted_groups += accepted
         self.stats.accepted_sequences += sequences
         self.stats.pending_groups = len(self._pending)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 
 import anyio
@@ -39,10 +40,26 @@ class SourceStats:
     # queued anyway after too many in a row.
     dynamic_filtered: int = 0
     dynamic_let_through: int = 0
+    # The current unbroken run of failed generations (the daemon's source alarm reads these).
+    failing_since: float | None = None
+    consecutive_errors: int = 0
+    last_error: str | None = None
 
     def drop(self, reason: str) -> None:
         self.dropped += 1
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+    def failed(self, reason: str, error: str) -> None:
+        """A request that failed: dropped, and part of the current run of failures."""
+        self.drop(reason)
+        self.last_error = error
+        self.consecutive_errors += 1
+        if self.failing_since is None:
+            self.failing_since = time.time()
+
+    def succeeded(self) -> None:
+        self.failing_since = None
+        self.consecutive_errors = 0
 
 
 class BuiltinSource:
@@ -93,10 +110,11 @@ class BuiltinSource:
                 model=self.bridge.request_model(),
             )
         except Exception as exc:  # noqa: BLE001 — a failed generation drops its group, never the run
-            self.stats.drop(type(exc).__name__)
+            self.stats.failed(type(exc).__name__, f"{type(exc).__name__}: {str(exc)[:300]}")
             log.warning("generation_failed", index=index, error=str(exc)[:300], bridge_state=self.bridge.state)
             return None
         version = min(version, self.bridge.policy_version)
+        self.stats.succeeded()
         self.stats.generation_s += anyio.current_time() - started
         tokens, masks, logprobs, scores, truncated = [], [], [], [], []
         for completion in completions:

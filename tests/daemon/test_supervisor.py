@@ -49,3 +49,57 @@ def test_watchdog_pings_only_while_steps_progress(tmp_path, monkeypatch):
     assert hung == 0, "a step running past notify.stall_after_s must stop WATCHDOG=1"
     assert recovered >= 3
     assert daemon.status()["heartbeat"]["last_heartbeat_age_s"] is not None
+
+
+def test_the_source_alarm_reaches_status_prometheus_and_systemd_and_fail_after_ends_the_run(tmp_path):
+    """Issue #16 hole 5, the daemon's side: a source whose stats report an unbroken run of failures."""
+    import time
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from grpod.daemon.exporter import DaemonCollector
+
+    path = tmp_path / "notify.sock"
+    daemon = Daemon(
+        load_config(None, [f"run.dir={str(tmp_path / 'run')!r}", "source.error_alarm_s=1", "source.fail_after_s=3"])
+    )
+    stats = SimpleNamespace(failing_since=time.time(), consecutive_errors=4, last_error="Atropos API /batch: HTTP 500")
+    daemon.source = SimpleNamespace(kind="atropos", stats=stats, cursor=lambda: {})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(daemon))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sock.setblocking(False)
+        daemon.notifier = SystemdNotifier(str(path))
+
+        async def main():
+            seen = {}
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(daemon._watch_source)
+                with anyio.fail_after(10):
+                    while not daemon.source_alarm.active:
+                        await anyio.sleep(0.1)
+                seen["status"] = daemon.status()["alarms"]["source"]
+                seen["prometheus"] = generate_latest(registry).decode()
+                with anyio.fail_after(10):
+                    while daemon.exit_code == 0:
+                        await anyio.sleep(0.1)
+                tg.cancel_scope.cancel()
+            return seen
+
+        seen = anyio.run(main)
+        datagrams = []
+        while True:
+            try:
+                datagrams.append(sock.recv(4096).decode())
+            except BlockingIOError:
+                break
+    assert seen["status"]["active"] and seen["status"]["consecutive_errors"] == 4
+    assert "HTTP 500" in seen["status"]["last_error"]
+    assert 'grpod_alarm{alarm="source"} 1.0' in seen["prometheus"]
+    assert 'grpod_alarm{alarm="logprob_gap"} 0.0' in seen["prometheus"]
+    assert "grpod_source_consecutive_errors 4.0" in seen["prometheus"]
+    assert any(d.startswith("STATUS=ALARM") and "4 errors in a row" in d for d in datagrams), datagrams
+    assert daemon.exit_code == 1
+    assert "source.fail_after_s = 3" in daemon.stop_reason and "HTTP 500" in daemon.stop_reason

@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from grpod.config import InferenceConfig, ModelConfig
-from grpod.inference.client import InferenceClient, InferenceRequestError
+from grpod.inference.client import ForeignServerError, InferenceClient, InferenceRequestError
 from grpod.inference.process import InferenceProcess, InferenceStartError, PortInUseError
 from grpod.inference.release import group_members, port_is_free
 from tests.harness import start_decoy
@@ -41,6 +41,26 @@ async def test_generate_gives_n_completions_with_one_logprob_per_token(vllm_serv
         assert all(lp <= 0.0 for lp in c.logprobs)
         assert c.finish_reason in ("stop", "length")
     assert again == completions, "a seeded request must repeat exactly"
+
+
+async def test_the_real_server_echoes_its_launch_token_and_a_stranger_is_refused(vllm_server):
+    async with vllm_server.client() as client:
+        assert client.launch_token and await client.health()
+    impostor = InferenceClient(vllm_server.base_url, 10.0, launch_token="not-this-launch")
+    async with impostor:
+        with pytest.raises(ForeignServerError, match="did not launch"):
+            await impostor.health()
+
+
+async def test_the_model_is_served_as_policy_and_by_its_path(vllm_server, tiny_model_dir):
+    """Issue #16 item 7: an environment configured with the model's path reaches the policy."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{vllm_server.base_url}/v1/models") as response:
+            served = {card["id"] for card in (await response.json())["data"]}
+        assert {"policy", str(tiny_model_dir)} <= served
+        body = {"model": str(tiny_model_dir), "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0}
+        async with session.post(f"{vllm_server.base_url}/v1/completions", json=body) as response:
+            assert response.status == 200, await response.text()
 
 
 async def test_score_matches_sampled_logprobs_at_temperature_one(vllm_server):

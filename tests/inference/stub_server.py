@@ -1,7 +1,7 @@
 """A stand-in server process for the failures a real vLLM cannot produce on demand.
 
 `python stub_server.py --port P [--exit-code N] [--no-health] [--ignore-term] [--orphan]`:
-serves `GET /health` on 127.0.0.1:P, or exits with code N after a message, or never serves;
+serves `GET /health` on 127.0.0.1:P (echoing `GRPOD_LAUNCH_TOKEN` when set, as grpod's server does), or exits with code N after a message, or never serves;
 `--ignore-term` makes it (and its helper) ignore SIGTERM, as a vLLM waiting on open connections
 does; `--orphan` forks a helper in the same process group that outlives the server, as vLLM's
 EngineCore and Worker do when the API server alone dies.
@@ -19,6 +19,9 @@ import time
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404)
+        # Echo the launch token as grpod's server does (a foreign stub runs without one).
+        if os.environ.get("GRPOD_LAUNCH_TOKEN"):
+            self.send_header("x-grpod-launch", os.environ["GRPOD_LAUNCH_TOKEN"])
         self.send_header("Content-Length", "0")
         self.end_headers()
 

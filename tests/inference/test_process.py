@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from grpod.inference.process import (
     InferenceProcess,
     InferenceStartError,
     PortInUseError,
+    PortTakenError,
     UnsafeBindError,
     is_loopback,
 )
@@ -49,7 +51,10 @@ def test_args_run_grpod_server_with_model_settings_on_cpu():
     assert _value(args, "--logprobs-mode") == "processed_logprobs"
     # the model's generation_config.json sampling defaults are not applied behind the trainer's back
     assert _value(args, "--generation-config") == "vllm"
-    assert _value(args, "--served-model-name") == "policy"
+    names = args[args.index("--served-model-name") + 1 : args.index("--host")]
+    assert names == ["policy", "/models/tiny"], "policy first, then the model's path (issue #16 item 7)"
+    lora_args = proc.build_args("/m", enable_lora=True)
+    assert lora_args[lora_args.index("--served-model-name") + 1 : lora_args.index("--host")] == ["policy"]
     assert "--enforce-eager" in args
     assert "--enable-lora" not in args and "--worker-extension-cls" not in args
 
@@ -211,3 +216,43 @@ async def test_cancelled_start_stops_what_it_launched(tmp_path):
     text = proc.log_path.read_text()
     pgid = int(text.split("stub server pid ")[1].split()[0])
     _assert_released(pgid, proc.port)
+
+
+@pytest.mark.anyio
+async def test_a_foreign_server_on_the_port_is_refused_never_adopted(tmp_path):
+    """Issue #16 hole 1: another process binds the fixed port after the free-port check (a vLLM
+    left by a killed grpod), while this launch is still loading. Its healthy answers lack this
+    launch's token: start fails naming it, stops only its own group, and stop does not wait for
+    the foreign listener."""
+    port = free_port_for_test()
+    proc = StubProcess(tmp_path, "--no-health", port=port)
+    foreign = None
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def start_foreign_once_launched() -> None:
+                nonlocal foreign
+                while proc.pid is None:
+                    await anyio.sleep(0.02)
+                env = {k: v for k, v in os.environ.items() if k != "GRPOD_LAUNCH_TOKEN"} | {"TMPDIR": str(tmp_path)}
+                foreign = subprocess.Popen([sys.executable, str(STUB), "--port", str(port)], env=env)
+
+            tg.start_soon(start_foreign_once_launched)
+            with pytest.raises(PortTakenError) as err:
+                await proc.start("/m")
+        message = str(err.value)
+        assert f"inference.port {port}" in message
+        assert f"pid {foreign.pid}" in message and "not the vLLM this grpod launched" in message
+        assert group_members(err.value.pgid) == []
+        assert foreign.poll() is None, "the foreign server must not be signalled"
+        assert not proc.running
+    finally:
+        if foreign is not None:
+            foreign.kill()
+            foreign.wait(timeout=10)
+
+
+def free_port_for_test() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -171,6 +171,16 @@ def test_generate_model_route_sets_the_default(monkeypatch):
     assert client.post("/grpod/generate_model", json={}).status_code == 400
 
 
+def test_every_answer_carries_the_launch_token_401s_and_404s_included(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setenv("GRPOD_LAUNCH_TOKEN", "launch-1")
+    client = _app(["s3cret"])
+    for answer in (client.get("/health"), client.post("/pause"), client.get("/nowhere")):
+        assert answer.headers["x-grpod-launch"] == "launch-1", answer.status_code
+    monkeypatch.delenv("GRPOD_LAUNCH_TOKEN")
+    assert "x-grpod-launch" not in _app(None).get("/health").headers
+
+
 def test_vllm_processes_nap_instead_of_spinning_on_cpu():
     """vLLM's spawned engine and worker import this module as `__mp_main__`; on CPU that import
     replaces the shared-memory queue's busy `sched_yield` with a NAP_S sleep."""

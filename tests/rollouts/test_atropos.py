@@ -259,3 +259,86 @@ def test_errors_timeouts_and_garbage_are_waited_out(tmp_path):
     assert "not JSON" in errors[2]
     assert "'batch' to be a list or null" in errors[3]
     assert any(e["event"] == "atropos_trainer_forgotten" for e in logs)
+
+
+def test_a_persistent_api_failure_raises_the_source_alarm_and_recovery_clears_it(tmp_path):
+    """Issue #16 hole 5: requests that keep failing are one unbroken run of failures in the
+    source's stats (re-registering does not end it, an answered `/batch` does); the alarm rises
+    after `error_alarm_s`, `fail_after_s` gives the reason to end the run, and a run-api that
+    answers again clears it. (A NaN score, the reported trigger, makes atroposlib 0.4.0's run-api
+    fail one `/batch` and drop that batch; a run-api that is down fails every request.)"""
+    import time
+
+    from grpod.daemon.alarms import SourceErrorAlarm
+
+    with TrajectoryApiProcess(tmp_path) as api:
+        source = AtroposSource(_cfg(tmp_path, api.url, group_size=2, groups_per_step=1), SimpleNamespace(policy_version=0))
+        alarm = SourceErrorAlarm(alarm_after_s=0.5, fail_after_s=2.0)
+
+        async def until(condition, what):
+            with anyio.fail_after(30):
+                while not condition():
+                    await anyio.sleep(0.1)
+            return True
+
+        async def main():
+            buffer = RolloutBuffer(capacity=8)
+            env = ScoredGroupEnv(api.url, group_size=2)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(source.run, buffer, _never_paused)
+                await env.register()
+                await env.post(scored_group(1, group_size=2))
+                await wait_until(lambda: len(buffer) == 1, 10, "the good group", lambda: vars(source.stats))
+                assert alarm.check(source.stats, time.time()) is None and not alarm.active
+                api.stop()
+                reasons = []
+                await until(lambda: reasons.append(alarm.check(source.stats, time.time())) or reasons[-1], "fail reason")
+                failed = dict(alarm.describe(), reason=reasons[-1], errors=source.stats.consecutive_errors)
+                api.start()
+                await until(lambda: alarm.check(source.stats, time.time()) is None and not alarm.active, "alarm cleared")
+                tg.cancel_scope.cancel()
+            return failed
+
+        failed = anyio.run(main)
+    assert failed["active"] and failed["failing_s"] >= 2.0 and failed["errors"] >= 2
+    assert "source.fail_after_s = 2" in failed["reason"] and "errors in a row" in failed["reason"]
+    assert "Atropos API" in failed["last_error"]
+    assert alarm.raised == 1 and not alarm.active
+    assert source.stats.consecutive_errors == 0 and source.stats.failing_since is None
+
+
+def test_the_source_alarm_clears_when_the_source_delivers_again():
+    from grpod.daemon.alarms import SourceErrorAlarm
+
+    stats = SimpleNamespace(failing_since=None, consecutive_errors=0, last_error=None)
+    alarm = SourceErrorAlarm(alarm_after_s=10.0, fail_after_s=None)
+    assert alarm.check(stats, 100.0) is None and not alarm.active
+    stats.failing_since, stats.consecutive_errors, stats.last_error = 100.0, 3, "HTTP 500"
+    assert alarm.check(stats, 105.0) is None and not alarm.active, "5 s of failures is below error_alarm_s"
+    assert alarm.check(stats, 111.0) is None and alarm.active, "no fail_after_s: never ends the run"
+    stats.failing_since, stats.consecutive_errors = None, 0
+    alarm.check(stats, 112.0)
+    assert not alarm.active and alarm.raised == 1
+
+
+def test_the_console_says_registered_and_still_waiting_for_batches(tmp_path, monkeypatch, capsys):
+    """Issue #16 item 9: an operator watching the console sees that grpod registered and is waiting."""
+    from grpod.rollouts import atropos
+
+    monkeypatch.setattr(atropos, "WAITING_LINE_S", 0.3)
+    with TrajectoryApiProcess(tmp_path) as api:
+        source = AtroposSource(
+            _cfg(tmp_path, api.url, group_size=2, groups_per_step=2, run={"dir": str(tmp_path / "run"), "progress": True}),
+            SimpleNamespace(policy_version=0),
+        )
+
+        async def main():
+            buffer = RolloutBuffer(capacity=8)
+            with anyio.move_on_after(1.5):
+                await source.run(buffer, _never_paused)
+
+        anyio.run(main)
+    err = capsys.readouterr().err
+    assert f"registered with run-api at {api.url} (batch of 4 sequences" in err, err
+    waiting = [line for line in err.splitlines() if "waiting for Atropos batches for" in line]
+    assert waiting and "0 groups queued" in waiting[0], err

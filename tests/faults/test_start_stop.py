@@ -1,0 +1,101 @@
+"""Cases 11 and 12: stopping grpod while its vLLM starts, and a second grpod on the port of a
+killed one's vLLM (issue #16, holes 1 and 2).
+
+11: SIGTERM, SIGINT (Ctrl-C) or `ctl stop` while vLLM is still loading must cancel the start-up at
+once: vLLM is never waited for until healthy, its process group is stopped, grpod exits 0 and
+writes no checkpoint.
+
+12: grpod A is SIGKILLed while its vLLM loads; grpod B (another run directory, the same fixed
+`inference.port`) starts at once. Whichever way the race for the port goes, B never serves from
+A's orphan: either B fails with an error naming the port and the process that holds it, leaving
+nothing of its own behind and A's orphan untouched, or B's own vLLM won the port (A's orphan then
+exits for want of it) and B trains to its end. The deterministic form of the race (a foreign
+server answering /health while this launch still loads) is in tests/inference/test_process.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import pytest
+
+from tests.faults.injection import alive, first_line_matching, launched_pgids, log_events, run_to_exit, wait_until
+from tests.harness import DaemonProcess, base_settings, group_processes, write_config
+
+pytestmark = pytest.mark.faults
+
+
+def _launched(run_dir) -> bool:
+    return bool(launched_pgids(run_dir)) if (run_dir / "grpod.log").exists() else False
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "ctl stop"])
+def test_stop_during_vllm_start_up_cancels_it_at_once(tmp_path, fault_model_dir, fault_case, how):
+    row = fault_case(f"11 {how} while vLLM starts up")
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "grpod.toml", base_settings(run_dir, fault_model_dir))
+    daemon = DaemonProcess(config, run_dir)
+    try:
+        wait_until(lambda: _launched(run_dir), 120, "vLLM launched")
+        sent = time.monotonic()
+        if how == "ctl stop":
+            assert daemon.ctl("stop", timeout_s=30)["ok"]
+        else:
+            daemon.proc.send_signal(getattr(signal, how))
+        code = daemon.wait_exit(120)
+        seconds = time.monotonic() - sent
+        pgids = launched_pgids(run_dir)
+        row.data_lost = "none"
+        row.notes = f"exit {code} {seconds:.1f} s after the request; vLLM launches {len(pgids)}, left {len(alive(pgids))}"
+        assert code == 0, daemon.tail()
+        assert log_events(run_dir, "inference_healthy") == [], "the stop waited for vLLM to become healthy"
+        (cancelled,) = log_events(run_dir, "start_cancelled")
+        assert "during start-up" in cancelled["reason"]
+        assert alive(pgids) == [], f"vLLM left running: {alive(pgids)}"
+        assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+        assert not (run_dir / "grpod.sock").exists()
+        assert "during start-up" in daemon.tail(), "the console says why the run ended"
+    finally:
+        daemon.close()
+
+
+@pytest.mark.timeout(420)
+def test_a_killed_grpods_vllm_on_the_port_is_never_adopted(tmp_path, fault_model_dir, fault_case):
+    row = fault_case("12 grpod SIGKILLed mid-start, a second grpod on the same port")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    settings = {"inference.port": port, "train.steps": 2}
+    config_a = write_config(tmp_path / "a.toml", base_settings(run_a, fault_model_dir) | settings)
+    config_b = write_config(tmp_path / "b.toml", base_settings(run_b, fault_model_dir) | settings)
+    a = DaemonProcess(config_a, run_a)
+    try:
+        wait_until(lambda: _launched(run_a), 120, "grpod A's vLLM launched")
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(timeout=30)
+        (orphan,) = launched_pgids(run_a)
+        assert group_processes(orphan), "A's vLLM outlives A (the situation under test)"
+        finished = run_to_exit(config_b, timeout_s=360)
+        b_pgids = launched_pgids(run_b)
+        assert alive(b_pgids) == [], f"B left its vLLM running: {alive(b_pgids)}"
+        assert not (run_b / "grpod.sock").exists()
+        row.data_lost = "none"
+        if finished.code == 0:
+            # B's vLLM bound the port first; A's orphan cannot have served B (it never had the port).
+            assert log_events(run_b, "inference_healthy"), finished.stderr[-3000:]
+            wait_until(lambda: not group_processes(orphan), 120, "A's orphan to exit for want of the port")
+            row.notes = f"B's vLLM won the port; B trained and exited 0 in {finished.seconds:.1f} s"
+            return
+        line = first_line_matching(finished.stderr, f"inference.port {port}")
+        assert line, finished.stderr[-3000:]
+        assert any(s in line for s in ("already in use", "was taken by", "not the vLLM this grpod launched")), line
+        assert log_events(run_b, "inference_healthy") == [], "B declared a server healthy and then failed"
+        assert not (run_b / "checkpoints").exists() or not any((run_b / "checkpoints").iterdir())
+        assert group_processes(orphan), "B signalled A's orphan (not a process it started)"
+        row.notes = f"exit {finished.code} after {finished.seconds:.1f} s; stderr: {line[line.index('inference.port'):][:100]}"
+    finally:
+        a.close()  # stops A's orphan vLLM group (the test started A; A launched it)
