@@ -83,6 +83,10 @@ class SourceConfig(_Section):
     overlap: bool = True
     atropos_url: str = "http://127.0.0.1:8000"
     atropos_poll_s: float = Field(0.5, gt=0)
+    # An Atropos group that declares no sampling temperature: "config" trains it at
+    # source.temperature (recorded with the group, counted, warned about once), "refuse" rejects it
+    # (`undeclared_temperature`). Environments should declare it: logprobs depend on it.
+    atropos_undeclared_temperature: Literal["config", "refuse"] = "config"
     task_seed: int = 1234
     # Builtin arithmetic prompt: "bare" (`37+45=`, exact answer: the tiny model), "instruct" (a
     # question, the last integer of the answer: a chat model), "auto" (by the tokenizer's vocabulary).

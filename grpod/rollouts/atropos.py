@@ -221,6 +221,8 @@ class AtroposStats:
     # `/batch` answers) and its length. Registering again does not end it; an answered `/batch` does.
     failing_since: float | None = None
     consecutive_errors: int = 0
+    # Groups that declared no sampling temperature (trained at source.temperature).
+    undeclared_temperature_groups: int = 0
     api_batch_size: int | None = None
     api_max_token_len: int | None = None
     api_step: int | None = None
@@ -266,6 +268,9 @@ class AtroposSource:
         self.batch_size = self.groups_per_step * self.group_size
         check_batch_geometry(self.batch_size, self.group_size, self.groups_per_step)
         self.url = cfg.source.atropos_url
+        self.undeclared_temperature = (
+            cfg.source.temperature if cfg.source.atropos_undeclared_temperature == "config" else None
+        )
         self.request_timeout_s = request_timeout_s
         cursor = dict(cursor or {})
         if cursor.get("kind", self.kind) != self.kind:
@@ -373,6 +378,16 @@ class AtroposSource:
         self._outage_errors += 1
         self._say_still_waiting()
         await self._error_wait.wait()
+
+    def _undeclared(self, group: RolloutGroup) -> None:
+        self.stats.undeclared_temperature_groups += 1
+        if self.stats.undeclared_temperature_groups == 1:
+            log.warning("atropos_undeclared_temperature", group_id=group.group_id, temperature=group.temperature)
+            self._console(
+                f"Atropos groups declare no sampling temperature; they are trained at source.temperature = "
+                f"{group.temperature:g} (counted in ctl status). Declare generation_params.temperature in the "
+                'environment, or set source.atropos_undeclared_temperature = "refuse"'
+            )
 
     def _console(self, text: str) -> None:
         if self.cfg.run.progress:
@@ -492,10 +507,15 @@ class AtroposSource:
         accepted = sequences = 0
         for i, item in enumerate(items):
             try:
-                group = group_from_atropos(item, default_version=version, group_id=f"atropos-{self.batches}-{i}")
+                group = group_from_atropos(
+                    item, default_version=version, group_id=f"atropos-{self.batches}-{i}",
+                    undeclared_temperature=self.undeclared_temperature,
+                )
             except MalformedGroup as exc:
                 record_rejection(item, exc.rejection, self.rejections)
                 continue
+            if "temperature_from" in group.extra:
+                self._undeclared(group)
             self._pending.append(group)
             accepted += 1
             sequences += group.size

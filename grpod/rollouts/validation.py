@@ -73,6 +73,8 @@ class RejectionReason(StrEnum):
     # Only from group_from_atropos:
     MASK_TOKEN_MISMATCH = "mask_token_mismatch"
     MIXED_TEMPERATURE = "mixed_temperature"
+    # No sampling temperature declared, with source.atropos_undeclared_temperature = "refuse".
+    UNDECLARED_TEMPERATURE = "undeclared_temperature"
     PER_TOKEN_ADVANTAGES = "per_token_advantages"
     # A group whose content the trainer has already received (grpod.rollouts.duplicates).
     DUPLICATE = "duplicate"
@@ -485,21 +487,36 @@ def _atropos_advantage(i: int, loss_mask: list[int], row: Any) -> float:
 
 
 def _atropos_sampling(
-    n: int, overrides: list[dict[str, Any]] | None, generation: dict[str, Any], group_overrides: dict[str, Any]
-) -> tuple[float, float]:
-    """(temperature, top_p): per-sequence override > generation_params > group_overrides > 1.0."""
-    group_level = {}
+    n: int,
+    overrides: list[dict[str, Any]] | None,
+    generation: dict[str, Any],
+    group_overrides: dict[str, Any],
+    undeclared_temperature: float | None,
+) -> tuple[float, float, bool]:
+    """(temperature, top_p, declared): per-sequence override > generation_params > group_overrides
+    > `undeclared_temperature` (None: refused); top_p defaults to 1.0."""
+    group_level: dict[str, float | None] = {"temperature": None, "top_p": 1.0}
     for key in ("temperature", "top_p"):
-        group_level[key] = 1.0
         for name, params in (("generation_params", generation), ("group_overrides", group_overrides)):
             if params.get(key) is not None:
                 group_level[key] = _number_field(f"{name}.{key}", params[key])
                 break
     temperatures = set()
+    undeclared = 0
     for i in range(n):
         per_seq = overrides[i].get("temperature") if overrides is not None else None
         if per_seq is None:
-            temperatures.add(group_level["temperature"])
+            if group_level["temperature"] is None:
+                undeclared += 1
+                if undeclared_temperature is None:
+                    raise _Invalid(
+                        RejectionReason.UNDECLARED_TEMPERATURE,
+                        "no sampling temperature (generation_params.temperature, group_overrides or "
+                        "overrides[i].temperature): the trainer cannot know the distribution the logprobs come from",
+                    )
+                temperatures.add(undeclared_temperature)
+            else:
+                temperatures.add(group_level["temperature"])
         else:
             temperatures.add(_number_field(f"overrides[{i}].temperature", per_seq))
     if len(temperatures) > 1:
@@ -507,7 +524,7 @@ def _atropos_sampling(
             RejectionReason.MIXED_TEMPERATURE,
             f"sequences sampled at different temperatures {sorted(temperatures)}; a group needs one",
         )
-    return temperatures.pop(), group_level["top_p"]
+    return temperatures.pop(), group_level["top_p"], undeclared == 0
 
 
 def _content_id(tokens: list[list[int]], scores: list[float]) -> str:
@@ -516,7 +533,7 @@ def _content_id(tokens: list[list[int]], scores: list[float]) -> str:
     return f"atropos-{digest.hexdigest()}"
 
 
-def _convert_atropos(item: Any, default_version: int, group_id: str) -> RolloutGroup:
+def _convert_atropos(item: Any, default_version: int, group_id: str, undeclared_temperature: float | None) -> RolloutGroup:
     if not isinstance(item, dict):
         raise _Invalid(RejectionReason.NOT_A_GROUP, f"expected a JSON object, got {_type_name(item)}")
     tokens_in = _require_list("tokens", item.get("tokens"))
@@ -553,7 +570,7 @@ def _convert_atropos(item: Any, default_version: int, group_id: str) -> RolloutG
         overrides = [dict(o) if o is not None else {} for o in rows]
     group_overrides = _optional_dict(item, "group_overrides")
     generation = _optional_dict(item, "generation_params")
-    temperature, top_p = _atropos_sampling(n, overrides, generation, group_overrides)
+    temperature, top_p, declared = _atropos_sampling(n, overrides, generation, group_overrides, undeclared_temperature)
     for name, params in (("generation_params", generation), ("group_overrides", group_overrides)):
         top_k = params.get("top_k")
         if top_k is not None and top_k not in (0, -1):
@@ -572,6 +589,9 @@ def _convert_atropos(item: Any, default_version: int, group_id: str) -> RolloutG
         extra["env_id"] = item["env_id"]
     if group_overrides:
         extra["group_overrides"] = group_overrides
+    if not declared:
+        # Recorded with the group (rollouts.jsonl, checkpoints): the temperature came from config.
+        extra["temperature_from"] = "source.temperature"
     return RolloutGroup(
         tokens=tokens,
         loss_mask=loss_mask,
@@ -589,7 +609,9 @@ def _convert_atropos(item: Any, default_version: int, group_id: str) -> RolloutG
     )
 
 
-def group_from_atropos(item: dict[str, Any], *, default_version: int, group_id: str = "") -> RolloutGroup:
+def group_from_atropos(
+    item: dict[str, Any], *, default_version: int, group_id: str = "", undeclared_temperature: float | None = 1.0
+) -> RolloutGroup:
     """Convert one Atropos `/batch` item (see notes/atropos.md) into a RolloutGroup.
 
     `masks` (-100 = no loss, else the token id) become a 0/1 loss mask; `inference_logprobs`
@@ -597,15 +619,16 @@ def group_from_atropos(item: dict[str, Any], *, default_version: int, group_id: 
     per-token `advantages` must be constant over each sequence's loss tokens. A per-sequence
     override `truncated: true` or `finish_reason: "length"` marks a truncated completion (for
     `train.loss.mask_truncated`). Temperature:
-    per-sequence override > generation_params > group_overrides > 1.0, and all sequences of a
-    group must agree. Atropos carries no policy version, so `default_version` (the version being
+    per-sequence override > generation_params > group_overrides > `undeclared_temperature` (the
+    source passes `source.temperature` and records `extra["temperature_from"]`; None refuses the
+    group as `undeclared_temperature`), and all sequences of a group must agree. Atropos carries no policy version, so `default_version` (the version being
     served when the batch was fetched) is recorded. Values that convert but are out of range
     (NaN scores, positive logprobs, ...) are left for `validate_group` to reject.
 
     Raises MalformedGroup for anything that cannot be converted; nothing else.
     """
     try:
-        return _convert_atropos(item, default_version, group_id)
+        return _convert_atropos(item, default_version, group_id, undeclared_temperature)
     except _Invalid as invalid:
         raise MalformedGroup(invalid.reason, invalid.detail) from None
     except Exception as exc:  # noqa: BLE001 - garbage from the network must not crash the daemon

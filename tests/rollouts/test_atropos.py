@@ -342,3 +342,41 @@ def test_the_console_says_registered_and_still_waiting_for_batches(tmp_path, mon
     assert f"registered with run-api at {api.url} (batch of 4 sequences" in err, err
     waiting = [line for line in err.splitlines() if "waiting for Atropos batches for" in line]
     assert waiting and "0 groups queued" in waiting[0], err
+
+
+def test_groups_without_a_temperature_get_source_temperature_counted_or_are_refused(tmp_path, capsys):
+    """Issue #12 (F5): not silently T = 1.0. The config's temperature, recorded and counted (and
+    said on the console once), or with atropos_undeclared_temperature = "refuse" a rejection."""
+    from grpod.rollouts.validation import RejectionCounter
+
+    results = {}
+    for policy in ("config", "refuse"):
+        (tmp_path / policy).mkdir()
+        with TrajectoryApiProcess(tmp_path / policy) as api:
+            cfg = _cfg(
+                tmp_path, api.url, group_size=2, groups_per_step=1,
+                run={"dir": str(tmp_path / "run"), "progress": True},
+            )
+            cfg.source.temperature = 0.6
+            cfg.source.atropos_undeclared_temperature = policy
+            rejections = RejectionCounter()
+            source = AtroposSource(cfg, SimpleNamespace(policy_version=0), rejections=rejections)
+
+            async def main():
+                buffer = RolloutBuffer(capacity=8)
+                env = ScoredGroupEnv(api.url, group_size=2)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(source.run, buffer, _never_paused)
+                    await env.register()
+                    await env.post(scored_group(1, group_size=2))  # no generation_params
+                    await env.post(scored_group(2, group_size=2, temperature=0.9))
+                    await wait_until(lambda: source.stats.batches == 2, 10, "two batches", lambda: vars(source.stats))
+                    tg.cancel_scope.cancel()
+                return [await buffer.take(1) for _ in range(len(buffer))]
+
+            results[policy] = ([g.temperature for [g] in anyio.run(main)], source.stats, rejections.as_dict())
+    temps, stats, rejected = results["config"]
+    assert sorted(temps) == [0.6, 0.9] and stats.undeclared_temperature_groups == 1 and rejected == {}
+    assert "trained at source.temperature = 0.6" in capsys.readouterr().err
+    temps, stats, rejected = results["refuse"]
+    assert temps == [0.9] and rejected == {"undeclared_temperature": 1}

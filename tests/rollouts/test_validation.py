@@ -315,7 +315,7 @@ def test_atropos_optional_fields_may_all_be_null() -> None:
     item.update(tokens=[[1, 2], [1, 3]], masks=[[-100, 2], [-100, 3]], scores=[0.5, 0.25])
     group = group_from_atropos(item, default_version=0)
     assert group.inference_logprobs is None and group.temperature == 1.0 and group.top_p == 1.0
-    assert group.extra == {}
+    assert group.extra == {"temperature_from": "source.temperature"}
     no_keys = group_from_atropos({"tokens": [[1, 2]], "masks": [[-100, 2]], "scores": [1]}, default_version=0)
     assert no_keys.scores == [1.0] and isinstance(no_keys.scores[0], float)
     assert validate_group(group, vocab_size=8, max_seq_len=8, group_normalised=True).reason == "missing_logprobs"
@@ -447,3 +447,18 @@ def test_a_config_asking_for_top_p_below_one_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="source.top_p = 0.9 is refused"):
         parse_config({"source": {"top_p": 0.9}})
+
+
+def test_an_undeclared_temperature_comes_from_config_and_is_recorded_or_is_refused() -> None:
+    """Issue #12 (F5): a group without a declared temperature is not silently trained at 1.0."""
+    item = atropos_item(generation_params=None)
+    group = group_from_atropos(item, default_version=0, undeclared_temperature=0.7)
+    assert group.temperature == 0.7 and group.extra["temperature_from"] == "source.temperature"
+    declared = group_from_atropos(atropos_item(), default_version=0, undeclared_temperature=0.3)
+    assert declared.temperature == 0.7 and "temperature_from" not in declared.extra
+    per_sequence = atropos_item(generation_params=None, overrides=[{"temperature": 0.5}, {"temperature": 0.5}])
+    assert group_from_atropos(per_sequence, default_version=0, undeclared_temperature=None).temperature == 0.5
+    with pytest.raises(MalformedGroup) as refused:
+        group_from_atropos(item, default_version=0, undeclared_temperature=None)
+    assert refused.value.reason == "undeclared_temperature"
+    assert "generation_params.temperature" in refused.value.detail
