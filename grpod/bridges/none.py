@@ -4,7 +4,8 @@ Every `bridge.sync_every` steps the trainer saves its weights as an HF safetenso
 a new versioned directory (`<run>/weights/v000007`), then either
 
 - `reload = "in_place"` (default, the fast path): fence vLLM (`/grpod/pause?mode=keep`), reload
-  the weights in place with `collective_rpc("reload_weights", weights_path=...)`, then reset the
+  the weights in place with `collective_rpc("grpod_reload_weights", path)` (vLLM's
+  `reload_weights`, then the output head re-packed: `grpod.inference.reload_ext`), then reset the
   prefix cache, bump the weight version and resume in one request (`/grpod/resume`) — no
   restart; a reload that fails leaves vLLM paused (it never serves half-loaded weights); or
 - `reload = "restart"`: stop vLLM (process group), wait until its processes, port and memory are
@@ -50,11 +51,17 @@ TABLE = {
 }
 
 
+RELOAD_EXTENSION = "grpod.inference.reload_ext.ReloadExtension"
+
+
 class NoneBridge(Bridge):
     mode = "none"
     State = State
     Event = Event
     TABLE = TABLE
+
+    def _launch_kwargs(self) -> dict:
+        return {"worker_extension": RELOAD_EXTENSION}
 
     async def _save(self, version: int) -> Path:
         return await self._write_weights(self.weights_root / f"v{version:06d}")
@@ -70,7 +77,8 @@ class NoneBridge(Bridge):
             t = time.perf_counter()
             await self.client.pause(mode="keep")
             # A reload that fails leaves vLLM paused: half-loaded weights are never served.
-            await self.client.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)})
+            # grpod's reload: vLLM's, then the (possibly tied) output head re-packed (reload_ext).
+            await self.client.collective_rpc("grpod_reload_weights", args=[str(staged)])
             await self.client.end_fence(version)
             phases["reload"] = time.perf_counter() - t
             self.current_weights = staged

@@ -69,9 +69,10 @@ class Client:
     async def resume(self):
         self.engine._call("resume")
 
-    async def collective_rpc(self, method, kwargs):
+    async def collective_rpc(self, method, args=(), kwargs=None):
+        assert method == "grpod_reload_weights", method  # vLLM's reload plus the head re-pack
         self.engine._call(method)
-        self.engine.weights = float((Path(kwargs["weights_path"]) / "w").read_text())
+        self.engine.weights = float((Path(args[0]) / "w").read_text())
 
     async def end_fence(self, version):
         self.engine._call("end_fence")
@@ -175,7 +176,7 @@ def test_a_vllm_dying_again_in_the_retried_sync_is_failed(tmp_path):
 
         async def launch_doomed(weights):
             await original(weights)
-            bridge.engines[-1].die_at = "reload_weights"
+            bridge.engines[-1].die_at = "grpod_reload_weights"
 
         bridge._launch = launch_doomed
         with pytest.raises(BridgeFailed, match="sync to version 1 failed"):
@@ -310,7 +311,7 @@ def test_a_broken_unprobed_sync_is_caught_by_the_next_probe(tmp_path):
         bridge = await _started(tmp_path, probe_every=2)
         engine = bridge.engines[-1]
 
-        async def reload_ignored(method, kwargs):
+        async def reload_ignored(method, args=(), kwargs=None):
             engine._call(method)  # answers, but the weights stay as they were
 
         bridge.client.collective_rpc = reload_ignored
