@@ -153,6 +153,7 @@ class LoraBridge(Bridge):
         return {
             "enable_lora": True,
             "max_lora_rank": self.max_lora_rank,
+            "lora_target_modules": list(self.cfg.train.lora_config.target_modules),
             "lora_modules": {self.adapter.name: str(self.adapter.path)},
         }
 

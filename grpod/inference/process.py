@@ -184,6 +184,7 @@ class InferenceProcess:
         lora_modules: dict[str, str] | None = None,
         enable_lora: bool = False,
         max_lora_rank: int = 16,
+        lora_target_modules: list[str] | None = None,
         worker_extension: str | None = None,
     ) -> list[str]:
         """The server's argv. `--port` is the resolved port once `start` picked it, else the
@@ -215,6 +216,12 @@ class InferenceProcess:
             args.append("--enforce-eager")
         if lora:
             args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
+            if lora_target_modules:
+                # Only the modules the adapters adapt are wrapped. Without it vLLM wraps every
+                # module that supports LoRA, lm_head included for Llama-family models, and on CPU
+                # its LoRA logits path fails on prompt logprobs (SmolLM2: einsum size mismatch,
+                # engine dead at the first probe).
+                args += ["--lora-target-modules", *lora_target_modules]
         if lora_modules:
             args += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
         if worker_extension:

@@ -128,7 +128,12 @@ def test_vllm_launches_on_the_base_with_the_current_adapter_preloaded(tmp_path, 
     assert (bridge.adapter.path / "adapter_model.safetensors").exists()
     assert not stale.exists()
     kwargs = bridge._launch_kwargs()
-    assert kwargs == {"enable_lora": True, "max_lora_rank": 8, "lora_modules": {"policy-v5": str(bridge.adapter.path)}}
+    assert kwargs == {
+        "enable_lora": True,
+        "max_lora_rank": 8,
+        "lora_target_modules": list(cfg.train.lora_config.target_modules),
+        "lora_modules": {"policy-v5": str(bridge.adapter.path)},
+    }
     argv = bridge.inference.build_args(model_path, **kwargs)
     assert argv[argv.index("--model") + 1] == str(cfg.model.path)
     assert argv[argv.index("--lora-modules") + 1] == f"policy-v5={bridge.adapter.path}"

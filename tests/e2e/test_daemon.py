@@ -55,6 +55,11 @@ def test_daemon_trains_syncs_answers_and_stops_clean(tmp_path, warm_model_dir):
         status = daemon.wait_for(lambda s: s["state"] == "running", 300, "vLLM ready and running")
         first_vllm = status["bridge"]["vllm"]["pid"]
         assert status["bridge"]["mode"] == "none"
+        # Where environments reach the policy (issue #16 item 8): status and the console say it.
+        endpoint = status["inference"]
+        assert endpoint["base_url"] == status["bridge"]["vllm"]["base_url"] + "/v1"
+        assert endpoint["model_names"][:2] == ["policy", str(warm_model_dir)]
+        assert f"grpod: vLLM serves the policy at {endpoint['base_url']}" in daemon.tail(200)
         assert any("SYNC" in t for t in status["bridge"]["transitions"])
 
         paused = daemon.ctl("pause")

@@ -33,7 +33,9 @@ def portal():
 @pytest.fixture(scope="module")
 def bridge(portal, tmp_path_factory):
     root = tmp_path_factory.mktemp("none-bridge")
-    model, tok = build_model(seed=0)
+    # Tied embeddings: vLLM's in-place reload once left a tied output head on its old weights
+    # (grpod.inference.reload_ext); an untied model would not show it.
+    model, tok = build_model(seed=0, tie_word_embeddings=True)
     save_model(model, tok, root / "model")
     cfg = GrpodConfig.model_validate(
         {

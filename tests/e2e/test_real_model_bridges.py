@@ -112,7 +112,8 @@ def run_mode(portal, tmp_path, model_dir, bridge_cls, *, lr: float, lora: bool, 
         probe = portal.call(bridge.start)
         assert probe.ok, probe
         first = step_and_sync(portal, bridge, trainer, source, ids)
-        assert bridge.policy_version == 1
+        # One sync (in `shared` the step itself was one more: its fence bumps the version).
+        assert bridge.policy_version == (2 if bridge.mode == "shared" else 1)
         extra = then(bridge, trainer, source, ids) if then is not None else None
         return bridge, trainer, first, extra
     finally:

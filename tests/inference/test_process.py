@@ -79,6 +79,11 @@ def test_args_lora_extension_and_extra_args_last():
     assert args[-2:] == ["--max-num-seqs", "8"]
     plain = InferenceProcess(InferenceConfig(), MODEL, Path("run"), gpu=False).build_args("/m", enable_lora=True)
     assert _value(plain, "--max-lora-rank") == "16" and "--lora-modules" not in plain
+    targeted = InferenceProcess(InferenceConfig(), MODEL, Path("run"), gpu=False).build_args(
+        "/m", enable_lora=True, lora_target_modules=["q_proj", "v_proj"]
+    )
+    i = targeted.index("--lora-target-modules")
+    assert targeted[i + 1 : i + 3] == ["q_proj", "v_proj"], "vLLM wraps only what the adapter adapts"
 
 
 def test_env_enables_dev_routes_runtime_lora_and_config_env():
