@@ -1,6 +1,7 @@
 """`grpod plot RUN_DIR`: one PNG of a run's curves, so a user can look instead of read.
 
-Reads `<run>/metrics.jsonl` (step, eval and sync records) and draws reward, held-out accuracy, loss,
+Reads `<run>/metrics.jsonl` (step, eval and sync records) and draws reward, held-out accuracy
+(pass@1, and mean@k when a dataset evaluation measured it), loss,
 KL, entropy, importance ratio, clipped fraction, the trainer/vLLM mismatch (mismatch KL and the
 share of IS weights truncated or masked), staleness and sync latency against the step. A panel
 whose metric the run never recorded says so instead of disappearing.
@@ -13,7 +14,7 @@ from pathlib import Path
 
 PANELS = (
     ("reward", "step", ("reward_mean",)),
-    ("held-out accuracy", "eval", ("eval_accuracy",)),
+    ("held-out accuracy", "eval", ("eval_accuracy", "eval_mean_at_k")),
     ("loss", "step", ("loss",)),
     ("KL", "step", ("kl",)),
     ("entropy (nats/token)", "step", ("entropy",)),

@@ -44,6 +44,7 @@ from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.duplicates import DuplicateWindow
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.replay import record_groups
+from grpod.rollouts.rewards import step_reward_metrics
 from grpod.rollouts.staleness import StalenessStats, apply_staleness
 from grpod.rollouts.validation import RejectionCounter, record_rejection, validate_batch
 
@@ -536,6 +537,8 @@ class Daemon:
             "queue_depth": len(self.buffer),
             "group_ids": [g.group_id for g in trainable],
             "sync_s": round(sync_s, 4) if sync_s is not None else None,
+            # The dataset source's reward functions, each one's mean over the step's groups.
+            **step_reward_metrics(groups),
         }
         self.last_metrics = {k: v for k, v in record.items() if isinstance(v, (int, float, type(None)))}
         self.metrics.write("step", self.step, record)
@@ -631,7 +634,9 @@ class Daemon:
         log.info("eval", **self.last_eval)
         if self.cfg.run.progress:
             print(
-                f"eval ({when}, step {self.step}): accuracy {result['eval_accuracy']:.3f} on {result['eval_size']} held-out problems",
+                f"eval ({when}, step {self.step}): accuracy {result['eval_accuracy']:.3f}"
+                + (f", mean@{result['eval_k']} {result['eval_mean_at_k']:.3f}" if "eval_mean_at_k" in result else "")
+                + f" on {result['eval_size']} held-out problems",
                 file=sys.stderr,
                 flush=True,
             )
