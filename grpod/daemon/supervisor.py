@@ -352,8 +352,11 @@ class Daemon:
         self.skipped_batches = int(counts.get("skipped", 0))
         self.buffer.restore(restored.buffered)
         self.bridge = make_bridge(self.cfg, self.run_dir, self.trainer, policy_version=restored.policy_version)
-        self.source = self.store.make_source(
-            self.trainer.tokenizer, self.bridge, restored.source_cursor, rejections=self.rejections
+        # In a worker thread: the dataset source reads and tokenizes its whole file here.
+        self.source = await anyio.to_thread.run_sync(
+            lambda: self.store.make_source(
+                self.trainer.tokenizer, self.bridge, restored.source_cursor, rejections=self.rejections
+            )
         )
         if restored.checkpoint is not None:
             log.info(

@@ -1,6 +1,8 @@
 """Write the arith-word example task: short arithmetic word problems with an integer `answer`.
 
-    python etc/examples/arith-word/make_data.py     # -> train.jsonl (2000 rows), eval.jsonl (100)
+    python etc/examples/arith-word/make_data.py [OUT_DIR]   # -> train.jsonl (2000 rows), eval.jsonl (100)
+
+OUT_DIR defaults to this directory.
 
 Deterministic (seeded); the two files share no question. Each row is
 {"prompt": "...", "answer": "12"}; etc/examples/smollm2-dataset.toml trains on train.jsonl with
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,7 +44,7 @@ def problem(rng: random.Random) -> tuple[str, int]:
     return f"{name} has {a} {thing}, finds {b} more, then loses {c}. How many {thing} are left?", a + b - c
 
 
-def main() -> None:
+def main(out: Path = HERE) -> None:
     rng = random.Random(SEED)
     seen: dict[str, int] = {}
     while len(seen) < TRAIN_ROWS + EVAL_ROWS:
@@ -49,11 +52,11 @@ def main() -> None:
         seen.setdefault(question, answer)
     items = list(seen.items())
     for name, rows in (("eval.jsonl", items[:EVAL_ROWS]), ("train.jsonl", items[EVAL_ROWS:])):
-        with open(HERE / name, "w") as f:
+        with open(out / name, "w") as f:
             for question, answer in rows:
                 f.write(json.dumps({"prompt": question, "answer": str(answer)}) + "\n")
-        print(f"{HERE / name}: {len(rows)} rows")
+        print(f"{out / name}: {len(rows)} rows")
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE)
