@@ -43,8 +43,6 @@ import anyio
 import structlog
 
 from grpod.config import DatasetConfig, GrpodConfig
-from grpod.rollouts.buffer import RolloutBuffer
-from grpod.rollouts.builtin import SourceStats
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.rewards import (
@@ -55,12 +53,11 @@ from grpod.rollouts.rewards import (
     load_reward_functions,
     score_group,
 )
+from grpod.rollouts.sampling_source import SamplingSource, SourceStats
 
 log = structlog.get_logger(__name__)
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-# After a failed generation (vLLM restarting), wait this long before the next request.
-GENERATION_RETRY_S = 0.5
 EVAL_CONCURRENCY = 8
 
 
@@ -188,7 +185,7 @@ def epoch_order(size: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-class DatasetSource:
+class DatasetSource(SamplingSource):
     kind = "dataset"
 
     def __init__(self, cfg: GrpodConfig, tokenizer, bridge, *, cursor: dict | None = None) -> None:
@@ -258,30 +255,19 @@ class DatasetSource:
         finally:
             self.stats.reward_s += anyio.current_time() - started
 
+    @property
+    def finished(self) -> bool:
+        return self.stats.exhausted
+
     async def generate_group(self) -> RolloutGroup | None:
         drawn = self._draw()
         if drawn is None:
             return None
         epoch, item = drawn
-        started = anyio.current_time()
-        try:
-            client = await self.bridge.wait_available(self.cfg.inference.start_timeout_s)
-            version = self.bridge.policy_version
-            completions = await client.generate(
-                item.prompt_ids,
-                n=self.src.group_size,
-                max_tokens=self.max_tokens,
-                temperature=self.src.temperature,
-                top_p=self.src.top_p,
-                model=self.bridge.request_model(),
-            )
-        except Exception as exc:  # noqa: BLE001 — a failed generation drops its group, never the run
-            self.stats.drop(type(exc).__name__)
-            log.warning("generation_failed", row=item.row + 1, error=str(exc)[:300], bridge_state=self.bridge.state)
-            await anyio.sleep(GENERATION_RETRY_S)
+        sampled = await self.sample(item.prompt_ids, row=item.row + 1)
+        if sampled is None:
             return None
-        version = min(version, self.bridge.policy_version)
-        self.stats.generation_s += anyio.current_time() - started
+        completions, version = sampled
         try:
             scored = await self.score(item, completions)
         except RewardFailure as failure:
@@ -289,45 +275,8 @@ class DatasetSource:
             log.warning("reward_failed", reason=failure.reason, function=failure.function, error=failure.detail[:300],
                         path=str(self.dcfg.path), row=item.row + 1)
             return None
-        prompt = item.prompt_ids
-        self.stats.generated += 1
-        return RolloutGroup(
-            tokens=[prompt + list(c.token_ids) for c in completions],
-            loss_mask=[[0] * len(prompt) + [1] * len(c.token_ids) for c in completions],
-            scores=scored.scores,
-            inference_logprobs=[[0.0] * len(prompt) + [float(x) for x in c.logprobs] for c in completions],
-            truncated=[c.finish_reason == "length" for c in completions],
-            temperature=self.src.temperature,
-            top_p=self.src.top_p,
-            policy_version=version,
-            source=self.kind,
-            group_id=f"dataset-{epoch}-{item.row}",
-            extra={EXTRA_KEY: scored.means},
-        )
-
-    async def fill(self, buffer: RolloutBuffer, count: int) -> None:
-        """Generate `count` groups concurrently into `buffer` (the synchronous loop's path)."""
-        async with anyio.create_task_group() as tg:
-            for _ in range(count):
-                tg.start_soon(self._one_into, buffer)
-
-    async def _one_into(self, buffer: RolloutBuffer) -> None:
-        group = await self.generate_group()
-        if group is not None and self.dynamic_sampling.admit(group, self.stats):
-            await buffer.put(group)
-
-    async def run(self, buffer: RolloutBuffer, may_generate) -> None:
-        """Keep the buffer topped up with `source.concurrency` requests in flight; returns only
-        when `epochs` passes are done."""
-
-        async def worker() -> None:
-            while not self.stats.exhausted:
-                await may_generate()
-                await self._one_into(buffer)
-
-        async with anyio.create_task_group() as tg:
-            for _ in range(self.src.concurrency):
-                tg.start_soon(worker)
+        return self.group(item.prompt_ids, completions, scored.scores, version, f"dataset-{epoch}-{item.row}",
+                          extra={EXTRA_KEY: scored.means})
 
     async def evaluate(self, size: int, max_tokens: int) -> dict:
         """pass@1 (greedy) and mean@k on the first `size` rows of eval.dataset."""
