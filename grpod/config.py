@@ -315,7 +315,8 @@ class EvalConfig(_Section):
     # source.kind = "dataset": the held-out split (same columns as source.dataset.path); its first
     # `size` rows are evaluated. pass@1 (eval_accuracy) decodes greedily; mean@k (eval_mean_at_k)
     # averages the correctness of `k` samples at source.temperature (0 = not measured). A
-    # completion is correct when its combined reward is >= correct_threshold.
+    # completion is correct when its combined reward is >= correct_threshold. Completions get
+    # max(max_tokens, source.max_tokens) tokens.
     dataset: Path | None = None
     k: int = Field(0, ge=0)
     correct_threshold: float = 1.0
