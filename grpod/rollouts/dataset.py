@@ -59,6 +59,8 @@ log = structlog.get_logger(__name__)
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 EVAL_CONCURRENCY = 8
+# Reward functions get these positionally; a column of the same name could not be passed.
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
 
 
 class DatasetError(Exception):
@@ -144,6 +146,12 @@ def load_items(
         raise DatasetError(
             f"{path}: no prompt column: expected {dcfg.prompt_column!r} (a string) or {dcfg.messages_column!r} "
             f"(a list of {{role, content}}); the columns are {names}"
+        )
+    clashing = [name for name in names if name in RESERVED_COLUMNS]
+    if clashing:
+        raise DatasetError(
+            f"{path}: column {clashing[0]!r} clashes with a reward function argument "
+            f"({', '.join(RESERVED_COLUMNS)}); rename it"
         )
     needed = sorted({c for f in functions for c in f.needs_columns})
     for name in needed:

@@ -4,6 +4,7 @@ epochs, reward failures dropping groups, evaluation. A scripted client stands in
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -108,6 +109,7 @@ def test_without_a_chat_template_the_prompt_is_plain_text(tmp_path, tokenizer):
         ([{"question": "x", "answer": "1"}], "no prompt column: expected 'prompt'"),
         ([ROWS[0], {"prompt": "2+2=", "answer": None}], "row 2, column 'answer': missing"),
         ([{"prompt": "x" * 300, "answer": "1"}], "row 1, column 'prompt': the prompt is"),
+        ([{"prompt": "x", "answer": "1", "completions": "y"}], "column 'completions' clashes"),
     ],
 )
 def test_a_bad_row_is_an_error_naming_file_row_and_column(tmp_path, tokenizer, rows, expected):
@@ -217,13 +219,24 @@ def test_reward_failures_drop_the_group_with_their_reason_and_the_source_goes_on
         "        return [math.nan] * len(completions)\n"
         "    if answer[0] == '8':\n"
         "        return [1.0]\n"
+        "    if answer[0] == '10':\n"
+        "        return ['high', 'low']\n"
+        "    if answer[0] == '12':\n"
+        "        RELEASE.wait(30)\n"
         "    return [1.0] * len(completions)\n"
     )
-    src = source(tokenizer, config(path, rewards=[{"function": f"{module}:flaky"}]))
-    groups = [anyio.run(src.generate_group) for _ in range(12)]
-    assert sum(g is None for g in groups) == 3
-    assert src.stats.generated == 9 and src.stats.dropped == 3
-    assert src.stats.drop_reasons == {"reward_error": 1, "reward_nan": 1, "reward_bad_length": 1}
+    src = source(tokenizer, config(path, dataset={"reward_timeout_s": 0.3},
+                                   rewards=[{"function": f"{module}:flaky"}]))
+    release = threading.Event()
+    src.functions[0].fn.__globals__["RELEASE"] = release
+    try:
+        groups = [anyio.run(src.generate_group) for _ in range(12)]
+    finally:
+        release.set()
+    assert sum(g is None for g in groups) == 5
+    assert src.stats.generated == 7 and src.stats.dropped == 5
+    assert src.stats.drop_reasons == {"reward_error": 1, "reward_nan": 1, "reward_bad_length": 1,
+                                      "reward_bad_type": 1, "reward_timeout": 1}
     assert all(g.scores == [1.0, 1.0] for g in groups if g is not None)
 
 
