@@ -52,3 +52,14 @@ def test_dataset_runs_plot_mean_at_k_and_each_reward_function():
                       "reward/format": [(1, 1.0), (2, 1.0)]}
     held_out = panel_series(records, *panels["held-out accuracy"])
     assert held_out == {"eval_accuracy": [(2, 0.4)], "eval_mean_at_k": [(2, 0.3)]}
+
+
+def test_status_shows_the_sources_drops_and_each_reward_function():
+    from grpod.cli import _render_status
+
+    table = _render_status({
+        "source": {"kind": "dataset", "generated": 40, "dropped": 3, "drop_reasons": {"reward_error": 2, "reward_timeout": 1}},
+        "last_metrics": {"reward_mean": 0.5, "reward/correct": 0.25},
+    })
+    assert "dataset: 40 generated, 3 dropped {'reward_error': 2, 'reward_timeout': 1}" in table
+    assert "reward/correct" in table and "0.25" in table
