@@ -110,6 +110,7 @@ def _render_status(result: dict) -> str:
         ("vLLM URL", _endpoint_row(result.get("inference"))),
         ("queue depth", result.get("queue_depth")),
         ("rejected groups", result.get("rejected")),
+        ("source", _render_source(result.get("source"))),
         ("logprob gap alarm", (result.get("alarms") or {}).get("logprob_gap")),
         ("source alarm", _source_alarm_row((result.get("alarms") or {}).get("source"))),
         ("last step age (s)", hb.get("last_progress_age_s")),
@@ -123,12 +124,28 @@ def _render_status(result: dict) -> str:
     ):
         if key in metrics:
             rows.append((key, metrics[key]))
+    # A dataset source's reward functions, one row each.
+    rows.extend((key, value) for key, value in sorted(metrics.items()) if key.startswith("reward/"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     if bridge.get("transitions"):
         lines.append("bridge transitions:")
         lines.extend(f"  {t}" for t in bridge["transitions"])
     return "\n".join(lines)
+
+
+def _render_source(source: dict | None) -> str | None:
+    """"dataset: 40 generated, 3 dropped {'reward_error': 3}": what a source produced and dropped."""
+    if not source:
+        return None
+    counts = [
+        f"{source[key]} {label}"
+        for key, label in (("generated", "generated"), ("replayed", "replayed"), ("accepted_groups", "accepted"),
+                           ("dropped", "dropped"))
+        if key in source
+    ]
+    line = f"{source.get('kind')}: " + ", ".join(counts)
+    return line + (f" {source['drop_reasons']}" if source.get("drop_reasons") else "")
 
 
 def cmd_ctl(args: argparse.Namespace) -> int:

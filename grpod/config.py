@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(Exception):
@@ -68,8 +69,75 @@ class InferenceConfig(_Section):
     max_restarts: int = Field(3, ge=0)
 
 
+# Reward functions every dataset source knows by name (`grpod/rollouts/rewards.py` has them).
+BUILTIN_REWARDS = ("math", "exact", "last_number", "regex_format")
+
+
+class RewardFunctionConfig(_Section):
+    """One reward function of the dataset source: a builtin name, "package.module:function", or
+    "path/to/file.py:function" (a path relative to the working directory)."""
+
+    function: str
+    weight: float = 1.0
+    # The name of its metric (`reward/<name>` in metrics.jsonl): default the builtin's name or the
+    # function's attribute name.
+    name: str | None = None
+    # regex_format only: the regular expression a completion must match (re.search, DOTALL).
+    pattern: str | None = None
+
+    @field_validator("function")
+    @classmethod
+    def _function_spec(cls, value: str) -> str:
+        if value in BUILTIN_REWARDS:
+            return value
+        target, _, attr = value.rpartition(":")
+        if not target or not attr.isidentifier():
+            raise ValueError(
+                f"{value!r} is neither a builtin reward ({', '.join(BUILTIN_REWARDS)}) nor "
+                "'package.module:function' / 'path/to/file.py:function'"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _pattern(self) -> RewardFunctionConfig:
+        if self.function == "regex_format":
+            if not self.pattern:
+                raise ValueError("function = 'regex_format' needs pattern = \"<regular expression>\"")
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern {self.pattern!r} is not a regular expression: {exc}") from None
+        elif self.pattern is not None:
+            raise ValueError(f"pattern is a key of function = 'regex_format' only, not of {self.function!r}")
+        return self
+
+    @property
+    def metric_name(self) -> str:
+        return self.name or self.function.rpartition(":")[2]
+
+
+class DatasetConfig(_Section):
+    """source.kind = "dataset": prompts from a local JSONL / Parquet / CSV file, scored by reward
+    functions (`grpod/rollouts/dataset.py`, `grpod/rollouts/rewards.py`)."""
+
+    # .jsonl / .json, .parquet or .csv (the format comes from the suffix).
+    path: Path | None = None
+    # A row's prompt: the string column `prompt_column`, or the chat column `messages_column`
+    # (a list of {role, content}); a dataset has one of the two.
+    prompt_column: str = "prompt"
+    messages_column: str = "messages"
+    # A system turn put before every prompt (a `messages` row that has its own keeps it).
+    system_prompt: str | None = None
+    shuffle_seed: int = 0
+    # Passes over the dataset, each in a new shuffled order; 0 = endless (train.steps ends the run).
+    epochs: int = Field(0, ge=0)
+    rewards: list[RewardFunctionConfig] = []
+    # A reward function running longer than this drops its group (`reward_timeout`).
+    reward_timeout_s: float = Field(30.0, gt=0)
+
+
 class SourceConfig(_Section):
-    kind: Literal["builtin", "atropos", "replay"] = "builtin"
+    kind: Literal["builtin", "atropos", "replay", "dataset"] = "builtin"
     group_size: int = Field(8, ge=1)
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, gt=0)
@@ -102,6 +170,7 @@ class SourceConfig(_Section):
     # `ctl status`, Prometheus, systemd STATUS); for fail_after_s (unset: never) it ends the run, exit 1.
     error_alarm_s: float = Field(60.0, gt=0)
     fail_after_s: float | None = Field(None, gt=0)
+    dataset: DatasetConfig = DatasetConfig()
 
 
 class LossConfig(_Section):
@@ -251,6 +320,14 @@ class EvalConfig(_Section):
     size: int = Field(0, ge=0)  # 0 = no evaluation
     max_tokens: int = Field(8, ge=1)
     seed: int = 99
+    # source.kind = "dataset": the held-out split (same columns as source.dataset.path); its first
+    # `size` rows are evaluated. pass@1 (eval_accuracy) decodes greedily; mean@k (eval_mean_at_k)
+    # averages the correctness of `k` samples at source.temperature (0 = not measured). A
+    # completion is correct when its combined reward is >= correct_threshold. Completions get
+    # max(max_tokens, source.max_tokens) tokens.
+    dataset: Path | None = None
+    k: int = Field(0, ge=0)
+    correct_threshold: float = 1.0
 
 
 class ControlConfig(_Section):
@@ -307,6 +384,21 @@ class GrpodConfig(_Section):
             )
         if self.source.kind == "replay" and self.source.replay_path is None:
             raise ValueError("source.kind = 'replay' needs source.replay_path (a rollouts.jsonl)")
+        if self.source.kind == "dataset":
+            if self.source.dataset.path is None:
+                raise ValueError("source.kind = 'dataset' needs source.dataset.path (a .jsonl, .parquet or .csv file)")
+            if not self.source.dataset.rewards:
+                raise ValueError(
+                    "source.kind = 'dataset' needs at least one [[source.dataset.rewards]] entry "
+                    "(function = a builtin name or 'module:function')"
+                )
+            if self.eval.size > 0 and self.eval.dataset is None:
+                raise ValueError("eval.size > 0 with source.kind = 'dataset' needs eval.dataset (a held-out split)")
+            names = [r.metric_name for r in self.source.dataset.rewards]
+            if len(set(names)) != len(names):
+                raise ValueError(
+                    f"source.dataset.rewards: two functions share a metric name ({names}); give one a name = \"...\""
+                )
         if self.train.loss.clip_low >= 1:
             raise ValueError("train.loss.clip_low must be < 1 (the ratio floor is 1 - clip_low)")
         return self

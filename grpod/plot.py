@@ -1,6 +1,7 @@
 """`grpod plot RUN_DIR`: one PNG of a run's curves, so a user can look instead of read.
 
-Reads `<run>/metrics.jsonl` (step, eval and sync records) and draws reward, held-out accuracy, loss,
+Reads `<run>/metrics.jsonl` (step, eval and sync records) and draws reward, held-out accuracy
+(pass@1, and mean@k when a dataset evaluation measured it), loss,
 KL, entropy, importance ratio, clipped fraction, the trainer/vLLM mismatch (mismatch KL and the
 share of IS weights truncated or masked), staleness and sync latency against the step. A panel
 whose metric the run never recorded says so instead of disappearing.
@@ -12,8 +13,9 @@ import json
 from pathlib import Path
 
 PANELS = (
-    ("reward", "step", ("reward_mean",)),
-    ("held-out accuracy", "eval", ("eval_accuracy",)),
+    # "reward/*": each reward function of a dataset source (reward/<name>), when the run has them.
+    ("reward", "step", ("reward_mean", "reward/*")),
+    ("held-out accuracy", "eval", ("eval_accuracy", "eval_mean_at_k")),
     ("loss", "step", ("loss",)),
     ("KL", "step", ("kl",)),
     ("entropy (nats/token)", "step", ("entropy",)),
@@ -44,6 +46,24 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return records
 
 
+def panel_series(records: list[dict], kind: str, keys: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+    """The (step, value) points of each of a panel's keys that `records` hold; a key ending in
+    "*" stands for every recorded key with that prefix."""
+    names: list[str] = []
+    for key in keys:
+        if key.endswith("*"):
+            prefix = key[:-1]
+            names += sorted({k for r in records if r.get("kind") == kind for k in r if k.startswith(prefix)})
+        else:
+            names.append(key)
+    series = {}
+    for name in names:
+        points = [(r["step"], r[name]) for r in records if r.get("kind") == kind and r.get(name) is not None]
+        if points:
+            series[name] = points
+    return series
+
+
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     import matplotlib
 
@@ -54,13 +74,11 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     out = Path(out) if out else Path(run_dir) / "metrics.png"
     fig, axes = plt.subplots(5, 2, figsize=(12, 16))
     for ax, (title, kind, keys) in zip(axes.flat, PANELS, strict=True):
-        drawn = False
-        for key in keys:
-            points = [(r["step"], r[key]) for r in records if r.get("kind") == kind and r.get(key) is not None]
-            if points:
-                xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
-                drawn = True
+        lines = panel_series(records, kind, keys)
+        for key, points in lines.items():
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
+        drawn = bool(lines)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -89,3 +89,26 @@ def test_check_config_cli_exit_2(tmp_path, override, fragment):
 def test_example_configs_are_valid(path):
     cfg = load_config(path)
     assert cfg.model.init_if_missing is False, "examples point at a real model"
+
+
+@pytest.mark.parametrize(
+    ("rewards", "fragment"),
+    [
+        ([{"function": "exactly"}], "source.dataset.rewards.0.function: Value error, 'exactly' is neither a builtin"),
+        ([{"function": "regex_format"}], "source.dataset.rewards.0: Value error, function = 'regex_format' needs pattern"),
+        ([{"function": "regex_format", "pattern": "("}], "is not a regular expression"),
+        ([{"function": "exact", "pattern": "x"}], "pattern is a key of function = 'regex_format' only"),
+        ([{"function": "exact"}, {"function": "pkg.mod:exact"}], "share a metric name"),
+        ([{"function": "exact", "wieght": 2}], "source.dataset.rewards.0.wieght: unknown key"),
+    ],
+)
+def test_dataset_reward_specs_are_checked_naming_the_key(rewards, fragment):
+    from grpod.config import parse_config
+
+    tree = {"source": {"kind": "dataset", "dataset": {"path": "train.jsonl", "rewards": rewards}}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(tree, "my.toml")
+    assert fragment in str(err.value) and "my.toml" in str(err.value)
+    ok = parse_config({"source": {"kind": "dataset", "dataset": {"path": "t.jsonl", "rewards": [
+        {"function": "math", "weight": 0.5}, {"function": "regex_format", "pattern": "^\\d+$", "name": "fmt"}]}}})
+    assert [r.metric_name for r in ok.source.dataset.rewards] == ["math", "fmt"]

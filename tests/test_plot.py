@@ -36,3 +36,30 @@ def test_the_algorithm_metrics_have_panels_and_status_rows():
     assert {"entropy", "clipped_low_fraction", "clipped_high_fraction", "mismatch_kl", "tis_masked_fraction"} <= plotted
     table = _render_status({"last_metrics": {"entropy": 1.25, "clipped_fraction": 0.1, "mismatch_kl": 0.002}})
     assert "entropy" in table and "1.25" in table and "clipped_fraction" in table and "mismatch_kl" in table
+
+
+def test_dataset_runs_plot_mean_at_k_and_each_reward_function():
+    from grpod.plot import PANELS, panel_series
+
+    records = [
+        {"kind": "step", "step": 1, "reward_mean": 0.5, "reward/correct": 0.25, "reward/format": 1.0},
+        {"kind": "step", "step": 2, "reward_mean": 0.7, "reward/correct": 0.5, "reward/format": 1.0},
+        {"kind": "eval", "step": 2, "eval_accuracy": 0.4, "eval_mean_at_k": 0.3},
+    ]
+    panels = {title: (kind, keys) for title, kind, keys in PANELS}
+    reward = panel_series(records, *panels["reward"])
+    assert reward == {"reward_mean": [(1, 0.5), (2, 0.7)], "reward/correct": [(1, 0.25), (2, 0.5)],
+                      "reward/format": [(1, 1.0), (2, 1.0)]}
+    held_out = panel_series(records, *panels["held-out accuracy"])
+    assert held_out == {"eval_accuracy": [(2, 0.4)], "eval_mean_at_k": [(2, 0.3)]}
+
+
+def test_status_shows_the_sources_drops_and_each_reward_function():
+    from grpod.cli import _render_status
+
+    table = _render_status({
+        "source": {"kind": "dataset", "generated": 40, "dropped": 3, "drop_reasons": {"reward_error": 2, "reward_timeout": 1}},
+        "last_metrics": {"reward_mean": 0.5, "reward/correct": 0.25},
+    })
+    assert "dataset: 40 generated, 3 dropped {'reward_error': 2, 'reward_timeout': 1}" in table
+    assert "reward/correct" in table and "0.25" in table

@@ -54,6 +54,7 @@ def run_identity(cfg: GrpodConfig) -> dict[str, str]:
         "builtin": f"arithmetic, task_seed {source.task_seed}",
         "atropos": f"atropos at {source.atropos_url}",
         "replay": f"replay of {source.replay_path}",
+        "dataset": f"dataset {source.dataset.path}",
     }.get(source.kind, source.kind)
     return {"model": str(Path(cfg.model.path).resolve()), "source_kind": source.kind, "task": task}
 
@@ -160,6 +161,10 @@ class RunStore:
             from grpod.rollouts.atropos import AtroposSource
 
             return AtroposSource(self.cfg, bridge, cursor=cursor, rejections=rejections)
+        if self.cfg.source.kind == "dataset":
+            from grpod.rollouts.dataset import DatasetSource
+
+            return DatasetSource(self.cfg, tokenizer, bridge, cursor=cursor)
         from grpod.rollouts.builtin import BuiltinSource
 
         return BuiltinSource(self.cfg, tokenizer, bridge, cursor=cursor)

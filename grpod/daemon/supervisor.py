@@ -44,6 +44,7 @@ from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.duplicates import DuplicateWindow
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.replay import record_groups
+from grpod.rollouts.rewards import step_reward_metrics
 from grpod.rollouts.staleness import StalenessStats, apply_staleness
 from grpod.rollouts.validation import RejectionCounter, record_rejection, validate_batch
 
@@ -376,8 +377,11 @@ class Daemon:
         self.skipped_batches = int(counts.get("skipped", 0))
         self.buffer.restore(restored.buffered)
         self.bridge = make_bridge(self.cfg, self.run_dir, self.trainer, policy_version=restored.policy_version)
-        self.source = self.store.make_source(
-            self.trainer.tokenizer, self.bridge, restored.source_cursor, rejections=self.rejections
+        # In a worker thread: the dataset source reads and tokenizes its whole file here.
+        self.source = await anyio.to_thread.run_sync(
+            lambda: self.store.make_source(
+                self.trainer.tokenizer, self.bridge, restored.source_cursor, rejections=self.rejections
+            )
         )
         if restored.checkpoint is not None:
             log.info(
@@ -582,6 +586,8 @@ class Daemon:
             "queue_depth": len(self.buffer),
             "group_ids": [g.group_id for g in trainable],
             "sync_s": round(sync_s, 4) if sync_s is not None else None,
+            # The dataset source's reward functions, each one's mean over the step's groups.
+            **step_reward_metrics(groups),
         }
         self.last_metrics = {k: v for k, v in record.items() if isinstance(v, (int, float, type(None)))}
         self.metrics.write("step", self.step, record)
@@ -708,7 +714,9 @@ class Daemon:
         log.info("eval", **self.last_eval)
         if self.cfg.run.progress:
             print(
-                f"eval ({when}, step {self.step}): accuracy {result['eval_accuracy']:.3f} on {result['eval_size']} held-out problems",
+                f"eval ({when}, step {self.step}): accuracy {result['eval_accuracy']:.3f}"
+                + (f", mean@{result['eval_k']} {result['eval_mean_at_k']:.3f}" if "eval_mean_at_k" in result else "")
+                + f" on {result['eval_size']} held-out problems",
                 file=sys.stderr,
                 flush=True,
             )

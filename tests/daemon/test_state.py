@@ -57,3 +57,19 @@ def test_the_atropos_source_counts_conversion_rejects_in_the_daemons_counter(run
     source = RunStore(cfg, cfg.run.dir).make_source(None, SimpleNamespace(policy_version=0), None, rejections=counter)
     source._accept([{"tokens": "garbage"}, {"tokens": [[1, 2]], "masks": [[-100, 2]], "scores": [1.0]}])
     assert counter.as_dict() == {"bad_type": 1}
+
+
+def test_the_dataset_source_is_made_from_the_config_and_resumes_its_cursor(run, tmp_path):
+    from grpod.models.tiny import build_tokenizer
+    from grpod.rollouts.dataset import DatasetSource
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(5)))
+    cfg = load_config(None, [*run, "source.kind=dataset", f"source.dataset.path={str(data)!r}",
+                             'source.dataset.rewards=[{function = "last_number"}]'])
+    cursor = {"kind": "dataset", "epoch": 2, "position": 3}
+    source = RunStore(cfg, cfg.run.dir).make_source(build_tokenizer(), SimpleNamespace(policy_version=0), cursor)
+    assert isinstance(source, DatasetSource) and source.cursor() == cursor and len(source.items) == 5
+    # A checkpoint of the builtin run is not resumed by a dataset run.
+    with pytest.raises(ResumeMismatch, match="source_kind: checkpoint 'builtin', config 'dataset'"):
+        RunStore(cfg, cfg.run.dir).load_trainer()

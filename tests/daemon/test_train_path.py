@@ -198,3 +198,18 @@ def test_rollouts_jsonl_records_only_trained_groups(daemon, monkeypatch):
     anyio.run(daemon._train_one, [_group("good", 10, rng), bad, stale])
     lines = (daemon.run_dir / "rollouts.jsonl").read_text().splitlines()
     assert [json.loads(line)["group"]["group_id"] for line in lines] == ["good"]
+
+
+def test_each_reward_functions_mean_reaches_metrics_and_status(daemon):
+    import json
+
+    rng = random.Random(10)
+    daemon.run_dir.mkdir(parents=True, exist_ok=True)
+    first, second = _group("a", 10, rng), _group("b", 10, rng)
+    first.extra = {"reward_means": {"correct": 0.5, "format": 1.0}}
+    second.extra = {"reward_means": {"correct": 0.25}}
+    anyio.run(daemon._train_one, [first, second])
+    daemon.metrics.close()
+    (record,) = [json.loads(line) for line in (daemon.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert record["reward/correct"] == 0.375 and record["reward/format"] == 1.0
+    assert daemon.status()["last_metrics"]["reward/correct"] == 0.375

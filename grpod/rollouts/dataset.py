@@ -1,0 +1,338 @@
+"""The dataset rollout source: the user's prompts from a local file, scored by reward functions.
+
+`source.dataset.path` is a JSONL (.jsonl / .json), Parquet or CSV file, read with the `datasets`
+library's local loaders (the format comes from the suffix). Each row has its prompt in the string
+column `prompt_column` or the chat column `messages_column` (a list of {role, content}); every
+other column is handed to the reward functions (`grpod.rollouts.rewards`). The whole file is read,
+checked and tokenized once at start-up: a bad row (no prompt, an empty one, a value of the wrong
+type, a prompt too long for model.max_seq_len) is an error naming the file, the row (1-based, in
+file order, a CSV header not counted) and the column, before any generation starts.
+
+Prompt text: with a chat template (`tokenizer.chat_template`) the prompt is rendered as one user
+turn after `system_prompt` (a messages row is rendered as is, with `system_prompt` put first when
+the row has no system turn of its own), with the assistant turn opened. Without one, the text is
+`system_prompt`, a blank line and the prompt (messages: their contents, blank-line separated).
+
+Order: epoch `e` visits every row once, shuffled by `random.Random(f"{shuffle_seed}:{e}")`. The
+cursor is {kind, epoch, position}, so a resumed run continues with exactly the prompts the stopped
+one would have drawn next (groups in flight at the checkpoint are not regenerated, as with the
+builtin source). With `epochs = 0` the passes never end and `train.steps` ends the run; with
+`epochs = N` the source is exhausted after N passes and the run ends once the queue is used up.
+
+Each group is `group_size` completions of one prompt in one vLLM request (as the builtin source
+does). A group whose generation or reward failed is dropped with its reason in `stats.drop_reasons`
+(`ctl status`: source.drop_reasons) and logged; the run goes on. Each function's mean reward rides
+in `RolloutGroup.extra["reward_means"]` and reaches metrics.jsonl as `reward/<name>` per step.
+
+Evaluation (`eval.dataset`): the first `eval.size` rows, pass@1 by greedy decoding
+(`eval_accuracy`) and, with `eval.k > 0`, mean@k (`eval_mean_at_k`): the mean correctness of `k`
+samples at `source.temperature`. A completion is correct when its combined reward is at least
+`eval.correct_threshold`; a completion whose reward failed counts as incorrect
+(`eval_reward_failures`).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from grpod.config import DatasetConfig, GrpodConfig
+from grpod.rollouts.dynamic_sampling import DynamicSampling
+from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.rewards import (
+    EXTRA_KEY,
+    GroupRewards,
+    RewardFailure,
+    RewardFunction,
+    load_reward_functions,
+    score_group,
+)
+from grpod.rollouts.sampling_source import SamplingSource, SourceStats
+
+log = structlog.get_logger(__name__)
+
+LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+EVAL_CONCURRENCY = 8
+# Reward functions get these positionally; a column of the same name could not be passed.
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
+
+
+class DatasetError(Exception):
+    """A dataset file that cannot be used; the message names the file, and the row and column."""
+
+
+@dataclass(frozen=True)
+class DatasetItem:
+    row: int  # 0-based position in the file
+    prompt_ids: list[int]
+    prompt_text: str
+    columns: dict[str, Any]
+
+
+@dataclass
+class DatasetStats(SourceStats):
+    epoch: int = 0
+    exhausted: bool = False
+    reward_s: float = 0.0
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Every row of a local JSONL / Parquet / CSV file, as dicts (the `datasets` loaders)."""
+    loader = LOADERS.get(path.suffix.lower())
+    if loader is None:
+        raise DatasetError(f"{path}: unknown dataset format {path.suffix!r}; use one of {', '.join(LOADERS)}")
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such dataset file")
+    import datasets
+
+    datasets.disable_progress_bars()
+    # A throw-away cache: the file is read into memory once, nothing is left behind.
+    with tempfile.TemporaryDirectory(prefix="grpod-dataset-") as cache:
+        try:
+            table = datasets.load_dataset(loader, data_files=str(path), split="train", cache_dir=cache, keep_in_memory=True)
+        except Exception as exc:  # noqa: BLE001 — the loaders raise many types; the user needs the file named
+            raise DatasetError(f"{path}: cannot read as {loader}: {exc}") from exc
+        return table.to_list()
+
+
+def _render(tokenizer, messages: list[dict[str, str]], system_prompt: str | None) -> str:
+    if system_prompt is not None and not (messages and messages[0]["role"] == "system"):
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n\n".join(m["content"] for m in messages)
+
+
+def _messages(value: Any, where: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"{where}: expected a non-empty list of {{role, content}} messages, got {value!r:.80}")
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            raise DatasetError(f"{where}: message {i} must be {{role: str, content: str}}, got {message!r:.80}")
+        if not message["content"].strip():
+            raise DatasetError(f"{where}: message {i} has empty content")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def load_items(
+    path: Path,
+    dcfg: DatasetConfig,
+    tokenizer,
+    functions: list[RewardFunction],
+    max_prompt_tokens: int,
+) -> list[DatasetItem]:
+    """Read, check and tokenize every row of `path`; a DatasetError names the first bad one."""
+    path = Path(path)
+    rows = read_rows(path)
+    if not rows:
+        raise DatasetError(f"{path}: the dataset has no rows")
+    names = list(rows[0])
+    if dcfg.messages_column in names and dcfg.prompt_column in names:
+        raise DatasetError(
+            f"{path}: has both a {dcfg.prompt_column!r} and a {dcfg.messages_column!r} column; keep one "
+            "(or point source.dataset.prompt_column / messages_column elsewhere)"
+        )
+    if dcfg.messages_column in names:
+        column, chat = dcfg.messages_column, True
+    elif dcfg.prompt_column in names:
+        column, chat = dcfg.prompt_column, False
+    else:
+        raise DatasetError(
+            f"{path}: no prompt column: expected {dcfg.prompt_column!r} (a string) or {dcfg.messages_column!r} "
+            f"(a list of {{role, content}}); the columns are {names}"
+        )
+    clashing = [name for name in names if name in RESERVED_COLUMNS]
+    if clashing:
+        raise DatasetError(
+            f"{path}: column {clashing[0]!r} clashes with a reward function argument "
+            f"({', '.join(RESERVED_COLUMNS)}); rename it"
+        )
+    needed = sorted({c for f in functions for c in f.needs_columns})
+    for name in needed:
+        if name not in names:
+            users = [f.name for f in functions if name in f.needs_columns]
+            raise DatasetError(f"{path}: reward functions {users} need a {name!r} column; the columns are {names}")
+    items = []
+    for index, row in enumerate(rows):
+        where = f"{path}: row {index + 1}, column {column!r}"
+        value = row.get(column)
+        if value is None:
+            raise DatasetError(f"{where}: missing")
+        if chat:
+            messages = _messages(value, where)
+        else:
+            if not isinstance(value, str):
+                raise DatasetError(f"{where}: expected a string, got {type(value).__name__} {value!r:.80}")
+            if not value.strip():
+                raise DatasetError(f"{where}: empty prompt")
+            messages = [{"role": "user", "content": value}]
+        for name in needed:
+            if row.get(name) is None:
+                raise DatasetError(f"{path}: row {index + 1}, column {name!r}: missing (reward functions need it)")
+        text = _render(tokenizer, messages, dcfg.system_prompt)
+        ids = list(tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None)).input_ids)
+        if len(ids) > max_prompt_tokens:
+            raise DatasetError(
+                f"{where}: the prompt is {len(ids)} tokens; at most {max_prompt_tokens} fit "
+                "(model.max_seq_len minus source.max_tokens)"
+            )
+        columns = {k: v for k, v in row.items() if k != column}
+        items.append(DatasetItem(row=index, prompt_ids=ids, prompt_text=text, columns=columns))
+    return items
+
+
+def epoch_order(size: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(size))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return order
+
+
+class DatasetSource(SamplingSource):
+    kind = "dataset"
+
+    def __init__(self, cfg: GrpodConfig, tokenizer, bridge, *, cursor: dict | None = None) -> None:
+        self.cfg = cfg
+        self.src = cfg.source
+        self.dcfg = cfg.source.dataset
+        self.tokenizer = tokenizer
+        self.bridge = bridge
+        self.max_tokens = self.src.max_tokens
+        self.functions = load_reward_functions(self.dcfg.rewards)
+        max_prompt = cfg.model.max_seq_len - self.max_tokens
+        self.items = load_items(self.dcfg.path, self.dcfg, tokenizer, self.functions, max_prompt)
+        self.eval_items: list[DatasetItem] = []
+        if cfg.eval.dataset is not None:
+            self.eval_items = load_items(cfg.eval.dataset, self.dcfg, tokenizer, self.functions, max_prompt)
+        self.stats = DatasetStats()
+        self.epoch = int((cursor or {}).get("epoch", 0))
+        self.position = int((cursor or {}).get("position", 0))
+        self._order_epoch, self._order = -1, []
+        self.dynamic_sampling = DynamicSampling(cfg)
+        log.info("dataset_loaded", path=str(self.dcfg.path), rows=len(self.items), eval_rows=len(self.eval_items),
+                 rewards=[f.name for f in self.functions], epoch=self.epoch, position=self.position)
+
+    def cursor(self) -> dict:
+        return {"kind": self.kind, "epoch": self.epoch, "position": self.position}
+
+    def _draw(self) -> tuple[int, DatasetItem] | None:
+        """The next row of the stream (advancing the cursor), or None once `epochs` are done."""
+        if self.position >= len(self.items):
+            self.epoch, self.position = self.epoch + 1, 0
+        self.stats.epoch = self.epoch
+        if self.dcfg.epochs and self.epoch >= self.dcfg.epochs:
+            self.stats.exhausted = True
+            return None
+        if self._order_epoch != self.epoch:
+            self._order_epoch, self._order = self.epoch, epoch_order(len(self.items), self.dcfg.shuffle_seed, self.epoch)
+        item = self.items[self._order[self.position]]
+        self.position += 1
+        return self.epoch, item
+
+    def peek_rows(self, count: int) -> list[int]:
+        """The file rows the next `count` draws will give (without drawing them)."""
+        saved = (self.epoch, self.position, self.stats.exhausted)
+        rows = []
+        for _ in range(count):
+            drawn = self._draw()
+            if drawn is None:
+                break
+            rows.append(drawn[1].row)
+        self.epoch, self.position, self.stats.exhausted = saved
+        return rows
+
+    async def score(self, item: DatasetItem, completions) -> GroupRewards:
+        """Combined rewards of `completions` of `item`; raises RewardFailure."""
+        n = len(completions)
+        columns = {name: [value] * n for name, value in item.columns.items()}
+        started = anyio.current_time()
+        try:
+            return await score_group(
+                self.functions,
+                [item.prompt_text] * n,
+                [c.text for c in completions],
+                [list(c.token_ids) for c in completions],
+                columns,
+                self.dcfg.reward_timeout_s,
+            )
+        finally:
+            self.stats.reward_s += anyio.current_time() - started
+
+    @property
+    def finished(self) -> bool:
+        return self.stats.exhausted
+
+    async def generate_group(self) -> RolloutGroup | None:
+        drawn = self._draw()
+        if drawn is None:
+            return None
+        epoch, item = drawn
+        sampled = await self.sample(item.prompt_ids, row=item.row + 1)
+        if sampled is None:
+            return None
+        completions, version = sampled
+        try:
+            scored = await self.score(item, completions)
+        except RewardFailure as failure:
+            self.stats.failed(failure.reason, f"reward {failure.function}: {failure.detail}")
+            log.warning("reward_failed", reason=failure.reason, function=failure.function, error=failure.detail[:300],
+                        path=str(self.dcfg.path), row=item.row + 1)
+            return None
+        return self.group(item.prompt_ids, completions, scored.scores, version, f"dataset-{epoch}-{item.row}",
+                          extra={EXTRA_KEY: scored.means})
+
+    async def evaluate(self, size: int, max_tokens: int) -> dict:
+        """pass@1 (greedy) and mean@k on the first `size` rows of eval.dataset."""
+        if not self.eval_items:
+            raise DatasetError("evaluation needs eval.dataset (a held-out split with the training set's columns)")
+        items = self.eval_items[:size]
+        k, threshold = self.cfg.eval.k, self.cfg.eval.correct_threshold
+        max_tokens = max(max_tokens, self.max_tokens)
+        client = await self.bridge.wait_available(self.cfg.inference.start_timeout_s)
+        limiter = anyio.Semaphore(EVAL_CONCURRENCY)
+        greedy_correct, sampled_correct, failures = 0, 0, 0
+
+        async def correct(item: DatasetItem, completions) -> int:
+            nonlocal failures
+            try:
+                scored = await self.score(item, completions)
+            except RewardFailure as failure:
+                failures += 1
+                log.warning("eval_reward_failed", reason=failure.reason, function=failure.function, row=item.row + 1,
+                            error=failure.detail[:300])
+                return 0
+            return sum(score >= threshold for score in scored.scores)
+
+        async def one(item: DatasetItem) -> None:
+            nonlocal greedy_correct, sampled_correct
+            async with limiter:
+                greedy = await client.generate(item.prompt_ids, n=1, max_tokens=max_tokens, temperature=0.0,
+                                               model=self.bridge.request_model())
+                sampled = []
+                if k:
+                    sampled = await client.generate(item.prompt_ids, n=k, max_tokens=max_tokens,
+                                                    temperature=self.src.temperature, model=self.bridge.request_model())
+            # Awaited before the `+=`: `x += await f()` reads x before awaiting and loses updates.
+            greedy_ok = await correct(item, greedy)
+            sampled_ok = await correct(item, sampled) if k else 0
+            greedy_correct += greedy_ok
+            sampled_correct += sampled_ok
+
+        async with anyio.create_task_group() as tg:
+            for item in items:
+                tg.start_soon(one, item)
+        size = max(len(items), 1)
+        result = {
+            "eval_accuracy": greedy_correct / size,
+            "eval_size": len(items),
+            "eval_reward_failures": failures,
+            "policy_version": self.bridge.policy_version,
+        }
+        if k:
+            result |= {"eval_mean_at_k": sampled_correct / (size * k), "eval_k": k}
+        return result

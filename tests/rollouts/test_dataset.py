@@ -1,0 +1,297 @@
+"""The dataset source without vLLM: loading the three formats, row errors, order and cursor,
+epochs, reward failures dropping groups, evaluation. A scripted client stands in for vLLM."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import anyio
+import pytest
+
+from grpod.config import ConfigError, parse_config
+from grpod.inference.client import Completion
+from grpod.models.tiny import build_tokenizer
+from grpod.rollouts.buffer import RolloutBuffer
+from grpod.rollouts.dataset import DatasetError, DatasetSource, read_rows
+
+ROWS = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def config(path: Path, rewards=({"function": "exact"},), **source):
+    dataset = {"path": str(path), "rewards": list(rewards), **source.pop("dataset", {})}
+    eval_ = source.pop("eval", {})
+    return parse_config({"source": {"kind": "dataset", "group_size": 2, **source, "dataset": dataset}, "eval": eval_})
+
+
+class ScriptedClient:
+    """Answers every prompt with `answer_for(prompt_text)`, decoded by the test's tokenizer."""
+
+    def __init__(self, tokenizer, answer_for):
+        self.tokenizer, self.answer_for, self.requests = tokenizer, answer_for, []
+
+    async def generate(self, prompt_ids, *, n, max_tokens, temperature, top_p=1.0, model="policy", **_):
+        self.requests.append({"n": n, "temperature": temperature, "max_tokens": max_tokens})
+        text = self.answer_for(self.tokenizer.decode(prompt_ids))
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return [Completion(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop", text=text) for _ in range(n)]
+
+
+def bridge_for(client):
+    async def wait_available(timeout_s):
+        return client
+
+    return SimpleNamespace(policy_version=3, state="ready", wait_available=wait_available, request_model=lambda: "policy")
+
+
+def right_answer(prompt_text: str) -> str:
+    a = int(prompt_text.split("user\n")[1].split("+")[0])
+    return str(2 * a)
+
+
+def source(tokenizer, cfg, answer_for=right_answer, cursor=None) -> DatasetSource:
+    return DatasetSource(cfg, tokenizer, bridge_for(ScriptedClient(tokenizer, answer_for)), cursor=cursor)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".csv"])
+def test_the_three_formats_load_the_same_rows(tmp_path, tokenizer, suffix):
+    import datasets
+
+    path = tmp_path / f"train{suffix}"
+    table = datasets.Dataset.from_list(ROWS)
+    {".jsonl": lambda: write_jsonl(path, ROWS), ".parquet": lambda: table.to_parquet(str(path)),
+     ".csv": lambda: table.to_csv(str(path), index=False)}[suffix]()
+    src = source(tokenizer, config(path))
+    assert len(src.items) == len(ROWS)
+    item = src.items[5]
+    # CSV infers the column's type (an int here); the other formats keep the JSON string.
+    assert {k: str(v) for k, v in item.columns.items()} == {"answer": "10"}
+    # The tiny tokenizer has a chat template: the prompt is a user turn with the assistant turn opened.
+    assert item.prompt_text == "<|im_start|>user\n5+5=<|im_end|>\n<|im_start|>assistant\n"
+    assert item.prompt_ids == tokenizer.encode(item.prompt_text, add_special_tokens=False)
+
+
+def test_messages_rows_and_the_system_prompt_render_through_the_chat_template(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "1+1="}], "answer": "2"}])
+    src = source(tokenizer, config(path, dataset={"system_prompt": "Add."}))
+    assert src.items[0].prompt_text == (
+        "<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_without_a_chat_template_the_prompt_is_plain_text(tmp_path, tokenizer):
+    plain = build_tokenizer()
+    plain.chat_template = None
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS[:2])
+    src = source(plain, config(path, dataset={"system_prompt": "Add."}))
+    assert src.items[1].prompt_text == "Add.\n\n1+1="
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        ([ROWS[0], {"prompt": None, "answer": "1"}], "row 2, column 'prompt': missing"),
+        ([ROWS[0], ROWS[1], {"prompt": "  ", "answer": "1"}], "row 3, column 'prompt': empty prompt"),
+        ([{"messages": [{"role": "user", "content": "x"}], "answer": "1"}, {"messages": [], "answer": "1"}],
+         "row 2, column 'messages': expected a non-empty list"),
+        ([{"question": "x", "answer": "1"}], "no prompt column: expected 'prompt'"),
+        ([ROWS[0], {"prompt": "2+2=", "answer": None}], "row 2, column 'answer': missing"),
+        ([{"prompt": "x" * 300, "answer": "1"}], "row 1, column 'prompt': the prompt is"),
+        ([{"prompt": "x", "answer": "1", "completions": "y"}], "column 'completions' clashes"),
+    ],
+)
+def test_a_bad_row_is_an_error_naming_file_row_and_column(tmp_path, tokenizer, rows, expected):
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DatasetError) as err:
+        source(tokenizer, config(path))
+    assert str(path) in str(err.value)
+    assert expected in str(err.value)
+
+
+def test_a_prompt_of_the_wrong_type_names_its_row(tmp_path, tokenizer):
+    path = tmp_path / "typed.csv"
+    path.write_text("prompt,answer\n1+1=,2\n")
+    write_jsonl(tmp_path / "typed.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}])
+    # A JSONL column that mixes types cannot even be read: the error still names the file.
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": ["x"], "answer": "4"}])
+    with pytest.raises(DatasetError, match=str(mixed)):
+        source(tokenizer, config(mixed))
+    numbers = write_jsonl(tmp_path / "numbers.jsonl", [{"prompt": 12, "answer": "2"}])
+    with pytest.raises(DatasetError, match=r"row 1, column 'prompt': expected a string, got int"):
+        source(tokenizer, config(numbers))
+
+
+def test_unknown_suffix_and_missing_file_are_clear(tmp_path):
+    with pytest.raises(DatasetError, match="unknown dataset format '.txt'"):
+        read_rows(tmp_path / "data.txt")
+    with pytest.raises(DatasetError, match="no such dataset file"):
+        read_rows(tmp_path / "absent.jsonl")
+
+
+def _drain_rows(src: DatasetSource, count: int) -> list[int]:
+    rows = []
+    for _ in range(count):
+        epoch, item = src._draw()
+        rows.append(item.row)
+    return rows
+
+
+def test_each_epoch_is_a_new_seeded_permutation(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    src = source(tokenizer, config(path, dataset={"shuffle_seed": 7}))
+    first, second = _drain_rows(src, 12), _drain_rows(src, 12)
+    assert sorted(first) == sorted(second) == list(range(12))
+    assert first != second and first != list(range(12))
+    assert src.cursor() == {"kind": "dataset", "epoch": 1, "position": 12}
+    again = source(tokenizer, config(path, dataset={"shuffle_seed": 7}))
+    assert _drain_rows(again, 12) == first
+    other = source(tokenizer, config(path, dataset={"shuffle_seed": 8}))
+    assert _drain_rows(other, 12) != first
+
+
+def test_a_resumed_cursor_continues_with_the_same_prompts(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    cfg = config(path, dataset={"shuffle_seed": 3})
+    uninterrupted = source(tokenizer, cfg)
+    expected = _drain_rows(uninterrupted, 30)
+    stopped = source(tokenizer, cfg)
+    head = _drain_rows(stopped, 17)
+    cursor = json.loads(json.dumps(stopped.cursor()))  # as a checkpoint stores it
+    resumed = source(tokenizer, cfg, cursor=cursor)
+    assert resumed.peek_rows(13) == expected[17:]
+    assert head + _drain_rows(resumed, 13) == expected
+
+
+def test_a_finite_number_of_epochs_exhausts_the_source(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS[:3])
+    src = source(tokenizer, config(path, dataset={"epochs": 2}, concurrency=2))
+    buffer = RolloutBuffer(100)
+
+    async def main():
+        async def may_generate():
+            pass
+
+        with anyio.fail_after(20):
+            await src.run(buffer, may_generate)  # returns: the source is finite
+
+    anyio.run(main)
+    assert len(buffer) == 6 and src.stats.generated == 6
+    assert src.stats.exhausted and src.stats.epoch == 2
+
+
+def test_a_group_is_scored_tagged_and_carries_each_functions_mean(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    cfg = config(path, rewards=[{"function": "exact", "weight": 2.0}, {"function": "regex_format", "pattern": "^1"}])
+    src = source(tokenizer, cfg, answer_for=lambda text: "14")
+    groups = [anyio.run(src.generate_group) for _ in range(12)]
+    by_row = {int(g.group_id.split("-")[-1]): g for g in groups}
+    assert by_row[7].scores == [2.0 + 1.0, 2.0 + 1.0]  # 7+7 = 14 and starts with 1
+    assert by_row[3].scores == [1.0, 1.0]  # wrong answer, right format
+    assert by_row[7].extra["reward_means"] == {"exact": 1.0, "regex_format": 1.0}
+    group = by_row[7]
+    assert group.policy_version == 3 and group.source == "dataset"
+    prompt = src.items[7].prompt_ids
+    assert group.tokens[0][: len(prompt)] == prompt
+    assert group.loss_mask[0] == [0] * len(prompt) + [1] * (len(group.tokens[0]) - len(prompt))
+
+
+def test_reward_failures_drop_the_group_with_their_reason_and_the_source_goes_on(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    module = tmp_path / "flaky.py"
+    module.write_text(
+        "import math\n"
+        "def flaky(prompts, completions, completion_ids, answer, **kw):\n"
+        "    if answer[0] == '4':\n"
+        "        raise ValueError('no fours')\n"
+        "    if answer[0] == '6':\n"
+        "        return [math.nan] * len(completions)\n"
+        "    if answer[0] == '8':\n"
+        "        return [1.0]\n"
+        "    if answer[0] == '10':\n"
+        "        return ['high', 'low']\n"
+        "    if answer[0] == '12':\n"
+        "        RELEASE.wait(30)\n"
+        "    return [1.0] * len(completions)\n"
+    )
+    src = source(tokenizer, config(path, dataset={"reward_timeout_s": 0.3},
+                                   rewards=[{"function": f"{module}:flaky"}]))
+    release = threading.Event()
+    src.functions[0].fn.__globals__["RELEASE"] = release
+    try:
+        groups = [anyio.run(src.generate_group) for _ in range(12)]
+    finally:
+        release.set()
+    assert sum(g is None for g in groups) == 5
+    assert src.stats.generated == 7 and src.stats.dropped == 5
+    assert src.stats.drop_reasons == {"reward_error": 1, "reward_nan": 1, "reward_bad_length": 1,
+                                      "reward_bad_type": 1, "reward_timeout": 1}
+    assert all(g.scores == [1.0, 1.0] for g in groups if g is not None)
+
+
+def test_evaluation_gives_pass_at_1_and_mean_at_k(tmp_path, tokenizer):
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    held_out = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(20, 30)])
+    cfg = config(train, temperature=0.7, max_tokens=6, eval={"dataset": str(held_out), "size": 8, "k": 3})
+    # Correct on even operands only.
+    src = source(tokenizer, cfg, answer_for=lambda text: right_answer(text) if int(right_answer(text)) % 4 == 0 else "0")
+    result = anyio.run(src.evaluate, 8, 4)
+    assert result["eval_size"] == 8 and result["eval_k"] == 3
+    assert result["eval_accuracy"] == 0.5 and result["eval_mean_at_k"] == 0.5
+    # Greedy once per row, then k samples at the source's temperature, with the source's budget.
+    temperatures = sorted({(r["n"], r["temperature"], r["max_tokens"]) for r in _client(src).requests})
+    assert temperatures == [(1, 0.0, 6), (3, 0.7, 6)]
+
+
+def _client(src: DatasetSource) -> ScriptedClient:
+    return anyio.run(src.bridge.wait_available, 1.0)
+
+
+def test_config_names_the_missing_keys(tmp_path):
+    with pytest.raises(ConfigError, match="source.dataset.path"):
+        parse_config({"source": {"kind": "dataset"}})
+    with pytest.raises(ConfigError, match=r"\[\[source.dataset.rewards\]\]"):
+        parse_config({"source": {"kind": "dataset", "dataset": {"path": "x.jsonl"}}})
+    with pytest.raises(ConfigError, match="eval.dataset"):
+        config(tmp_path / "x.jsonl", eval={"size": 4})
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "etc" / "examples"
+
+
+def test_the_shipped_example_task_is_reproducible_loads_and_scores(tmp_path, tokenizer):
+    import subprocess
+    import sys
+
+    from grpod.config import load_config
+
+    subprocess.run([sys.executable, str(EXAMPLE / "arith-word" / "make_data.py"), str(tmp_path)], check=True,
+                   capture_output=True)
+    for name in ("train.jsonl", "eval.jsonl"):
+        assert (tmp_path / name).read_bytes() == (EXAMPLE / "arith-word" / name).read_bytes(), name
+    train = {json.loads(line)["prompt"] for line in (tmp_path / "train.jsonl").read_text().splitlines()}
+    held_out = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert len(train) == 2000 and len(held_out) == 100 and not train & {row["prompt"] for row in held_out}
+
+    cfg = load_config(EXAMPLE / "smollm2-dataset.toml")
+    # The paths in the example are relative to the repository root; the tiny tokenizer stands in
+    # for SmolLM2's (the model is not built in unit tests).
+    cfg.source.dataset.path = EXAMPLE / "arith-word" / "train.jsonl"
+    cfg.eval.dataset = EXAMPLE / "arith-word" / "eval.jsonl"
+    cfg.source.dataset.rewards[0].function = f"{EXAMPLE / 'arith-word' / 'rewards.py'}:correct"
+    answer = held_out[0]["answer"]
+    src = source(tokenizer, cfg, answer_for=lambda text: f"So the answer is {answer}.")
+    assert len(src.items) == 2000 and len(src.eval_items) == 100
+    result = anyio.run(src.evaluate, 1, 8)
+    assert result["eval_accuracy"] == 1.0 and result["eval_mean_at_k"] == 1.0

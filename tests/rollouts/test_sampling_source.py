@@ -1,0 +1,66 @@
+"""The generation path the builtin and dataset sources share (`SamplingSource`), through the
+builtin source with a scripted client standing in for vLLM."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import anyio
+from grpod.config import parse_config
+from grpod.inference.client import Completion
+from grpod.models.tiny import build_tokenizer
+from grpod.rollouts.buffer import RolloutBuffer
+from grpod.rollouts.builtin import BuiltinSource
+
+class Bridge:
+    state = "SERVING"
+
+    def __init__(self, generate, versions=(4, 4)):
+        self.client = SimpleNamespace(generate=generate)
+        self._versions = list(versions)
+
+    @property
+    def policy_version(self):
+        return self._versions.pop(0) if len(self._versions) > 1 else self._versions[0]
+
+    async def wait_available(self, timeout_s):
+        return self.client
+
+    def request_model(self):
+        return "policy-v4"
+
+
+def _builtin(generate, versions=(4, 4)):
+    cfg = parse_config({"source": {"group_size": 3, "max_tokens": 5, "temperature": 0.9}})
+    tokenizer = build_tokenizer()
+    return BuiltinSource(cfg, tokenizer, Bridge(generate, versions)), tokenizer
+
+
+def test_a_group_is_one_request_scored_and_tagged_with_the_older_version():
+    requests = []
+
+    async def generate(prompt, **kwargs):
+        requests.append(kwargs)
+        return [Completion(token_ids=[7, 8], logprobs=[-0.1, -0.2], finish_reason=reason, text="x")
+                for reason in ("stop", "length", "stop")]
+
+    source, _ = _builtin(generate, versions=(5, 4))  # a sync landed while the request ran
+    group = anyio.run(source.generate_group)
+    assert requests == [{"n": 3, "max_tokens": 5, "temperature": 0.9, "top_p": 1.0, "model": "policy-v4"}]
+    prompt_len = len(group.tokens[0]) - 2
+    assert group.loss_mask[0] == [0] * prompt_len + [1, 1]
+    assert group.inference_logprobs[1][-2:] == [-0.1, -0.2] and group.truncated == [False, True, False]
+    assert group.policy_version == 4 and group.group_id == "builtin-0" and group.temperature == 0.9
+    assert group.scores == [0.0, 0.0, 0.0] and source.stats.generated == 1
+
+
+def test_a_failed_request_drops_its_group_counted_by_error_type_and_the_stream_moves_on():
+    async def generate(prompt, **kwargs):
+        raise ConnectionError("vLLM went away")
+
+    source, _ = _builtin(generate)
+    buffer = RolloutBuffer(8)
+    anyio.run(source.fill, buffer, 2)
+    assert len(buffer) == 0
+    assert source.stats.dropped == 2 and source.stats.drop_reasons == {"ConnectionError": 2}
+    assert source.cursor() == {"kind": "builtin", "next_index": 2}
