@@ -6,7 +6,9 @@ vLLM (`POST /generate`) and posts scored groups to run-api, from which grpod tra
 The example config is copied into the test's directory with only what must differ on a shared
 machine changed (run.dir, a free inference.port, the run-api URL, the model directory), so no
 tracked file is written; `--set train.steps=5` keeps the run short. Every process the test starts
-is stopped by its PID.
+is stopped by its PID. The second test takes the environment's other route, `--env.route chat`
+(`/v1/chat/completions`, answers tokenized by atroposlib's `tokenize_for_trainer` through the
+transformers 5 shim), for two steps.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 EXAMPLE_DIR = ROOT / "etc" / "examples" / "atropos"
 STEPS = 5
+CHAT_STEPS = 2
 VLLM_START_S = 300.0
 TRAIN_S = 600.0
 
@@ -90,7 +93,9 @@ class EnvironmentProcess:
         self._out.close()
 
 
-def test_the_readme_atropos_path_trains_on_the_example_environment(tmp_path, smollm2_dir):
+def run_readme_path(tmp_path: Path, model_dir: Path, *, steps: int, env_args: list[str] = ()) -> dict[str, Any]:
+    """run-api, then grpod on the example config, then the example environment, as the README
+    says; returns once grpod has exited 0 after `steps` steps, with what it recorded."""
     started = time.monotonic()
     run_dir = tmp_path / "run"
     port = free_port()
@@ -101,16 +106,16 @@ def test_the_readme_atropos_path_trains_on_the_example_environment(tmp_path, smo
                 "run.dir": str(run_dir),
                 "inference.port": port,
                 "source.atropos_url": api.url,
-                "model.path": str(smollm2_dir),
+                "model.path": str(model_dir),
             },
         )
-        daemon = DaemonProcess(config, run_dir, extra_args=["--set", f"train.steps={STEPS}"])
+        daemon = DaemonProcess(config, run_dir, extra_args=["--set", f"train.steps={steps}"])
         env = None
         try:
             announced = wait_for_line(daemon, r"vLLM serves the policy at (\S+) \(model names: ([^)]*)\)", VLLM_START_S)
             base_url, names = announced.group(1), announced.group(2).split(", ")
             assert base_url == f"http://127.0.0.1:{port}/v1"
-            assert names[0] == "policy" and str(smollm2_dir) in names
+            assert names[0] == "policy" and str(model_dir) in names
 
             status = subprocess.run(
                 [sys.executable, "-m", "grpod", "ctl", "status", "--config", str(config)],
@@ -122,9 +127,10 @@ def test_the_readme_atropos_path_trains_on_the_example_environment(tmp_path, smo
             env = EnvironmentProcess(
                 [
                     "--openai.base_url", base_url,
-                    "--openai.model_name", str(smollm2_dir),
-                    "--env.tokenizer_name", str(smollm2_dir),
+                    "--openai.model_name", str(model_dir),
+                    "--env.tokenizer_name", str(model_dir),
                     "--env.rollout_server_url", api.url,
+                    *env_args,
                 ],
                 tmp_path / "arith_env.out",
             )
@@ -137,16 +143,42 @@ def test_the_readme_atropos_path_trains_on_the_example_environment(tmp_path, smo
             if env is not None:
                 env.stop()
             daemon.close()
-    wall_s = time.monotonic() - started
-
     for pgid in daemon.vllm_pgids:
         assert group_processes(pgid) == [], f"vLLM process group {pgid} left behind"
-    steps = [r for r in metrics(run_dir) if r["kind"] == "step"]
-    trained = [r for r in steps if not r.get("skipped")]
-    assert len(trained) >= STEPS, [r.get("skipped") for r in steps]
-    # Every group came from the environment through /generate: vLLM's logprobs, its temperature.
-    assert all(r["is_uncorrected_tokens"] == 0 for r in trained), [r["is_uncorrected_tokens"] for r in trained]
+    steps_recorded = [r for r in metrics(run_dir) if r["kind"] == "step"]
     events = [json.loads(line) for line in (run_dir / "grpod.log").read_text().splitlines() if line.strip()]
-    batches = [e for e in events if e.get("event") == "atropos_batch_received"]
-    assert len(batches) >= STEPS and all(b["accepted"] == b["groups"] == 2 for b in batches)
-    print(f"\nREADME Atropos path: {len(trained)} steps trained, wall {wall_s:.0f} s")
+    env_log = (tmp_path / "arith_env.out").read_text(errors="replace")
+    return {
+        "trained": [r for r in steps_recorded if not r.get("skipped")],
+        "skipped": [r for r in steps_recorded if r.get("skipped")],
+        "batches": [e for e in events if e.get("event") == "atropos_batch_received"],
+        "groups_not_sent": env_log.count("Scores are the same in a group, skipping"),
+        "wall_s": time.monotonic() - started,
+    }
+
+
+def report(name: str, run: dict[str, Any]) -> None:
+    print(
+        f"\n{name}: {len(run['trained'])} steps trained, {len(run['batches'])} batches, "
+        f"{run['groups_not_sent']} groups not sent (all answers scored alike), wall {run['wall_s']:.0f} s"
+    )
+
+
+def test_the_readme_atropos_path_trains_on_the_example_environment(tmp_path, smollm2_dir):
+    run = run_readme_path(tmp_path, smollm2_dir, steps=STEPS)
+    report("README Atropos path (route generate)", run)
+    assert len(run["trained"]) >= STEPS and run["skipped"] == []
+    # Every group came from the environment through /generate, with vLLM's logprobs.
+    assert all(r["is_uncorrected_tokens"] == 0 for r in run["trained"]), [r["is_uncorrected_tokens"] for r in run["trained"]]
+    assert len(run["batches"]) >= STEPS and all(b["accepted"] == b["groups"] == 2 for b in run["batches"])
+
+
+def test_the_chat_route_delivers_groups_built_by_tokenize_for_trainer(tmp_path, smollm2_dir):
+    """`--env.route chat`: /v1/chat/completions under the model's path, the answers tokenized by
+    atroposlib's `tokenize_for_trainer` through the shim; without it nothing would arrive."""
+    run = run_readme_path(tmp_path, smollm2_dir, steps=CHAT_STEPS, env_args=["--env.route", "chat"])
+    report("README Atropos path (route chat)", run)
+    assert len(run["trained"]) >= CHAT_STEPS and run["skipped"] == []
+    # No inference logprobs on this route: every trained token has IS weight 1.
+    assert all(r["is_uncorrected_tokens"] > 0 for r in run["trained"])
+    assert len(run["batches"]) >= CHAT_STEPS and all(b["accepted"] == b["groups"] == 2 for b in run["batches"])
