@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ import pytest
 import transformers
 from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
 
+from grpod.config import load_config
 from grpod.models.tiny import build_tokenizer
 from grpod.rollouts.validation import group_from_atropos, validate_batch
 
@@ -149,3 +151,24 @@ def test_the_chat_route_tokenizes_the_answers_through_the_shim(tokenizer_dir, to
         assert tokens == arith_env.tokenize_chat(tokenizer, chat, add_generation_prompt=False)
         trained = tokenizer.decode([t for t, m in zip(tokens, mask) if m])
         assert trained.startswith(answer)
+
+
+def test_the_readme_commands_the_environment_and_the_grpod_config_agree():
+    """The README's three commands, the environment's defaults and grpod-atropos.toml name the
+    same ports, group size and model, so the commands work as written."""
+    readme = (EXAMPLE.parents[3] / "README.md").read_text()
+    section = readme.split("## Train with an Atropos environment", 1)[1].split("\n## ", 1)[0]
+    commands = section.split("```sh", 1)[1].split("```", 1)[0]
+    config_path = EXAMPLE.parent / "grpod-atropos.toml"
+    cfg = load_config(config_path)
+    env_config, [server] = arith_env.ArithEnv.config_init()
+    run_api_port = int(re.search(r"run-api --host 127\.0\.0\.1 --port (\d+)", commands).group(1))
+    assert f"grpod start --config {config_path.relative_to(EXAMPLE.parents[3])}" in commands
+    assert f"--openai.base_url http://127.0.0.1:{cfg.inference.port}/v1" in commands
+    assert f"--env.rollout_server_url http://127.0.0.1:{run_api_port}" in commands
+    assert cfg.source.atropos_url == env_config.rollout_server_url == f"http://127.0.0.1:{run_api_port}"
+    assert server.base_url == f"http://127.0.0.1:{cfg.inference.port}/v1" and server.server_type == "vllm"
+    assert server.model_name == env_config.tokenizer_name == str(cfg.model.path)
+    assert env_config.group_size == cfg.source.group_size
+    assert cfg.source.kind == "atropos" and cfg.inference.port != 0
+    assert env_config.total_steps == -1 and env_config.use_wandb is False
