@@ -85,7 +85,7 @@ def test_check_config_cli_exit_2(tmp_path, override, fragment):
     assert "grpod.toml" in proc.stderr
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "etc" / "examples").glob("*.toml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "etc" / "examples").glob("**/*.toml")), ids=lambda p: p.name)
 def test_example_configs_are_valid(path):
     cfg = load_config(path)
     assert cfg.model.init_if_missing is False, "examples point at a real model"
