@@ -198,7 +198,8 @@ def test_resume_in_place_sync_and_sigterm(tmp_path, warm_model_dir):
     assert _final_checkpoint(run_dir).name == "step-000002"
 
     settings |= {
-        "train.steps": 50,
+        # The run ends by SIGTERM; steps must outlast the test however fast the policy trains.
+        "train.steps": 1_000_000,
         "notify.stall_after_s": STALL_AFTER_S,
         # The frozen vLLM must hang the sync, not be declared dead and relaunched.
         "inference.health_failures": 100_000,
