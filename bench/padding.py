@@ -36,7 +36,7 @@ from grpod.models.tiny import build_model, save_model
 from grpod.rollouts.arithmetic import ArithmeticTask, answer_ids, prompt_ids
 from grpod.rollouts.group import RolloutGroup
 from grpod.training.batching import plan_micro_batches
-from grpod.training.trainer import Trainer
+from grpod.training.trainer import build_trainer
 
 GROUPS, GROUP_SIZE, MAX_TOKENS = 8, 8, 16
 RESULTS = Path(__file__).parent / "results" / "padding.json"
@@ -90,7 +90,7 @@ def measure(
         plans = [plan_micro_batches([len(t) for g in step for t in g.tokens], budget, floor) for step in plan_steps]
         train = {"micro_batch_tokens": budget, "micro_batch_min_efficiency": floor, "threads": threads, "lr": 1e-6}
         cfg = parse_config({"train": train})
-        trainer = Trainer(cfg, model_dir)
+        trainer = build_trainer(cfg, model_dir)
         trainer.train_step(plan_steps[0])
         times = []
         for step in plan_steps[1 : 1 + timed_steps]:

@@ -3,7 +3,7 @@ vLLM's oneDNN / SGL kernels).
 
 For each model size, two vLLM servers (CPU build, eager) run on the same checkpoint: stock, and
 with grpod's worker extension, whose import switches linear layers to `torch.nn.functional.linear`
-over plain weight tensors (what shared weights need; see grpod/inference/worker_ext.py), attached
+over plain weight tensors (what shared weights need; see grpod/weights/shared_ext.py), attached
 to a shared buffer as shared mode serves. They are measured alternately (the machine may be
 shared). Two loads, each one request (timed after a warm-up), median of `--repeats`:
 
@@ -35,11 +35,11 @@ from transformers import AutoModelForCausalLM
 from grpod.config import InferenceConfig, ModelConfig
 from grpod.inference.process import InferenceProcess
 from grpod.models.tiny import build_model, save_model
-from grpod.training.attach import share_parameters
+from grpod.weights.shared_layout import share_parameters
 
 RESULTS = Path(__file__).parent / "results" / "shared_linear.json"
 SIZES = {"tiny": {"hidden_size": 128, "layers": 2}, "medium": {"hidden_size": 1024, "layers": 4}}
-EXTENSION = "grpod.inference.worker_ext.SharedWeightsExtension"
+EXTENSION = "grpod.weights.shared_ext.SharedWeightsExtension"
 
 
 async def completion_tokens(base_url: str, n: int, max_tokens: int) -> tuple[int, float]:

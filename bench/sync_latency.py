@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from grpod.bridges import make_bridge  # noqa: E402
 from grpod.config import load_config  # noqa: E402
 from grpod.rollouts.group import RolloutGroup  # noqa: E402
-from grpod.training.trainer import Trainer  # noqa: E402
+from grpod.training.trainer import build_trainer  # noqa: E402
 
 MODES = {
     "none_in_place": ["bridge.mode=none", "bridge.reload=in_place"],
@@ -66,7 +66,7 @@ async def measure(mode: str, model: Path, syncs: int, workdir: Path) -> list[dic
             *MODES[mode],
         ],
     )
-    trainer = Trainer(cfg, cfg.model.path)
+    trainer = build_trainer(cfg, cfg.model.path)
     bridge = make_bridge(cfg, cfg.run.dir, trainer)
     rng = random.Random(0)
     records = []

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from grpod.config import ConfigError, GrpodConfig, load_config, parse_assignment
+from grpod.daemon.desk import OperatorDesk
 
-CTL_COMMANDS = ("status", "pause", "resume", "sync", "checkpoint", "drain", "set", "stop")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--print", action="store_true", help="print the effective config as JSON")
 
     ctl = sub.add_parser("ctl", help="talk to a running daemon over its control socket")
-    ctl.add_argument("cmd", choices=CTL_COMMANDS)
+    ctl.add_argument("cmd", choices=OperatorDesk.commands())
     ctl.add_argument("assignment", nargs="?", help="for `set`: KEY=VALUE (TOML value), e.g. train.lr=1e-5")
     ctl.add_argument("--socket", type=Path, help="socket path (default: from --config, else runs/default)")
     ctl.add_argument("--config", type=Path, help="config whose control.socket / run.dir to use")

@@ -14,9 +14,9 @@ import json
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 
 class ConfigError(Exception):
@@ -136,8 +136,10 @@ class DatasetConfig(_Section):
     reward_timeout_s: float = Field(30.0, gt=0)
 
 
-class SourceConfig(_Section):
-    kind: Literal["builtin", "atropos", "replay", "dataset"] = "builtin"
+class _SourceCommon(_Section):
+    """What every rollout source has: the group shape, the sampling contract, the prefetch queue
+    and the source alarm."""
+
     group_size: int = Field(8, ge=1)
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, gt=0)
@@ -149,28 +151,109 @@ class SourceConfig(_Section):
     concurrency: int = Field(4, ge=1)
     # Overlap generation with training (false = synchronous loop, for comparison).
     overlap: bool = True
+    # A source failing without a single success for error_alarm_s raises the source alarm (console,
+    # `ctl status`, Prometheus, systemd STATUS); for fail_after_s (unset: never) it ends the run, exit 1.
+    error_alarm_s: float = Field(60.0, gt=0)
+    fail_after_s: float | None = Field(None, gt=0)
+
+    @field_validator("top_p")
+    @classmethod
+    def _full_vocabulary(cls, value: float) -> float:
+        if value < 1:
+            raise ValueError(
+                f"source.top_p = {value} is refused: the trainer does not replicate nucleus truncation, so "
+                "every importance weight would be biased; sample with top_p = 1.0"
+            )
+        return value
+
+
+class _SamplingSourceCommon(_SourceCommon):
+    """The sources that sample their groups through grpod's own vLLM (builtin, dataset)."""
+
+    # DAPO's dynamic sampling: a group whose scores are all equal is not queued; generation goes
+    # on until the step has groups with signal. After `dynamic_sampling_max_filtered` such groups
+    # in a row one is let through anyway (counted), so a saturated task cannot stall a run.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_filtered: int = Field(256, ge=1)
+
+
+class BuiltinSourceConfig(_SamplingSourceCommon):
+    """source.kind = "builtin": integer arithmetic with a verifier (`grpod/rollouts/arithmetic.py`)."""
+
+    kind: Literal["builtin"] = "builtin"
+    task_seed: int = 1234
+    # Builtin arithmetic prompt: "bare" (`37+45=`, exact answer: the tiny model), "instruct" (a
+    # question, the last integer of the answer: a chat model), "auto" (by the tokenizer's vocabulary).
+    task_prompt: Literal["auto", "bare", "instruct"] = "auto"
+
+
+class DatasetSourceConfig(_SamplingSourceCommon):
+    """source.kind = "dataset": your prompts and reward functions (`[source.dataset]`)."""
+
+    kind: Literal["dataset"] = "dataset"
+    dataset: DatasetConfig = DatasetConfig()
+
+    @model_validator(mode="after")
+    def _has_data_and_rewards(self) -> DatasetSourceConfig:
+        if self.dataset.path is None:
+            raise ValueError("source.kind = 'dataset' needs source.dataset.path (a .jsonl, .parquet or .csv file)")
+        if not self.dataset.rewards:
+            raise ValueError(
+                "source.kind = 'dataset' needs at least one [[source.dataset.rewards]] entry "
+                "(function = a builtin name or 'module:function')"
+            )
+        names = [r.metric_name for r in self.dataset.rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"source.dataset.rewards: two functions share a metric name ({names}); give one a name = \"...\""
+            )
+        return self
+
+
+class AtroposSourceConfig(_SourceCommon):
+    """source.kind = "atropos": scored groups from Atropos' trajectory API (`run-api`)."""
+
+    kind: Literal["atropos"] = "atropos"
     atropos_url: str = "http://127.0.0.1:8000"
     atropos_poll_s: float = Field(0.5, gt=0)
     # An Atropos group that declares no sampling temperature: "config" trains it at
     # source.temperature (recorded with the group, counted, warned about once), "refuse" rejects it
     # (`undeclared_temperature`). Environments should declare it: logprobs depend on it.
     atropos_undeclared_temperature: Literal["config", "refuse"] = "config"
-    task_seed: int = 1234
-    # Builtin arithmetic prompt: "bare" (`37+45=`, exact answer: the tiny model), "instruct" (a
-    # question, the last integer of the answer: a chat model), "auto" (by the tokenizer's vocabulary).
-    task_prompt: Literal["auto", "bare", "instruct"] = "auto"
-    # source.kind = "replay": a rollouts.jsonl recorded by an earlier run (run.record_rollouts).
+
+
+class ReplaySourceConfig(_SourceCommon):
+    """source.kind = "replay": the groups an earlier run consumed (run.record_rollouts), in order."""
+
+    kind: Literal["replay"] = "replay"
     replay_path: Path | None = None
-    # DAPO's dynamic sampling (builtin source): a group whose scores are all equal is not queued;
-    # generation goes on until the step has groups with signal. After `dynamic_sampling_max_filtered`
-    # such groups in a row one is let through anyway (counted), so a saturated task cannot stall a run.
-    dynamic_sampling: bool = False
-    dynamic_sampling_max_filtered: int = Field(256, ge=1)
-    # A source failing without a single success for error_alarm_s raises the source alarm (console,
-    # `ctl status`, Prometheus, systemd STATUS); for fail_after_s (unset: never) it ends the run, exit 1.
-    error_alarm_s: float = Field(60.0, gt=0)
-    fail_after_s: float | None = Field(None, gt=0)
-    dataset: DatasetConfig = DatasetConfig()
+
+    @model_validator(mode="after")
+    def _has_path(self) -> ReplaySourceConfig:
+        if self.replay_path is None:
+            raise ValueError("source.kind = 'replay' needs source.replay_path (a rollouts.jsonl)")
+        return self
+
+
+def _tag(default: str, key: str):
+    """A discriminator that reads `key` from a raw table or a model, `default` when absent, so a
+    config that names no kind/mode keeps meaning the default one."""
+
+    def read(value: Any) -> str:
+        found = value.get(key, default) if isinstance(value, dict) else getattr(value, key, default)
+        return found if isinstance(found, str) else repr(found)
+
+    return Discriminator(read)
+
+
+SourceConfig = Annotated[
+    Annotated[BuiltinSourceConfig, Tag("builtin")]
+    | Annotated[DatasetSourceConfig, Tag("dataset")]
+    | Annotated[AtroposSourceConfig, Tag("atropos")]
+    | Annotated[ReplaySourceConfig, Tag("replay")],
+    _tag("builtin", "kind"),
+]
+SOURCE_KINDS = ("builtin", "dataset", "atropos", "replay")
 
 
 class LossConfig(_Section):
@@ -293,10 +376,10 @@ class TrainConfig(_Section):
         return self
 
 
-class BridgeConfig(_Section):
-    mode: Literal["none", "shared", "lora_only", "lora_restart"] = "none"
+class _BridgeCommon(_Section):
+    """What every weight-bridge mode has: the sync cadence and the alignment probe."""
+
     sync_every: int = Field(1, ge=1)
-    reload: Literal["in_place", "restart"] = "in_place"
     # fp32 serving: max |vLLM - trainer| over the probe positions.
     probe_tolerance: float = Field(0.02, gt=0)
     # bf16/fp16 serving (model.dtype): rounding alone moves single tokens by ~0.2, so the mean and
@@ -306,7 +389,44 @@ class BridgeConfig(_Section):
     # Probe every N-th sync (1 = every sync); the first sync after any vLLM launch is always probed.
     probe_every: int = Field(1, ge=1)
     probe_timeout_s: float = Field(60.0, gt=0)
+
+
+class NoneBridgeConfig(_BridgeCommon):
+    """bridge.mode = "none": vLLM holds its own copy; a sync ships a full HF checkpoint."""
+
+    mode: Literal["none"] = "none"
+    reload: Literal["in_place", "restart"] = "in_place"
+
+
+class SharedBridgeConfig(_BridgeCommon):
+    """bridge.mode = "shared": one copy of the weights, read by vLLM, written by the optimizer."""
+
+    mode: Literal["shared"] = "shared"
+
+
+class LoraOnlyBridgeConfig(_BridgeCommon):
+    """bridge.mode = "lora_only": vLLM serves the base once and loads each adapter version."""
+
+    mode: Literal["lora_only"] = "lora_only"
     keep_adapters: int = Field(3, ge=1)
+
+
+class LoraRestartBridgeConfig(_BridgeCommon):
+    """bridge.mode = "lora_restart": vLLM relaunched on the base with each adapter version."""
+
+    mode: Literal["lora_restart"] = "lora_restart"
+    keep_adapters: int = Field(3, ge=1)
+
+
+BridgeConfig = Annotated[
+    Annotated[NoneBridgeConfig, Tag("none")]
+    | Annotated[SharedBridgeConfig, Tag("shared")]
+    | Annotated[LoraOnlyBridgeConfig, Tag("lora_only")]
+    | Annotated[LoraRestartBridgeConfig, Tag("lora_restart")],
+    _tag("none", "mode"),
+]
+BRIDGE_MODES = ("none", "shared", "lora_only", "lora_restart")
+LORA_MODES = ("lora_only", "lora_restart")
 
 
 class CheckpointConfig(_Section):
@@ -359,9 +479,9 @@ class GrpodConfig(_Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     inference: InferenceConfig = InferenceConfig()
-    source: SourceConfig = SourceConfig()
+    source: SourceConfig = BuiltinSourceConfig()
     train: TrainConfig = TrainConfig()
-    bridge: BridgeConfig = BridgeConfig()
+    bridge: BridgeConfig = NoneBridgeConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     control: ControlConfig = ControlConfig()
@@ -370,35 +490,14 @@ class GrpodConfig(_Section):
 
     @model_validator(mode="after")
     def _modes_agree(self) -> GrpodConfig:
-        lora_modes = {"lora_only", "lora_restart"}
-        if self.bridge.mode in lora_modes and not self.train.lora:
+        if self.bridge.mode in LORA_MODES and not self.train.lora:
             raise ValueError(f"bridge.mode = {self.bridge.mode!r} needs train.lora = true")
-        if self.train.lora and self.bridge.mode not in lora_modes:
+        if self.train.lora and self.bridge.mode not in LORA_MODES:
             raise ValueError(
                 f"train.lora = true needs bridge.mode 'lora_only' or 'lora_restart', not {self.bridge.mode!r}"
             )
-        if self.source.top_p < 1:
-            raise ValueError(
-                f"source.top_p = {self.source.top_p} is refused: the trainer does not replicate nucleus "
-                "truncation, so every importance weight would be biased; sample with top_p = 1.0"
-            )
-        if self.source.kind == "replay" and self.source.replay_path is None:
-            raise ValueError("source.kind = 'replay' needs source.replay_path (a rollouts.jsonl)")
-        if self.source.kind == "dataset":
-            if self.source.dataset.path is None:
-                raise ValueError("source.kind = 'dataset' needs source.dataset.path (a .jsonl, .parquet or .csv file)")
-            if not self.source.dataset.rewards:
-                raise ValueError(
-                    "source.kind = 'dataset' needs at least one [[source.dataset.rewards]] entry "
-                    "(function = a builtin name or 'module:function')"
-                )
-            if self.eval.size > 0 and self.eval.dataset is None:
-                raise ValueError("eval.size > 0 with source.kind = 'dataset' needs eval.dataset (a held-out split)")
-            names = [r.metric_name for r in self.source.dataset.rewards]
-            if len(set(names)) != len(names):
-                raise ValueError(
-                    f"source.dataset.rewards: two functions share a metric name ({names}); give one a name = \"...\""
-                )
+        if self.source.kind == "dataset" and self.eval.size > 0 and self.eval.dataset is None:
+            raise ValueError("eval.size > 0 with source.kind = 'dataset' needs eval.dataset (a held-out split)")
         if self.train.loss.clip_low >= 1:
             raise ValueError("train.loss.clip_low must be < 1 (the ratio floor is 1 - clip_low)")
         return self
@@ -448,13 +547,28 @@ def apply_override(tree: dict[str, Any], text: str) -> None:
     node[path[-1]] = value
 
 
+# Tags of the discriminated sections: pydantic puts them in an error's location.
+_UNION_TAGS = {"source": ("kind", SOURCE_KINDS), "bridge": ("mode", BRIDGE_MODES)}
+
+
 def _describe(err: ValidationError, origin: str) -> str:
     lines = []
     for item in err.errors():
-        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        loc = [str(p) for p in item["loc"]]
+        chosen = ""
+        if len(loc) >= 2 and loc[0] in _UNION_TAGS and loc[1] in _UNION_TAGS[loc[0]][1]:
+            key = _UNION_TAGS[loc[0]][0]
+            chosen = f" of {loc[0]}.{key} = {loc[1]!r}"
+            del loc[1]
+        where = ".".join(loc) or "(top level)"
         msg = item["msg"]
         if item["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = f"unknown key{chosen}" if chosen else "unknown key"
+        elif item["type"] == "union_tag_invalid":
+            section = loc[0] if loc else "?"
+            key, allowed = _UNION_TAGS.get(section, ("kind", ()))
+            where = f"{section}.{key}"
+            msg = f"must be one of {', '.join(repr(a) for a in allowed)} (got {item['ctx'].get('tag')})"
         elif "input" in item and item["type"] != "value_error":
             msg = f"{msg} (got {item['input']!r})"
         lines.append(f"{origin}: {where}: {msg}")

@@ -9,8 +9,9 @@ whose metric the run never recorded says so instead of disappearing.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from grpod.daemon.logs import MetricsFileError, read_metrics
 
 PANELS = (
     # "reward/*": each reward function of a dataset source (reward/<name>), when the run has them.
@@ -31,19 +32,14 @@ class PlotError(Exception):
     pass
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
+def run_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise PlotError(f"{path}: no metrics; is {run_dir} a grpod run directory?")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise PlotError(f"{path}:{number}: not a JSON line") from None
-    return records
+    try:
+        return read_metrics(path)
+    except MetricsFileError as exc:
+        raise PlotError(str(exc)) from None
 
 
 def panel_series(records: list[dict], kind: str, keys: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
@@ -70,7 +66,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(run_dir)
+    records = run_metrics(run_dir)
     out = Path(out) if out else Path(run_dir) / "metrics.png"
     fig, axes = plt.subplots(5, 2, figsize=(12, 16))
     for ax, (title, kind, keys) in zip(axes.flat, PANELS, strict=True):

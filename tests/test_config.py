@@ -19,6 +19,56 @@ def test_embedded_default_is_valid_and_mirrors_the_tree():
         assert f"[{section}]" in text, section
 
 
+def _documented_keys(text: str) -> set[tuple[str, str]]:
+    """(section, key) of every `key = value` line of a TOML file, commented-out lines included."""
+    import re
+
+    section, found = "", set()
+    for line in text.splitlines():
+        header = re.match(r"^#?\s*\[\[?([\w.]+)\]\]?", line)
+        if header:
+            section = header.group(1)
+            continue
+        key = re.match(r"^#?\s*(\w+)\s*=", line)
+        if key:
+            found.add((section, key.group(1)))
+    return found
+
+
+def _models_in(annotation) -> list:
+    """The config models an annotation holds: itself, each member of a (tagged) union, a list's item."""
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _models_in(typing.get_args(annotation)[0])
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _tree_keys(model, section: str) -> set[tuple[str, str]]:
+    """(section, key) of every leaf key of a config model, every kind/mode of a union included."""
+    keys = set()
+    for name, field in model.model_fields.items():
+        members = _models_in(field.annotation)
+        for member in members:
+            keys |= _tree_keys(member, f"{section}.{name}".strip("."))
+        if not members:
+            keys.add((section, name))
+    return keys
+
+
+def test_the_embedded_default_documents_every_key_of_every_kind():
+    """Issue #11: etc/grpod.toml is the documentation of every knob — every key of the config
+    tree, the keys of every source kind and bridge mode included, appears there (set, or as a
+    commented example) in its section."""
+    documented = _documented_keys((ROOT / "etc" / "grpod.toml").read_text())
+    missing = sorted(_tree_keys(GrpodConfig, "") - documented)
+    assert not missing, f"keys missing from etc/grpod.toml: {missing}"
+
+
 def test_unknown_key_names_file_and_path(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[train]\nstepz = 3\n")
@@ -48,13 +98,26 @@ def test_missing_file_and_syntax_error(tmp_path):
 
 
 def test_set_overrides_one_key(tmp_path):
-    cfg = load_config(None, ["train.lr=1e-3", "bridge.mode=none", "source.atropos_url=http://127.0.0.1:9"])
+    cfg = load_config(None, ["train.lr=1e-3", "bridge.mode=none", "source.kind=atropos", "source.atropos_url=http://127.0.0.1:9"])
     assert cfg.train.lr == 1e-3
     assert cfg.source.atropos_url == "http://127.0.0.1:9"
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         load_config(None, ["train.lr"])
     with pytest.raises(ConfigError, match="train.lr"):
         load_config(None, ["train.lr=-1"])
+
+
+def test_each_source_kind_and_bridge_mode_has_its_own_keys():
+    """Discriminated sections: a key of another kind or mode is refused, naming the kind."""
+    with pytest.raises(ConfigError, match="source.atropos_url: unknown key of source.kind = 'builtin'"):
+        load_config(None, ["source.atropos_url=http://127.0.0.1:9"])
+    with pytest.raises(ConfigError, match="bridge.keep_adapters: unknown key of bridge.mode = 'none'"):
+        load_config(None, ["bridge.keep_adapters=2"])
+    with pytest.raises(ConfigError, match="source.kind: must be one of 'builtin', 'dataset', 'atropos', 'replay'"):
+        load_config(None, ["source.kind=batch"])
+    assert load_config(None, []).source.kind == "builtin" and load_config(None, []).bridge.mode == "none"
+    lora = load_config(None, ["bridge.mode=lora_only", "bridge.keep_adapters=2", "train.lora=true"])
+    assert lora.bridge.keep_adapters == 2
 
 
 def test_cross_field_rules():

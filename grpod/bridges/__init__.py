@@ -1,11 +1,8 @@
-"""Weight-bridge modes: how vLLM's weights follow the trainer's. One module per mode."""
+"""Weight-bridge modes: how the engines' weights follow the trainer's. One module per mode."""
 
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
-
-from grpod.config import GrpodConfig
 
 BRIDGES = {
     "none": ("grpod.bridges.none", "NoneBridge"),
@@ -15,7 +12,7 @@ BRIDGES = {
 }
 
 
-def make_bridge(cfg: GrpodConfig, run_dir: Path, trainer, *, policy_version: int = 0):
-    module, name = BRIDGES[cfg.bridge.mode]
-    bridge_class = getattr(importlib.import_module(module), name)
-    return bridge_class(cfg, run_dir, trainer, policy_version=policy_version)
+def bridge_class(mode: str) -> type:
+    """The bridge class of `mode` (its module is imported only when asked for)."""
+    module, name = BRIDGES[mode]
+    return getattr(importlib.import_module(module), name)

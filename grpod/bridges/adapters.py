@@ -20,8 +20,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,14 +28,13 @@ import anyio
 import structlog
 
 from grpod.bridges.base import Bridge
+from grpod.inference.supervised import SupervisedInference
+from grpod.weights.versions import VersionedDirs
 
 log = structlog.get_logger(__name__)
 
 # The only values vLLM accepts for --max-lora-rank (vllm.config.lora.MaxLoRARanks).
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-MIN_KEPT_ADAPTERS = 2
-_VERSION_DIR = re.compile(r"^v(\d{6,})$")
-_PARTIAL_PREFIX = ".partial-"
 
 
 class LoraRankUnsupported(ValueError):
@@ -74,75 +71,23 @@ def adapter_name(version: int) -> str:
     return f"policy-v{version}"
 
 
-class AdapterStore:
-    """The versioned adapter directories of one run (`<run>/adapters`)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-
-    def path_for(self, version: int) -> Path:
-        return self.root / f"v{version:06d}"
-
-    def versions(self) -> list[int]:
-        """Versions with a published directory, oldest first."""
-        if not self.root.exists():
-            return []
-        found = []
-        for entry in self.root.iterdir():
-            match = _VERSION_DIR.match(entry.name)
-            if match and entry.is_dir():
-                found.append(int(match.group(1)))
-        return sorted(found)
-
-    def write(self, trainer, version: int) -> Adapter:
-        """Save the trainer's adapter as `version` (replacing a directory of that version left by
-        a failed sync or an earlier run) and publish it by rename. Blocking: run it in a thread."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        target = self.path_for(version)
-        partial = self.root / f"{_PARTIAL_PREFIX}{target.name}"
-        shutil.rmtree(partial, ignore_errors=True)
-        try:
-            trainer.save_weights(partial)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        if target.exists():
-            shutil.rmtree(target)
-        partial.rename(target)
-        return Adapter(version, target)
-
-    def prune(self, current: int, keep: int) -> list[int]:
-        """Remove all but the newest `max(keep, 2)` versions up to `current`, every version after
-        it, and partial writes; returns the versions removed."""
-        keep = max(keep, MIN_KEPT_ADAPTERS)
-        versions = self.versions()
-        kept = [v for v in versions if v <= current][-keep:]
-        removed = [v for v in versions if v not in kept]
-        for version in removed:
-            shutil.rmtree(self.path_for(version), ignore_errors=True)
-        if self.root.exists():
-            for entry in self.root.iterdir():
-                if entry.name.startswith(_PARTIAL_PREFIX):
-                    shutil.rmtree(entry, ignore_errors=True)
-        if removed:
-            log.info("adapters_pruned", removed=removed, kept=kept)
-        return removed
-
-
 class LoraBridge(Bridge):
     """The part of a LoRA mode that is not its sync: vLLM on the base model with the current
-    adapter preloaded (`--lora-modules`), at start, at every relaunch and at recovery alike.
+    adapter preloaded (`--lora-modules`), at start, at every relaunch and at recovery alike, and
+    `/generate` (what Atropos environments call, naming no model) pointed at that adapter.
 
     `current_weights` stays `model.path` (what vLLM's `--model` is); `adapter` is the policy.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, lora, **kwargs) -> None:
+        """`lora`: the trainer's `train.lora_config` (rank and target modules vLLM must serve)."""
         super().__init__(*args, **kwargs)
-        self.adapters = AdapterStore(self.run_dir / "adapters")
+        self.lora = lora
+        self.adapters = VersionedDirs(self.run_dir / "adapters")
         self.adapter: Adapter | None = None
-        self.max_lora_rank = max_lora_rank(self.cfg.train.lora_config.rank)
+        self.max_lora_rank = max_lora_rank(lora.rank)
 
-    def request_model(self) -> str:
+    def _served_name(self) -> str | None:
         if self.adapter is None:
             raise RuntimeError(f"bridge {self.mode}: no adapter is served before start()")
         return self.adapter.name
@@ -153,26 +98,41 @@ class LoraBridge(Bridge):
         return {
             "enable_lora": True,
             "max_lora_rank": self.max_lora_rank,
-            "lora_target_modules": list(self.cfg.train.lora_config.target_modules),
+            "lora_target_modules": list(self.lora.target_modules),
             "lora_modules": {self.adapter.name: str(self.adapter.path)},
         }
 
-    async def _write_adapter(self, version: int) -> Adapter:
-        return await anyio.to_thread.run_sync(self.adapters.write, self.trainer, version)
+    async def _after_launch(self, engine: SupervisedInference) -> None:
+        await self._serve_on_generate(engine)
 
-    async def _initial_weights(self, resumed: bool) -> Path:
+    async def _serve_on_generate(self, engine: SupervisedInference) -> None:
+        """`/generate` requests that name no model sample the current adapter."""
+        assert engine.client is not None and self.adapter is not None
+        await engine.client.set_generate_model(self.adapter.name)
+
+    async def _write_adapter(self, version: int) -> Adapter:
+        path = await anyio.to_thread.run_sync(self.adapters.write, version, self.trainer.save_weights)
+        return Adapter(version, path)
+
+    async def _initial_weights(self, resumed_weights: Path | None) -> Path:
         """The trainer's adapter as it is now (fresh or resumed) becomes the served one; vLLM's
         model is the base either way."""
-        self.adapter = await self._write_adapter(self.policy_version)
-        self.adapters.prune(self.policy_version, self.cfg.bridge.keep_adapters)
-        return self.cfg.model.path
+        if resumed_weights is not None:
+            path = await anyio.to_thread.run_sync(self.adapters.adopt, self.policy.version, resumed_weights)
+            self.adapter = Adapter(self.policy.version, path)
+        else:
+            await self._loaded_trainer()  # a fresh run's first adapter is the trainer's
+            self.adapter = await self._write_adapter(self.policy.version)
+        self.policy.publish(self.policy.version, self.adapter.name)
+        self._prune_adapters()
+        return self.model.path
 
     async def _save(self, version: int) -> Path:
         return (await self._write_adapter(version)).path
 
     def _prune_adapters(self) -> None:
         assert self.adapter is not None
-        self.adapters.prune(self.adapter.version, self.cfg.bridge.keep_adapters)
+        self.adapters.prune(self.adapter.version, self.cfg.keep_adapters)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "adapter": self.adapter.as_dict() if self.adapter else None}

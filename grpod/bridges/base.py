@@ -1,39 +1,42 @@
-"""What every bridge mode shares: the vLLM it serves through, the sync sequence, the probe.
+"""What every bridge mode shares: the sync protocol, the probe cadence and the state machine.
 
-A bridge owns the supervised inference process (launched through `grpod.inference`) and the one
-question the rest of grpod asks it: "are vLLM's weights the trainer's, and which version are
-they?". The supervisor calls `start`, `after_step(step)`, `sync_now`, `watch` (crash detection and
-recovery), and `stop`. Every sync follows the same sequence, whatever the mode:
+A bridge answers the one question the rest of grpod asks it: "do the engines serve the
+trainer's weights, and which version are they?". It owns no process: each engine is a
+`SupervisedInference` (process, client, gate, health watch, restart budget) handed to it, and
+what the rest of grpod sees of the policy is the `Policy` handle it publishes to. Every sync
+follows the same sequence, whatever the mode:
 
-    SYNC → save (mode) → apply (mode) → version bump + prefix-cache reset → alignment probe
+    SYNC → save (mode) → apply to each engine (mode) → version bump + prefix-cache reset → probe
 
-A sync is two halves. `stage_sync` is the trainer's: save, and score the probe sequences with the
-saved weights. `finish_sync` is vLLM's: apply, and probe against those scores. Modes that ship a
-copy (`pipelined`) let the supervisor train the next step between the halves; one sync is in
-flight at a time (the next one, `recover` and `settled` wait for it). `bridge.probe_every` probes
-only every N-th sync (always the first after a launch).
+A sync is two halves. `stage_sync` is the trainer's: save, and score the probe sequences with
+the saved weights. `finish_sync` is the engines': apply, and probe against those scores. Modes
+that ship a copy (`pipelined`) let the step loop train the next step between the halves; one
+sync is in flight at a time (the next one, `recover` and `settled` wait for it).
+`bridge.probe_every` probes only every N-th sync (always the first after a launch). A mode whose
+optimizer step is the sync (`shared`) runs it inside `fence`, a line of the step loop.
 
-Each mode's module holds only what is particular to it: its states, events, transition table and
-its `_save` / `_apply` / `_launch_args` pieces.
+The trainer is touched only by the task that owns it (the step loop, or start-up before it):
+`stage_sync`, `fence` and a non-pipelined `finish_sync` run there. Recovery between syncs never
+reads the trainer: it probes a relaunched engine against the scores recorded at the current
+version's sync (every sync records them, probed or not).
 
-A dead vLLM is met in one of two places, and both spend the same restart budget
-(`inference.max_restarts`):
+A lost engine is met in one of two places, and both spend its restart budget:
+- between syncs, by its health watch (`SupervisedInference.watch` → `recover`): relaunched on the
+  weights of the current policy version and probed against that version's recorded scores;
+- during a sync, by the sync itself (the apply step fails and the engine does not answer
+  `/health`): relaunched on the weights it served before the sync, and the same sync applied once
+  more, ending with the usual probe. A second failure, or a failure while the engine is healthy
+  (it refused the weights), is FAILED.
 
-- between syncs, by `watch` (`/health` failing `inference.health_failures` times, or the process
-  group gone): vLLM is relaunched on the weights of the current policy version and probed against
-  the trainer's scores recorded at that version's sync — the trainer may have stepped since, and
-  its live weights are neither read nor compared;
-- during a sync, by the sync itself (the apply step fails and vLLM does not answer `/health`):
-  vLLM is relaunched on the weights it served before the sync and the same sync is applied once
-  more, ending with the usual probe against the trainer. A second failure, or a failure while vLLM
-  is healthy (e.g. it refused the weights), is FAILED.
+Each mode's module holds only what is particular to it: its states, transition table and its
+`_save` / `_apply` / `_launch_kwargs` / `_after_launch` / `_applied` pieces.
 """
 
 from __future__ import annotations
 
 import enum
-import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -43,19 +46,19 @@ import structlog
 
 from grpod.bridges.machine import StateMachine
 from grpod.bridges.probe import ProbeMismatch, ProbeResult, ProbeTolerance, run_probe, trainer_scores
-from grpod.config import GrpodConfig
-from grpod.inference.client import InferenceClient
-from grpod.inference.process import InferenceProcess
+from grpod.config import LORA_MODES, ModelConfig
+from grpod.inference.policy import Policy
+from grpod.inference.supervised import RestartBudgetSpent, SupervisedInference
 
 log = structlog.get_logger(__name__)
 
+Update = Callable[[], Awaitable[object]]
+# Upper bounds (s) of the sync-latency histogram `describe` reports (and Prometheus exposes).
+SYNC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
 
 class BridgeFailed(RuntimeError):
-    """The bridge cannot keep vLLM's weights in step; training must stop (checkpoint first)."""
-
-
-class InferenceUnavailable(RuntimeError):
-    """vLLM did not become available to serve requests in time."""
+    """The bridge cannot keep the engines' weights in step; training must stop (checkpoint first)."""
 
 
 @dataclass
@@ -79,12 +82,13 @@ class SyncRecord:
 @dataclass
 class StagedSync:
     """A sync whose trainer half is done: the weights of `version` are written where the mode's
-    apply reads them, and `reference` holds the trainer's probe scores of those weights. Nothing
-    in it reads the trainer again, so the trainer may step while vLLM applies it."""
+    apply reads them, and `reference` holds the trainer's probe scores of those weights (None: the
+    mode is not pipelined, and `finish_sync` scores them in the trainer's task). Nothing in it
+    reads the trainer again, so the trainer may step while the engines apply it."""
 
     version: int
     staged: Path
-    reference: list[list[float]] | None  # None: the mode is not pipelined, probe the live trainer
+    reference: list[list[float]] | None
     phases: dict[str, float]
     began: float
     forced: bool
@@ -93,43 +97,80 @@ class StagedSync:
 @dataclass
 class BridgeStats:
     syncs: int = 0
-    restarts: int = 0
     last_sync: SyncRecord | None = None
-    sync_seconds: list[float] = field(default_factory=list)
+    # Cumulative: syncs no longer than each bound of SYNC_BUCKETS, and the sum of all latencies.
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * len(SYNC_BUCKETS))
+    seconds_sum: float = 0.0
+
+    def add(self, record: SyncRecord) -> None:
+        self.syncs += 1
+        self.last_sync = record
+        self.seconds_sum += record.total_s
+        for i, bound in enumerate(SYNC_BUCKETS):
+            if record.total_s <= bound:
+                self.bucket_counts[i] += 1
+
+    def histogram(self) -> dict[str, Any]:
+        return {
+            "buckets": [[bound, count] for bound, count in zip(SYNC_BUCKETS, self.bucket_counts, strict=True)],
+            "count": self.syncs,
+            "sum": round(self.seconds_sum, 4),
+        }
 
 
 class Bridge:
     mode: ClassVar[str]
-    # Whether a sync can be split into `stage_sync` (trainer half) and `finish_sync` (vLLM half)
-    # with training going on in between: true when the mode ships vLLM a copy of the weights.
+    # Whether a sync can be split into `stage_sync` (trainer half) and `finish_sync` (engine
+    # half) with training going on in between: true when the mode ships a copy of the weights.
     pipelined: ClassVar[bool] = True
     State: ClassVar[type[enum.Enum]]
     Event: ClassVar[type[enum.Enum]]
     TABLE: ClassVar[dict]
 
-    def __init__(self, cfg: GrpodConfig, run_dir: Path, trainer, *, policy_version: int = 0) -> None:
+    def __init__(
+        self,
+        cfg,
+        *,
+        engines: list[SupervisedInference],
+        trainer=None,
+        model: ModelConfig,
+        run_dir: Path,
+        policy_version: int = 0,
+    ) -> None:
+        """`cfg` is this mode's `bridge` section; `model` says what vLLM serves (path, dtype). The
+        trainer may come later (`provide_trainer`): the engines launch while it loads."""
         self.cfg = cfg
+        self.model = model
         self.run_dir = run_dir
-        self.trainer = trainer
-        self.policy_version = policy_version
-        self.inference = InferenceProcess(cfg.inference, cfg.model, run_dir)
-        self.client: InferenceClient | None = None
+        self.trainer = None
+        self._trainer_ready = anyio.Event()
+        if trainer is not None:
+            self.provide_trainer(trainer)
+        self.engines = engines
+        self.policy = Policy(engines, version=policy_version, lora=self.mode in LORA_MODES)
         self.machine = StateMachine(self.mode, self.TABLE, self.State["IDLE"])
         self.stats = BridgeStats()
-        self.weights_root = run_dir / "weights"
-        self.current_weights: Path = cfg.model.path
-        self._available = anyio.Event()
+        self.current_weights: Path = model.path
         # One sync at a time, from stage to finish (a semaphore: the finishing task is not
         # always the one that staged); recovery between syncs takes it too.
         self._sync_slot = anyio.Semaphore(1)
-        # The trainer's probe scores at the last passed probe, and the policy version they are of.
+        # The trainer's probe scores of the current policy version's weights, and that version.
         self._reference: tuple[int, list[list[float]]] | None = None
-        # `bridge.probe_every`: syncs served without a probe since the last one, and whether
-        # vLLM was (re)launched since (a launched vLLM is always probed).
+        # `bridge.probe_every`: syncs served without a probe since the last one, and whether an
+        # engine was (re)launched since (a launched engine is always probed).
         self._unprobed_syncs = 0
         self._launched_since_probe = True
 
-    # ---- state machine -------------------------------------------------------------------
+    def provide_trainer(self, trainer) -> None:
+        self.trainer = trainer
+        self._trainer_ready.set()
+
+    async def _loaded_trainer(self):
+        """The trainer, once loaded (start-up waits here for what needs it)."""
+        await self._trainer_ready.wait()
+        return self.trainer
+
+    # ---- state ------------------------------------------------------------------------------
     def _fire(self, event: str, error: str | None = None) -> None:
         self.machine.fire(self.Event[event], error=error)
 
@@ -137,118 +178,101 @@ class Bridge:
     def state(self) -> str:
         return self.machine.state.name
 
-    # ---- availability gate: requests wait on it while vLLM is being replaced --------------
-    def _open(self) -> None:
-        self._available.set()
-
-    def _close(self) -> None:
-        if self._available.is_set():
-            self._available = anyio.Event()
+    @property
+    def policy_version(self) -> int:
+        return self.policy.version
 
     @property
     def available(self) -> bool:
-        return self._available.is_set()
+        return self.policy.available
 
-    async def wait_available(self, timeout_s: float) -> InferenceClient:
-        try:
-            with anyio.fail_after(timeout_s):
-                while True:
-                    event = self._available
-                    await event.wait()
-                    if event is self._available and self.client is not None:
-                        return self.client
-        except TimeoutError:
-            raise InferenceUnavailable(
-                f"vLLM not available for {timeout_s:.0f}s (bridge state {self.state})"
-            ) from None
+    @property
+    def restarts(self) -> int:
+        return sum(engine.restarts for engine in self.engines)
 
-    def request_model(self) -> str:
-        """The model name requests must use to get the current policy."""
-        return "policy"
-
-    # ---- lifecycle shared by all modes ----------------------------------------------------
+    # ---- launching (each mode adds its arguments and its after-launch step) -----------------
     def _launch_kwargs(self) -> dict[str, Any]:
         return {}
 
-    async def _launch(self, weights: Path) -> None:
-        await self.inference.start(weights, **self._launch_kwargs())
-        self.client = self.inference.client()
-        await self.client.__aenter__()
-        await self.client.update_weight_version(self.policy_version)
+    async def _after_launch(self, engine: SupervisedInference) -> None:
+        """A mode's step between an engine's launch and its probe (shared: attach the weights)."""
 
-    async def _shutdown_inference(self) -> None:
-        self._close()
-        if self.client is not None:
-            client, self.client = self.client, None
-            await client.__aexit__(None, None, None)
-        await self.inference.stop()
+    def _served_name(self) -> str | None:
+        """The model name that samples the current policy (None: the default, `policy`)."""
+        return None
 
-    async def _initial_weights(self, resumed: bool) -> Path:
-        """Where vLLM loads its first weights from: the model, or the resumed trainer's weights."""
-        if not resumed:
-            return self.cfg.model.path
-        return await self._save_version_dir()
+    async def _launch(self, engine: SupervisedInference, weights: Path) -> None:
+        await engine.launch(weights, self.policy.version, **self._launch_kwargs())
+        await self._after_launch(engine)
 
-    async def _save_version_dir(self) -> Path:
-        return await self._write_weights(self.weights_root / f"v{self.policy_version:06d}")
+    async def _relaunch(self, engine: SupervisedInference, weights: Path, phases: dict[str, float] | None = None) -> None:
+        """Stop the engine, wait until it released everything, launch it on `weights`."""
+        self._launched_since_probe = True
+        await engine.relaunch(weights, self.policy.version, phases, **self._launch_kwargs())
+        await self._after_launch(engine)
 
-    async def _write_weights(self, target: Path) -> Path:
-        if target.exists():
-            shutil.rmtree(target)
-        await anyio.to_thread.run_sync(self.trainer.save_weights, target)
-        return target
+    async def _initial_weights(self, resumed_weights: Path | None) -> Path:
+        """What the engines load first: the model, or (resuming) the checkpoint's weights."""
+        return resumed_weights or self.model.path
 
-    def _prune_weights(self, keep: int) -> None:
-        if not self.weights_root.exists():
-            return
-        dirs = sorted(p for p in self.weights_root.iterdir() if p.is_dir())
-        for old in dirs[:-keep]:
-            if old != self.current_weights:
-                shutil.rmtree(old, ignore_errors=True)
-
-    async def start(self, *, resumed: bool = False) -> ProbeResult:
+    async def start(self, *, resumed_weights: Path | None = None) -> ProbeResult:
+        """Launch every engine on the initial weights and probe them against the trainer.
+        `resumed_weights`: the resumed checkpoint's copy of the policy, if any."""
         self._fire("START")
-        self.current_weights = await self._initial_weights(resumed)
-        await self._launch(self.current_weights)
+        self.current_weights = await self._initial_weights(resumed_weights)
+        async with anyio.create_task_group() as tg:
+            for engine in self.engines:
+                tg.start_soon(self._launch, engine, self.current_weights)
         self._fire("READY")
-        return await self._probe_and_serve()
+        return await self._probe_and_serve(None)
 
-    async def _probe_and_serve(self, reference: list[list[float]] | None = None) -> ProbeResult:
-        """Probe vLLM against `reference` (trainer scores taken earlier: at a sync's staging, or
-        at the current version's sync for a relaunch between syncs), else the trainer's live
-        weights."""
-        assert self.client is not None
-        result = await run_probe(
-            self.client,
-            self.trainer,
-            model=self.request_model(),
-            tolerance=ProbeTolerance.for_serving(self.cfg.model.dtype, self.cfg.bridge),
-            timeout_s=self.cfg.bridge.probe_timeout_s,
-            reference=reference,
-        )
-        if not result.ok:
-            message = (
-                f"alignment probe failed: vLLM's logprobs differ from the trainer's by up to "
-                f"{result.max_abs_diff:.4g} (mean {result.mean_abs_diff:.4g}, p95 {result.p95_abs_diff:.4g}; "
-                f"tolerance {result.tolerance.describe()}); vLLM is not serving the "
-                f"trainer's weights (policy version {self.policy_version})"
+    async def _probe_and_serve(
+        self, reference: list[list[float]] | None, engines: list[SupervisedInference] | None = None
+    ) -> ProbeResult:
+        """Probe `engines` (default: all) against `reference` (trainer scores taken earlier),
+        else the trainer's weights now; open each engine that passes. Returns the last result."""
+        result: ProbeResult | None = None
+        trainer = await self._loaded_trainer()
+        for engine in engines or self.engines:
+            assert engine.client is not None
+            result = await run_probe(
+                engine.client,
+                trainer,
+                model=self.policy.served_name,
+                tolerance=ProbeTolerance.for_serving(self.model.dtype, self.cfg),
+                timeout_s=self.cfg.probe_timeout_s,
+                reference=reference,
             )
-            self._fire("PROBE_FAIL", error=message)
-            raise ProbeMismatch(message)
+            if not result.ok:
+                message = (
+                    f"alignment probe failed on {engine.name}: vLLM's logprobs differ from the trainer's by up to "
+                    f"{result.max_abs_diff:.4g} (mean {result.mean_abs_diff:.4g}, p95 {result.p95_abs_diff:.4g}; "
+                    f"tolerance {result.tolerance.describe()}); vLLM is not serving the "
+                    f"trainer's weights (policy version {self.policy.version})"
+                )
+                self._fire("PROBE_FAIL", error=message)
+                raise ProbeMismatch(message)
+            reference = result.reference
+        assert result is not None
         self._fire("PROBE_OK")
         self._launched_since_probe, self._unprobed_syncs = False, 0
-        self._reference = (self.policy_version, result.reference)
-        self._open()
+        self._reference = (self.policy.version, result.reference)
+        for engine in engines or self.engines:
+            engine.open()
         return result
 
+    # ---- syncs ------------------------------------------------------------------------------
     def sync_due(self, step: int) -> bool:
-        return step % self.cfg.bridge.sync_every == 0
+        return step % self.cfg.sync_every == 0
 
-    async def after_step(self, step: int) -> SyncRecord | None:
-        return await self.sync_now() if self.sync_due(step) else None
+    async def fence(self, update: Update) -> SyncRecord | None:
+        """Run one optimizer update (`update`, the trainer's apply). Modes that ship a copy need
+        no fence: the update runs as is and the sync follows later. `shared` overrides this."""
+        await update()
+        return None
 
     async def sync_now(self, *, forced: bool = False) -> SyncRecord:
-        """A whole sync: vLLM serves the trainer's weights as the next version when it returns."""
+        """A whole sync: the engines serve the trainer's weights as the next version on return."""
         return await self.finish_sync(await self.stage_sync(forced=forced))
 
     async def stage_sync(self, *, forced: bool = False) -> StagedSync:
@@ -256,7 +280,7 @@ class Bridge:
         finish), write the weights, score the probe with them. `finish_sync` must follow."""
         await self._sync_slot.acquire()
         began = time.perf_counter()
-        new_version = self.policy_version + 1
+        new_version = self.policy.version + 1
         try:
             self._fire("SYNC")
             try:
@@ -279,26 +303,27 @@ class Bridge:
         return StagedSync(new_version, staged, reference, phases, began, forced)
 
     async def finish_sync(self, sync: StagedSync) -> SyncRecord:
-        """The vLLM half: apply the staged weights (recovering a vLLM that dies meanwhile), then
-        probe them against the scores taken when they were staged. Releases the sync slot."""
+        """The engines' half: apply the staged weights to each engine (recovering one that dies
+        meanwhile), then probe them. Releases the sync slot."""
         try:
             phases, new_version = sync.phases, sync.version
             try:
                 t = time.perf_counter()
-                try:
-                    await self._apply(sync.staged, new_version, phases)
-                except Exception as exc:  # noqa: BLE001 — a dead vLLM is recovered, anything else fails below
-                    if await self._engine_healthy():
-                        raise
-                    await self._relaunch_mid_sync(exc, new_version, phases)
-                    await self._apply(sync.staged, new_version, phases)
+                for engine in self.engines:
+                    await self._apply_recovering(engine, sync.staged, new_version, phases)
+                await self._applied(sync.staged, new_version)
                 phases["apply"] = time.perf_counter() - t
-                self.policy_version = new_version
+                self.policy.publish(new_version, self._served_name())
                 self._fire("APPLIED")
             except Exception as exc:
                 message = f"sync to version {new_version} failed: {exc}"
                 self._fire("FAIL", error=message)
                 raise BridgeFailed(message) from exc
+            if sync.reference is None:
+                # Not pipelined: this runs in the trainer's task, whose weights are the synced ones.
+                t = time.perf_counter()
+                sync.reference = await anyio.to_thread.run_sync(trainer_scores, self.trainer)
+                phases["score"] = time.perf_counter() - t
             t = time.perf_counter()
             if self._probe_due():
                 probe = (await self._probe_and_serve(sync.reference)).as_dict()
@@ -306,24 +331,34 @@ class Bridge:
             else:
                 probe = self._serve_unprobed(sync)
             record = SyncRecord(new_version, phases, time.perf_counter() - sync.began, probe, sync.forced)
-            self.stats.syncs += 1
-            self.stats.last_sync = record
-            self.stats.sync_seconds.append(record.total_s)
+            self.stats.add(record)
             log.info("sync_done", bridge=self.mode, **record.as_dict())
             return record
         finally:
             self._sync_slot.release()
 
+    async def _apply_recovering(self, engine: SupervisedInference, staged: Path, version: int, phases: dict[str, float]) -> None:
+        try:
+            await self._apply(engine, staged, version, phases)
+        except Exception as exc:  # noqa: BLE001 — a dead engine is recovered, anything else fails the sync
+            if await engine.healthy():
+                raise
+            await self._relaunch_mid_sync(engine, exc, version, phases)
+            await self._apply(engine, staged, version, phases)
+        engine.version = version
+
     def _probe_due(self) -> bool:
         """Every `bridge.probe_every`-th sync is probed, and always the first after a launch."""
-        return self._launched_since_probe or self._unprobed_syncs + 1 >= self.cfg.bridge.probe_every
+        return self._launched_since_probe or self._unprobed_syncs + 1 >= self.cfg.probe_every
 
     def _serve_unprobed(self, sync: StagedSync) -> dict[str, Any]:
         self._unprobed_syncs += 1
         self._fire("PROBE_SKIP")
-        # Recovery before the next probe compares a relaunched vLLM with this version's scores.
-        self._reference = (sync.version, sync.reference) if sync.reference is not None else None
-        self._open()
+        # Recovery before the next probe compares a relaunched engine with this version's scores.
+        assert sync.reference is not None
+        self._reference = (sync.version, sync.reference)
+        for engine in self.engines:
+            engine.open()
         return {"skipped": True, "syncs_since_probe": self._unprobed_syncs}
 
     async def settled(self) -> None:
@@ -332,126 +367,101 @@ class Bridge:
         async with self._sync_slot:
             pass
 
-    async def _bump_version_and_reset_cache(self, version: int) -> None:
-        """Every weight change: the new version on vLLM's tokens, and no cached old-weight prefixes."""
-        assert self.client is not None
-        await self.client.reset_prefix_cache()
-        await self.client.update_weight_version(version)
+    async def _bump_version_and_reset_cache(self, engine: SupervisedInference, version: int) -> None:
+        """Every weight change: the new version on the engine's tokens, and no cached old-weight prefixes."""
+        assert engine.client is not None
+        await engine.client.reset_prefix_cache()
+        await engine.client.update_weight_version(version)
 
     async def _save(self, version: int) -> Path:
-        """Write what this mode ships to vLLM for `version`; returns where it is."""
+        """Write what this mode ships to the engines for `version`; returns where it is."""
         raise NotImplementedError
 
-    async def _apply(self, staged: Path, version: int, phases: dict[str, float]) -> None:
-        """Make vLLM serve `staged` as `version` (including cache reset and version bump)."""
+    async def _apply(self, engine: SupervisedInference, staged: Path, version: int, phases: dict[str, float]) -> None:
+        """Make `engine` serve `staged` as `version` (including cache reset and version bump)."""
         raise NotImplementedError
 
-    async def _relaunch(self, weights: Path, phases: dict[str, float] | None = None) -> None:
-        """Stop vLLM, wait until it released everything, launch it on `weights`, wait ready."""
-        t = time.perf_counter()
-        await self._shutdown_inference()
-        if phases is not None:
-            phases["stop"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self._launched_since_probe = True
-        await self._launch(weights)
-        if phases is not None:
-            phases["launch"] = time.perf_counter() - t
+    async def _applied(self, staged: Path, version: int) -> None:
+        """After every engine applied `version`: what the mode keeps of it (and what it prunes)."""
 
-    # ---- crash detection and recovery -------------------------------------------------------
-    async def _engine_healthy(self) -> bool:
-        if not self.inference.running or self.client is None:
-            return False
-        try:
-            with anyio.fail_after(self.cfg.inference.request_timeout_s):
-                return await self.client.health()
-        except Exception:  # noqa: BLE001 — any failure to answer is an unhealthy probe
-            return False
-
-    def _spend_restart(self, reason: str) -> None:
-        """Count one relaunch after a crash; when the budget is spent, fail with the reason."""
-        if self.stats.restarts >= self.cfg.inference.max_restarts:
-            raise BridgeFailed(
-                f"{reason}, and the restart budget (inference.max_restarts = {self.cfg.inference.max_restarts}) is spent"
-            )
-        self.stats.restarts += 1
-
-    async def _relaunch_mid_sync(self, cause: Exception, version: int, phases: dict[str, float]) -> None:
-        """vLLM died while a sync was applied: relaunch it on the weights it served before the
-        sync (the caller then applies the sync again). No probe here: the trainer is already at
-        `version`, vLLM is not yet."""
+    # ---- losing an engine -------------------------------------------------------------------
+    async def _relaunch_mid_sync(self, engine: SupervisedInference, cause: Exception, version: int, phases: dict[str, float]) -> None:
+        """An engine died while a sync was applied: relaunch it on the weights it served before
+        the sync (the caller then applies the sync again). No probe here: the trainer is already
+        at `version`, the engine is not yet."""
         began = time.perf_counter()
         reason = f"vLLM died during the sync to version {version} ({type(cause).__name__}: {cause})"
-        self._spend_restart(reason)
+        try:
+            engine.spend_restart(reason)
+        except RestartBudgetSpent as exc:
+            raise BridgeFailed(str(exc)) from cause
         self._fire("LOST", error=reason)
-        log.warning("inference_lost", bridge=self.mode, pid=self.inference.pid, restarts=self.stats.restarts, during="sync", error=str(cause))
-        await self._relaunch(self.current_weights)
+        log.warning("inference_lost", bridge=self.mode, engine=engine.name, pid=engine.process.pid,
+                    restarts=engine.restarts, during="sync", error=str(cause))
+        await self._relaunch(engine, self.current_weights)
         self._fire("RETRY")
         phases["recover"] = time.perf_counter() - began
-        log.info("inference_recovered", bridge=self.mode, seconds=round(phases["recover"], 3), during="sync")
+        log.info("inference_recovered", bridge=self.mode, engine=engine.name, seconds=round(phases["recover"], 3), during="sync")
 
     async def watch(self) -> None:
-        """Probe vLLM while it serves; after `health_failures` failed probes, recover it."""
-        failures = 0
-        backoff = 1.0
-        while True:
-            await anyio.sleep(self.cfg.inference.health_interval_s)
-            if self.machine.state != self.State["SERVING"] or self._sync_slot.value == 0:
-                failures = 0
-                continue
-            if await self._engine_healthy():
-                failures = 0
-                continue
-            failures += 1
-            if failures < self.cfg.inference.health_failures:
-                continue
-            failures = 0
-            if self.stats.restarts:
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
-            await self.recover()
+        """Every engine's health watch, each recovering its engine (`recover`) when it is lost.
+        Raises BridgeFailed (unwrapped from the watches' task group) when one cannot be."""
+        try:
+            async with anyio.create_task_group() as tg:
+                for engine in self.engines:
+                    tg.start_soon(engine.watch, self.recover)
+        except BaseExceptionGroup as group:
+            matched, _ = group.split(BridgeFailed)
+            if matched is None:
+                raise
+            while isinstance(matched, BaseExceptionGroup):
+                matched = matched.exceptions[0]
+            raise matched from None
 
-    async def recover(self) -> None:
-        """Relaunch a dead vLLM on the current version's weights and probe it against that
-        version's reference scores (a sync that ran meanwhile may already have recovered it)."""
+    async def recover(self, engine: SupervisedInference, reason: str) -> None:
+        """Relaunch a lost engine on the current version's weights and probe it against that
+        version's recorded scores (a sync that ran meanwhile may already have recovered it)."""
         async with self._sync_slot:
-            if self.machine.state != self.State["SERVING"] or await self._engine_healthy():
+            if self.machine.state != self.State["SERVING"] or await engine.healthy():
                 return
             began = time.perf_counter()
-            reason = "inference engine dead or unresponsive"
             try:
-                self._spend_restart(reason)
-            except BridgeFailed as exc:
+                engine.spend_restart(reason)
+            except RestartBudgetSpent as exc:
                 self._fire("FAIL", error=str(exc))
-                raise
+                raise BridgeFailed(str(exc)) from None
             self._fire("LOST", error=reason)
-            log.warning("inference_lost", bridge=self.mode, pid=self.inference.pid, restarts=self.stats.restarts)
-            await self._relaunch(self.current_weights)
+            log.warning("inference_lost", bridge=self.mode, engine=engine.name, pid=engine.process.pid,
+                        restarts=engine.restarts, error=reason)
+            await self._relaunch(engine, self.current_weights)
             self._fire("RECOVERED")
-            reference = self._reference[1] if self._reference and self._reference[0] == self.policy_version else None
-            await self._probe_and_serve(reference)
-            log.info("inference_recovered", bridge=self.mode, seconds=round(time.perf_counter() - began, 3))
+            if self._reference is None or self._reference[0] != self.policy.version:
+                message = f"no probe reference recorded for policy version {self.policy.version}; {engine.name} stays closed"
+                self._fire("PROBE_FAIL", error=message)
+                raise BridgeFailed(message)
+            await self._probe_and_serve(self._reference[1], engines=[engine])
+            log.info("inference_recovered", bridge=self.mode, engine=engine.name, seconds=round(time.perf_counter() - began, 3))
 
     async def stop(self) -> None:
         if self.machine.can_fire(self.Event["STOP"]):
             self._fire("STOP")
-        await self._shutdown_inference()
+        with anyio.CancelScope(shield=True):
+            for engine in self.engines:
+                await engine.shutdown()
         if self.machine.can_fire(self.Event["STOPPED"]):
             self._fire("STOPPED")
 
     def describe(self) -> dict[str, Any]:
+        first = self.engines[0].describe()
         return {
             "mode": self.mode,
-            "policy_version": self.policy_version,
+            "policy_version": self.policy.version,
             "syncs": self.stats.syncs,
-            "restarts": self.stats.restarts,
+            "sync_latency": self.stats.histogram(),
+            "restarts": self.restarts,
             "last_sync": self.stats.last_sync.as_dict() if self.stats.last_sync else None,
             "weights": str(self.current_weights),
-            "vllm": {
-                "pid": self.inference.pid,
-                "running": self.inference.running,
-                "base_url": self.inference.base_url if self.inference.running else None,
-                "available": self.available,
-            },
+            "vllm": {key: first[key] for key in ("pid", "running", "base_url", "available")},
+            "engines": [engine.describe() for engine in self.engines],
             **self.machine.describe(),
         }

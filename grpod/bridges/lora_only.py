@@ -5,7 +5,7 @@ vLLM is launched once on the frozen base (`model.path`, `--enable-lora`, `--max-
 `policy-vN` when resuming at version N). Every `bridge.sync_every` steps:
 
     save the adapter to a NEW directory (<run>/adapters/v000007) →
-    /v1/load_lora_adapter as a NEW name (policy-v7) → requests switch to it (`request_model`) →
+    /v1/load_lora_adapter as a NEW name (policy-v7) → requests switch to it (`Policy.served_name`) →
     /v1/unload_lora_adapter of the previous name → prefix-cache reset + weight version bump →
     alignment probe on policy-v7 → prune old adapter directories to `bridge.keep_adapters`
 
@@ -49,6 +49,7 @@ from pathlib import Path
 from grpod.bridges.adapters import Adapter, LoraBridge
 from grpod.bridges.common import Event, lifecycle_rows, mode_states
 from grpod.inference.client import InferenceRequestError
+from grpod.inference.supervised import SupervisedInference
 
 
 # The lifecycle states every mode has, plus the one this mode's sync passes through.
@@ -71,41 +72,46 @@ class LoraOnlyBridge(LoraBridge):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # Adapter names the running vLLM may have registered (a load that timed out may have).
-        self._registered: set[str] = set()
+        # Per engine, the adapter names its running vLLM may have registered (a load that timed
+        # out may have).
+        self._registered: dict[str, set[str]] = {}
 
-    async def _launch(self, weights: Path) -> None:
-        await super()._launch(weights)
+    async def _after_launch(self, engine: SupervisedInference) -> None:
         assert self.adapter is not None
-        self._registered = {self.adapter.name}
+        self._registered[engine.name] = {self.adapter.name}
+        await super()._after_launch(engine)
 
-    async def _apply(self, staged: Path, version: int, phases: dict[str, float]) -> None:
-        assert self.client is not None
+    async def _apply(self, engine: SupervisedInference, staged: Path, version: int, phases: dict[str, float]) -> None:
+        assert engine.client is not None
         new = Adapter(version, staged)
-        self._close()
+        registered = self._registered.setdefault(engine.name, set())
+        engine.close()
         t = time.perf_counter()
-        if new.name in self._registered:
+        if new.name in registered:
             # A retried sync (FAILED --SYNC-->) at a version an interrupted attempt registered.
             # Unload rather than `load_inplace`: vLLM would reload an in-place adapter from disk
             # at every engine step for as long as it is served.
-            await self._unload(new.name)
-        self._registered.add(new.name)
-        await self.client.load_lora_adapter(new.name, str(new.path))
-        phases["load"] = time.perf_counter() - t
-        self.adapter = new
+            await self._unload(engine, new.name)
+        registered.add(new.name)
+        await engine.client.load_lora_adapter(new.name, str(new.path))
+        await engine.client.set_generate_model(new.name)
+        phases["load"] = phases.get("load", 0.0) + time.perf_counter() - t
         t = time.perf_counter()
-        for name in sorted(self._registered - {new.name}):
-            await self._unload(name)
-        await self._bump_version_and_reset_cache(version)
-        phases["unload_reset"] = time.perf_counter() - t
+        for name in sorted(registered - {new.name}):
+            await self._unload(engine, name)
+        await self._bump_version_and_reset_cache(engine, version)
+        phases["unload_reset"] = phases.get("unload_reset", 0.0) + time.perf_counter() - t
+
+    async def _applied(self, staged: Path, version: int) -> None:
+        self.adapter = Adapter(version, staged)
         self._prune_adapters()
 
-    async def _unload(self, name: str) -> None:
-        """Retire `name` from vLLM's registry; a name vLLM never registered counts as retired."""
-        assert self.client is not None
+    async def _unload(self, engine: SupervisedInference, name: str) -> None:
+        """Retire `name` from the engine's registry; a name vLLM never registered counts as retired."""
+        assert engine.client is not None
         try:
-            await self.client.unload_lora_adapter(name)
+            await engine.client.unload_lora_adapter(name)
         except InferenceRequestError as exc:
             if exc.status != HTTPStatus.NOT_FOUND:
                 raise
-        self._registered.discard(name)
+        self._registered.get(engine.name, set()).discard(name)

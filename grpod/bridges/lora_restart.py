@@ -36,6 +36,7 @@ from pathlib import Path
 
 from grpod.bridges.adapters import Adapter, LoraBridge
 from grpod.bridges.common import Event, lifecycle_rows, mode_states
+from grpod.inference.supervised import SupervisedInference
 
 
 # The lifecycle states every mode has, plus the one this mode's sync passes through.
@@ -56,10 +57,12 @@ class LoraRestartBridge(LoraBridge):
     Event = Event
     TABLE = TABLE
 
-    async def _apply(self, staged: Path, version: int, phases: dict[str, float]) -> None:
+    async def _apply(self, engine: SupervisedInference, staged: Path, version: int, phases: dict[str, float]) -> None:
         # The adapter to preload is part of the launch arguments (`_launch_kwargs`); from here
         # on it is the one vLLM is asked to serve, also by a retry or a recovery.
         self.adapter = Adapter(version, staged)
-        await self._relaunch(self.current_weights, phases)
-        await self._bump_version_and_reset_cache(version)
+        await self._relaunch(engine, self.current_weights, phases)
+        await self._bump_version_and_reset_cache(engine, version)
+
+    async def _applied(self, staged: Path, version: int) -> None:
         self._prune_adapters()

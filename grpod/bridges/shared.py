@@ -1,25 +1,24 @@
 """Bridge mode `shared`: one copy of the weights, read by vLLM and written by the trainer.
 
 At start the trainer's parameters move into one buffer laid out the way vLLM holds the model
-(`grpod.training.attach`: qkv / gate_up fused, vocabulary padded to 64 rows, tied embeddings one
+(`grpod.weights.shared_layout`: qkv / gate_up fused, vocabulary padded to 64 rows, tied embeddings one
 slot) — a file in a run-scoped /dev/shm directory on CPU, CUDA IPC memory on a GPU — and become
-views into it. vLLM launches with grpod's worker extension (`grpod.inference.worker_ext`, which on
+views into it. vLLM launches with grpod's worker extension (`grpod.weights.shared_ext`, which on
 CPU keeps linear weights as plain tensors), loads the checkpoint as usual, then
 `collective_rpc("attach_shared", dir)` re-points each of its parameters at the same memory and
 frees its own copy. From then on there is nothing to ship: the optimizer step *is* the sync.
 
-The fence: the trainer runs every optimizer step through `trainer.update_fence(step)`; this bridge
-sets it to `fence_update`, which (from the trainer's worker thread) runs the bridge's sync around
-the step:
+The fence: the step loop runs every optimizer update through `bridge.fence(update)`, a line of
+the loop; this bridge runs its sync around the update:
 
     /grpod/pause?mode=keep → optimizer.step() writes the shared tensors in place →
     /grpod/resume (prefix-cache reset + weight version bump + resume, one request) → probe
 
 so no forward pass ever reads half-written weights, and generation is paused only for the step
 itself, not for the forward/backward before it. vLLM's pause clears its caches and preempts the
-frozen requests, so a generation in flight resumes by recomputing its KV with the new weights. Every optimizer step is therefore a sync and
-`bridge.sync_every` does not apply; `after_step` reports the sync its step made. A skipped step
-(no optimizer step) makes none. `ctl sync` re-fences with nothing to write: a version bump and a
+frozen requests, so a generation in flight resumes by recomputing its KV with the new weights.
+Every optimizer update is therefore a sync and `bridge.sync_every` does not apply (`sync_due` is
+never true); `fence` returns the sync it made. A skipped step (no optimizer step) makes none. `ctl sync` re-fences with nothing to write: a version bump and a
 probe. If vLLM dies during the fence, it is relaunched and re-attached and the fence runs again
 (the optimizer step only if it had not run yet). If the step or the version bump fails while vLLM
 is alive, vLLM stays paused (it never serves torn weights) and the bridge is FAILED.
@@ -56,22 +55,22 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import structlog
 
-from grpod.bridges.base import Bridge, BridgeFailed, SyncRecord
+from grpod.bridges.base import Bridge, BridgeFailed, SyncRecord, Update
 from grpod.bridges.common import Event, lifecycle_rows, mode_states
-from grpod.config import GrpodConfig, run_key
+from grpod.config import ModelConfig, run_key
 from grpod.inference.client import InferenceRequestError
-from grpod.training.attach import SharedWeights, share_parameters
+from grpod.inference.supervised import SupervisedInference
+from grpod.weights.shared_layout import SharedWeights, share_parameters
 
 log = structlog.get_logger(__name__)
 
-WORKER_EXTENSION = "grpod.inference.worker_ext.SharedWeightsExtension"
+WORKER_EXTENSION = "grpod.weights.shared_ext.SharedWeightsExtension"
 SHM_ROOT = Path("/dev/shm")
 
 
@@ -97,15 +96,15 @@ def shared_dir(run_dir: Path) -> Path:
     return SHM_ROOT / f"grpod-shared-{run_key(run_dir)}"
 
 
-def check_supported(cfg: GrpodConfig, trainer_device: str, vllm_on_gpu: bool) -> None:
+def check_supported(model: ModelConfig, enforce_eager: bool, trainer_device: str, vllm_on_gpu: bool, engines: int) -> None:
     """Refuse, before anything is launched, a configuration shared mode cannot serve (LoRA is
     refused by the config itself)."""
-    if cfg.model.dtype != "float32":
+    if model.dtype != "float32":
         raise SharedModeUnsupported(
             f"bridge.mode = 'shared' needs model.dtype = 'float32' (the trainer's fp32 weights are what vLLM "
-            f"reads), not {cfg.model.dtype!r}; set model.dtype = 'float32' or use bridge.mode = 'none'"
+            f"reads), not {model.dtype!r}; set model.dtype = 'float32' or use bridge.mode = 'none'"
         )
-    if not cfg.inference.enforce_eager:
+    if not enforce_eager:
         raise SharedModeUnsupported(
             "bridge.mode = 'shared' needs inference.enforce_eager = true: compiled graphs keep the addresses "
             "of vLLM's own weight copy, which attaching replaces"
@@ -115,6 +114,11 @@ def check_supported(cfg: GrpodConfig, trainer_device: str, vllm_on_gpu: bool) ->
         raise SharedModeUnsupported(
             f"bridge.mode = 'shared' needs the trainer and vLLM on the same device: train.device = "
             f"{trainer_device!r} but vLLM runs on {'a GPU' if vllm_on_gpu else 'the CPU'}"
+        )
+    if engines != 1:
+        raise SharedModeUnsupported(
+            f"bridge.mode = 'shared' serves one engine from the trainer's memory, not {engines}; "
+            "set inference.engines = 1 or use bridge.mode = 'none' or 'broadcast'"
         )
 
 
@@ -126,15 +130,16 @@ class SharedBridge(Bridge):
     Event = Event
     TABLE = TABLE
 
-    def __init__(self, cfg: GrpodConfig, run_dir: Path, trainer, *, policy_version: int = 0) -> None:
-        super().__init__(cfg, run_dir, trainer, policy_version=policy_version)
-        check_supported(cfg, str(trainer.device), self.inference.gpu)
-        if cfg.bridge.sync_every != 1:
-            log.warning("shared_sync_every_ignored", sync_every=cfg.bridge.sync_every, reason="every optimizer step is a sync")
-        self.shm_dir = shared_dir(run_dir)
+    def __init__(self, *args, train_device: str, **kwargs) -> None:
+        """`train_device`: where the trainer's parameters live (`train.device`)."""
+        super().__init__(*args, **kwargs)
+        first = self.engines[0]
+        check_supported(self.model, first.cfg.enforce_eager, train_device, first.process.gpu, len(self.engines))
+        if self.cfg.sync_every != 1:
+            log.warning("shared_sync_every_ignored", sync_every=self.cfg.sync_every, reason="every optimizer step is a sync")
+        self.shm_dir = shared_dir(self.run_dir)
         self.shared: SharedWeights | None = None
-        self._update: Callable[[], object] | None = None
-        self._step_sync: SyncRecord | None = None
+        self._update: Update | None = None
         # vLLM's freshly loaded values equal the trainer's only before the first optimizer step
         # of a run that did not resume; then attach also checks them, parameter by parameter.
         self._verify_values = True
@@ -142,75 +147,69 @@ class SharedBridge(Bridge):
     def _launch_kwargs(self) -> dict[str, Any]:
         return {"worker_extension": WORKER_EXTENSION}
 
-    async def _initial_weights(self, resumed: bool) -> Path:
+    async def _initial_weights(self, resumed_weights: Path | None) -> Path:
         """vLLM loads the base checkpoint (for its shapes); attaching gives it the trainer's values."""
-        self._verify_values = not resumed
-        return self.cfg.model.path
+        self._verify_values = resumed_weights is None
+        return self.model.path
 
-    def _share_trainer_weights(self) -> SharedWeights:
+    def _share_trainer_weights(self, trainer) -> SharedWeights:
         if self.shm_dir.exists():
             log.warning("shared_stale_dir_removed", directory=str(self.shm_dir))
             shutil.rmtree(self.shm_dir)
-        return share_parameters(self.trainer.model, self.shm_dir)
+        return share_parameters(trainer.model, self.shm_dir)
 
-    async def _launch(self, weights: Path) -> None:
-        """Launch vLLM on `weights`, then attach it to the shared buffer (made on first launch)."""
+    async def _after_launch(self, engine: SupervisedInference) -> None:
+        """Attach the launched vLLM to the shared buffer (its own copy is freed). The first
+        launch waits for the trainer, whose parameters then move into the buffer."""
         if self.shared is None:
-            self.shared = await anyio.to_thread.run_sync(self._share_trainer_weights)
-            self.trainer.update_fence = self.fence_update
-        await super()._launch(weights)
-        assert self.client is not None
+            trainer = await self._loaded_trainer()
+            self.shared = await anyio.to_thread.run_sync(self._share_trainer_weights, trainer)
+
+        assert engine.client is not None
         began = time.perf_counter()
         verify = "true" if self._verify_values else "false"
         try:
-            answers = await self.client.collective_rpc("attach_shared", args=[str(self.shm_dir), verify])
+            answers = await engine.client.collective_rpc("attach_shared", args=[str(self.shm_dir), verify])
         except InferenceRequestError as exc:
             raise BridgeFailed(f"vLLM could not attach the shared weights in {self.shm_dir}: {exc}") from exc
         self._verify_values = False
         log.info("shared_attached", workers=answers, seconds=round(time.perf_counter() - began, 3))
 
-    # ---- the fence: the optimizer step runs inside the sync -------------------------------
-    def fence_update(self, update: Callable[[], object]) -> None:
-        """Run `update` (the optimizer step) fenced; called in the trainer's anyio worker thread.
+    # ---- the fence: the optimizer update runs inside the sync ------------------------------
+    def sync_due(self, step: int) -> bool:
+        return False
 
-        Blocks until the sync it makes has been probed; raises `BridgeFailed` / `ProbeMismatch`
-        as the sync does. Once the bridge is stopping, nothing reads the buffer: `update` runs as is.
-        """
+    async def fence(self, update: Update) -> SyncRecord | None:
+        """Run `update` (the optimizer step) fenced and return the sync it made; raises
+        `BridgeFailed` / `ProbeMismatch` as a sync does. Once the bridge is stopping, nothing
+        reads the buffer: `update` runs as is."""
         if self.machine.state in (State.STOPPING, State.STOPPED):
-            update()
-            return
-        anyio.from_thread.run(self._fenced_sync, update)
-
-    async def _fenced_sync(self, update: Callable[[], object]) -> None:
+            await update()
+            return None
         self._update = update
         try:
-            self._step_sync = await self.sync_now()
+            return await self.sync_now()
         finally:
             self._update = None
-
-    async def after_step(self, step: int) -> SyncRecord | None:
-        """The sync the step's optimizer update made (None: the step made no update)."""
-        record, self._step_sync = self._step_sync, None
-        return record
 
     async def _save(self, version: int) -> Path:
         return self.shm_dir
 
-    async def _apply(self, staged: Path, version: int, phases: dict[str, float]) -> None:
-        assert self.client is not None
-        self._close()
+    async def _apply(self, engine: SupervisedInference, staged: Path, version: int, phases: dict[str, float]) -> None:
+        assert engine.client is not None
+        engine.close()
         t = time.perf_counter()
-        await self.client.pause(mode="keep")
+        await engine.client.pause(mode="keep")
         phases["pause"] = time.perf_counter() - t
         # Taken only once vLLM is paused: a sync retried after vLLM died before the pause still
         # has its optimizer step to run; one retried after the step ran has none.
         update, self._update = self._update, None
         if update is not None:
             t = time.perf_counter()
-            await anyio.to_thread.run_sync(update)
+            await update()
             phases["optimizer_step"] = time.perf_counter() - t
         t = time.perf_counter()
-        await self.client.end_fence(version)
+        await engine.client.end_fence(version)
         phases["reset_resume"] = time.perf_counter() - t
 
     async def stop(self) -> None:

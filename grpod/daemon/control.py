@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import structlog
 from anyio.abc import SocketStream
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 log = structlog.get_logger(__name__)
 
@@ -49,25 +50,21 @@ def check_socket_dir(path: Path) -> None:
 
 async def _read_lines(stream: SocketStream):
     """Yield each request line; an over-long line yields None once and is skipped to its end."""
-    buffer = b""
-    skipping = False
-    while True:
-        try:
-            chunk = await stream.receive(65536)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            if skipping:
-                skipping = False
-                continue
-            yield line
-        if len(buffer) > MAX_LINE:
-            if not skipping:
+    buffered = BufferedByteReceiveStream(stream)
+    try:
+        while True:
+            try:
+                yield await buffered.receive_until(b"\n", MAX_LINE)
+            except anyio.DelimiterNotFound:
                 yield None
-            skipping = True
-            buffer = b""
+                while True:  # discard the rest of that line
+                    chunk = await buffered.receive(MAX_LINE)
+                    end = chunk.find(b"\n")
+                    if end >= 0:
+                        buffered.feed_data(chunk[end + 1 :])
+                        break
+    except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+        return
 
 
 class ControlServer:

@@ -7,6 +7,7 @@ collector), so there is one source of truth: what `ctl status` shows is what Pro
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -17,9 +18,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 log = structlog.get_logger(__name__)
 
-SYNC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
-
 def _histogram(name: str, doc: str, values: list[float], buckets: tuple[float, ...]) -> HistogramMetricFamily:
     counts = []
     for bound in buckets:
@@ -28,16 +26,20 @@ def _histogram(name: str, doc: str, values: list[float], buckets: tuple[float, .
     return HistogramMetricFamily(name, doc, buckets=counts, sum_value=float(sum(values)))
 
 
+Status = Callable[[], dict[str, Any]]
+
+
 class DaemonCollector:
-    def __init__(self, daemon) -> None:
-        self.daemon = daemon
+    """Prometheus families from one `ctl status` reply, taken at scrape time."""
+
+    def __init__(self, status: Status) -> None:
+        self.status = status
 
     def collect(self):
-        d = self.daemon
-        status: dict[str, Any] = d.status()
+        status: dict[str, Any] = self.status()
         yield GaugeMetricFamily("grpod_step", "Optimizer steps done in this run", value=status["step"])
-        yield GaugeMetricFamily("grpod_policy_version", "Policy version vLLM serves", value=status["policy_version"] or 0)
-        yield GaugeMetricFamily("grpod_queue_depth", "Rollout groups buffered, not yet trained", value=status["queue_depth"])
+        yield GaugeMetricFamily("grpod_policy_version", "Policy version vLLM serves", value=status.get("policy_version") or 0)
+        yield GaugeMetricFamily("grpod_queue_depth", "Rollout groups buffered, not yet trained", value=status.get("queue_depth", 0))
         state = GaugeMetricFamily("grpod_bridge_state", "1 for the bridge's current state", labels=["mode", "state"])
         bridge = status.get("bridge") or {}
         if bridge:
@@ -45,15 +47,19 @@ class DaemonCollector:
         yield state
         yield CounterMetricFamily("grpod_vllm_restarts", "vLLM crash recoveries", value=bridge.get("restarts", 0))
         yield CounterMetricFamily("grpod_syncs", "Weight syncs completed", value=bridge.get("syncs", 0))
-        sync_seconds = list(d.bridge.stats.sync_seconds) if d.bridge is not None else []
-        yield _histogram("grpod_sync_seconds", "Weight sync latency", sync_seconds, SYNC_BUCKETS)
-        histogram = d.staleness.histogram
+        latency = bridge.get("sync_latency") or {"buckets": [], "count": 0, "sum": 0.0}
+        yield HistogramMetricFamily(
+            "grpod_sync_seconds", "Weight sync latency",
+            buckets=[(str(bound), count) for bound, count in latency["buckets"]] + [("+Inf", latency["count"])],
+            sum_value=float(latency["sum"]),
+        )
+        histogram = (status.get("staleness") or {}).get("histogram", {})
         ages = [float(age) for age, count in histogram.items() for _ in range(count)]
         yield _histogram(
             "grpod_staleness_versions", "Policy versions a group lagged at training time", ages, (0, 1, 2, 3, 4, 6, 8, 16, 32)
         )
         rejected = CounterMetricFamily("grpod_rejected_groups", "Rollout groups rejected, by reason", labels=["reason"])
-        for reason, count in status["rejected"].items():
+        for reason, count in (status.get("rejected") or {}).items():
             rejected.add_metric([reason], count)
         yield rejected
         age = None
@@ -87,9 +93,10 @@ class DaemonCollector:
             yield GaugeMetricFamily("grpod_eval_accuracy", "Last held-out accuracy", value=status["last_eval"]["eval_accuracy"])
 
 
-async def serve_metrics(daemon, host: str, port: int, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+async def serve_metrics(status: Status, host: str, port: int, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+    """Serve `/metrics` on host:port until cancelled; `status` is the daemon's `ctl status`."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(daemon))
+    registry.register(DaemonCollector(status))
 
     async def handle(_: web.Request) -> web.Response:
         body = generate_latest(registry)

@@ -124,10 +124,11 @@ class MetricsLog:
     def __init__(self, path: Path, wandb: WandbSink | None = None) -> None:
         self.path = path
         self.wandb = wandb
-        path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
         record = {**values, "kind": kind, "step": step, "time": time.time()}
+        if not self.path.parent.is_dir():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(record, default=float) + "\n")
         if self.wandb is not None:
@@ -139,6 +140,31 @@ class MetricsLog:
             wandb.close()
 
     def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_metrics(self.path) if self.path.exists() else []
+
+
+class MetricsFileError(ValueError):
+    """A metrics.jsonl line that is not a JSON record (the message names the file and line)."""
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every record of a metrics.jsonl (`path` is the file or its run directory), in order. A
+    last line without its newline (a write cut off by a kill) is left out; any other line that
+    is not JSON raises MetricsFileError naming it. The one reader: the plot, the summary, the
+    benchmarks and the tests use it."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    text = path.read_text()
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):  # unterminated: the write was cut off
+                break
+            raise MetricsFileError(f"{path}:{number}: not a JSON line") from None
+    return records

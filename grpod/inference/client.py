@@ -20,7 +20,7 @@ import aiohttp
 import structlog
 
 from grpod.inference.sampling import NEUTRAL_SAMPLING
-from grpod.inference.server import LAUNCH_HEADER, PAUSE_ROUTE, RESUME_ROUTE
+from grpod.inference.routes import GENERATE_MODEL_ROUTE, LAUNCH_HEADER, PAUSE_ROUTE, RESUME_ROUTE, SERVED_MODEL_NAME
 
 log = structlog.get_logger(__name__)
 
@@ -160,7 +160,7 @@ class InferenceClient:
         temperature: float,
         top_p: float = 1.0,
         seed: int | None = None,
-        model: str = "policy",
+        model: str = SERVED_MODEL_NAME,
         cache_salt: str | None = None,
         stop_token_ids: list[int] | None = None,
     ) -> list[Completion]:
@@ -207,12 +207,12 @@ class InferenceClient:
             raise InferenceRequestError(route, 200, f"asked for {n} completions, got {len(completions)}")
         return completions
 
-    async def score(self, token_ids: list[int], *, model: str = "policy", cache_salt: str | None = None) -> list[float]:
+    async def score(self, token_ids: list[int], *, model: str = SERVED_MODEL_NAME, cache_salt: str | None = None) -> list[float]:
         """Logprob of `token_ids[t]` given `token_ids[:t]` for t = 1..n-1, at temperature 1."""
         return (await self.score_many([token_ids], model=model, cache_salt=cache_salt))[0]
 
     async def score_many(
-        self, sequences: list[list[int]], *, model: str = "policy", cache_salt: str | None = None
+        self, sequences: list[list[int]], *, model: str = SERVED_MODEL_NAME, cache_salt: str | None = None
     ) -> list[list[float]]:
         """`score` of each sequence, in one request (vLLM runs them as one batch)."""
         route = "/v1/completions"
@@ -303,4 +303,4 @@ class InferenceClient:
     async def set_generate_model(self, model: str | None) -> None:
         """Make `/generate` requests that name no model (Atropos environments) use `model`, e.g.
         the current LoRA adapter; None restores the base model."""
-        await self._request("POST", "/grpod/generate_model", json_body={"model": model})
+        await self._request("POST", GENERATE_MODEL_ROUTE, json_body={"model": model})

@@ -55,11 +55,11 @@ import structlog
 from grpod.config import InferenceConfig, ModelConfig
 from grpod.inference import release
 from grpod.inference.client import ForeignServerError, InferenceClient
-from grpod.inference.server import LAUNCH_TOKEN_ENV
+from grpod.inference.routes import LAUNCH_TOKEN_ENV, SERVED_MODEL_NAME
 
 log = structlog.get_logger(__name__)
 
-SERVED_MODEL_NAME = "policy"
+
 LOG_TAIL_LINES = 30
 # A start-up probe that hangs is abandoned and retried, so an early exit is still noticed promptly.
 HEALTH_PROBE_TIMEOUT_S = 5.0

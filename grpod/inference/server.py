@@ -30,6 +30,9 @@ editing installed files:
   `VLLM_API_KEY`): vLLM's own check guards only `/v1`, `/v2`, `/inference` and `/cohere`, which
   leaves the dev routes (`/pause`, `/collective_rpc`, ...) and `/generate` open.
 
+Route paths, the launch-token header and the `/generate` translation live in the vLLM-free
+`grpod.inference.routes`; this module serves them (`router`).
+
 The hook is vLLM's app factory: `build_app` is wrapped where vLLM's launcher looks it up, so every
 stock route, middleware and the engine lifecycle stay vLLM's. `/health` stays vLLM's, which answers
 503 once the engine is dead.
@@ -38,162 +41,110 @@ stock route, middleware and the engine lifecycle stay vLLM's. `/health` stays vL
 import os
 from typing import Any
 
-from grpod.inference.sampling import with_neutral_sampling
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
-TOKEN_ID_PREFIX = "token_id:"
-GENERATE_MODEL_ROUTE = "/grpod/generate_model"
-PAUSE_ROUTE = "/grpod/pause"
-RESUME_ROUTE = "/grpod/resume"
-UNGUARDED_ROUTES = frozenset({"/health"})
-LAUNCH_HEADER = "x-grpod-launch"
-LAUNCH_TOKEN_ENV = "GRPOD_LAUNCH_TOKEN"
-
-
-class GenerateRequestError(ValueError):
-    """A `/generate` body that cannot be turned into a completion request."""
-
-
-def completion_request_body(body: dict[str, Any], default_model: str | None = None) -> dict[str, Any]:
-    """Translate an Atropos `/generate` body into a `/v1/completions` body (`default_model` when
-    the body names no model).
-
-    Token ids and their logprobs come back as ids (`return_token_ids`, `return_tokens_as_token_ids`)
-    so that no detokenise/retokenise step can change them. Sampling parameters the body leaves out
-    are stated neutral (`grpod.inference.sampling`); the environment's own values are kept.
-    """
-    if not isinstance(body, dict):
-        raise GenerateRequestError("the body must be a JSON object")
-    request = dict(body)
-    if "prompt" not in request:
-        raise GenerateRequestError('missing "prompt" (expected {"prompt": {"prompt_token_ids": [...]}})')
-    prompt = request.pop("prompt")
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" not in prompt:
-            raise GenerateRequestError('"prompt" is an object without "prompt_token_ids"')
-        prompt = prompt["prompt_token_ids"]
-    if request.pop("stream", False):
-        raise GenerateRequestError("streaming is not supported on /generate; use /v1/completions")
-    request["prompt"] = prompt
-    request = with_neutral_sampling(request)
-    if request.get("model") is None and default_model is not None:
-        request["model"] = default_model
-    request["return_token_ids"] = True
-    request["return_tokens_as_token_ids"] = True
-    return request
+from grpod.inference.routes import (
+    GENERATE_MODEL_ROUTE,
+    GENERATE_ROUTE,
+    LAUNCH_HEADER,
+    LAUNCH_TOKEN_ENV,
+    PAUSE_ROUTE,
+    RESUME_ROUTE,
+    UNGUARDED_ROUTES,
+    GenerateRequestError,
+    atropos_response,
+    completion_request_body,
+)
 
 
-def _token_id(key: str) -> str:
-    return key.removeprefix(TOKEN_ID_PREFIX)
+def _bad_request(message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": 400}}, status_code=400)
 
 
-def atropos_response(completion: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
-    """Reshape a `/v1/completions` answer into the Atropos `/generate` answer for `request`."""
-    choices = sorted(completion["choices"], key=lambda c: c["index"])
-    answer: dict[str, Any] = {
-        "text": [c["text"] for c in choices],
-        "finish_reasons": [c["finish_reason"] for c in choices],
-        "token_ids": [c["token_ids"] for c in choices],
-        "prompt_token_ids": choices[0]["prompt_token_ids"] if choices else [],
-    }
-    if request.get("logprobs") is not None:
-        answer["logprobs"] = [_output_logprobs(c) for c in choices]
-    if request.get("prompt_logprobs") is not None:
-        entries = choices[0]["prompt_logprobs"] if choices else []
-        answer["prompt_logprobs"] = [
-            None if entry is None else [{str(tok): lp["logprob"] for tok, lp in entry.items()}] for entry in entries
-        ]
-    return answer
+# grpod's routes, added to vLLM's app by `add_grpod_routes`.
+router = APIRouter()
 
 
-def _output_logprobs(choice: dict[str, Any]) -> list[list[dict[str, float]]]:
-    lps = choice["logprobs"]
-    top = lps.get("top_logprobs") or []
-    positions = []
-    for i, (token, logprob) in enumerate(zip(choice["token_ids"], lps["token_logprobs"], strict=True)):
-        entry = {str(token): logprob}
-        for key, value in (top[i] if i < len(top) and top[i] else {}).items():
-            entry.setdefault(_token_id(key), value)
-        positions.append([entry])
-    return positions
-
-
-def _add_grpod_routes(app: Any, args: Any) -> None:
-    """Add `/generate`, its default-model route, the fence's pause and, when the server has an
-    API key, the all-routes key check."""
-    from fastapi import Request
-    from fastapi.responses import JSONResponse
+async def _serve_generate(body: dict[str, Any], raw_request: Request) -> JSONResponse:
     from pydantic import ValidationError
-    from starlette.datastructures import Headers
-    from vllm import envs
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    try:
+        default_model = raw_request.app.state.grpod_generate_model
+        request = CompletionRequest.model_validate(completion_request_body(body, default_model))
+    except GenerateRequestError as exc:
+        return _bad_request(str(exc))
+    except ValidationError as exc:
+        return _bad_request(f"invalid /generate request: {exc}")
+    handler = raw_request.app.state.openai_serving_completion
+    if handler is None:
+        return _bad_request("the served model does not support completions")
+    result = await handler.create_completion(request, raw_request)
+    if isinstance(result, ErrorResponse):
+        return JSONResponse(result.model_dump(), status_code=result.error.code)
+    if not isinstance(result, CompletionResponse):
+        return _bad_request("unexpected streaming answer")
+    return JSONResponse(atropos_response(result.model_dump(), body))
+
+
+@router.post(GENERATE_ROUTE)
+async def generate(raw_request: Request) -> Any:
     from vllm.entrypoints.serve.utils.api_utils import with_cancellation
 
-    def bad_request(message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": 400}}, status_code=400)
+    try:
+        body = await raw_request.json()
+    except ValueError as exc:
+        return _bad_request(f"body is not JSON: {exc}")
+    return await with_cancellation(_serve_generate)(body, raw_request)
 
-    @with_cancellation
-    async def serve_generate(body: dict[str, Any], raw_request: Request) -> JSONResponse:
-        try:
-            default_model = raw_request.app.state.grpod_generate_model
-            request = CompletionRequest.model_validate(completion_request_body(body, default_model))
-        except GenerateRequestError as exc:
-            return bad_request(str(exc))
-        except ValidationError as exc:
-            return bad_request(f"invalid /generate request: {exc}")
-        handler = raw_request.app.state.openai_serving_completion
-        if handler is None:
-            return bad_request("the served model does not support completions")
-        result = await handler.create_completion(request, raw_request)
-        if isinstance(result, ErrorResponse):
-            return JSONResponse(result.model_dump(), status_code=result.error.code)
-        if not isinstance(result, CompletionResponse):
-            return bad_request("unexpected streaming answer")
-        return JSONResponse(atropos_response(result.model_dump(), body))
 
-    async def generate(raw_request: Request) -> Any:
-        try:
-            body = await raw_request.json()
-        except ValueError as exc:
-            return bad_request(f"body is not JSON: {exc}")
-        return await serve_generate(body, raw_request)
+@router.post(GENERATE_MODEL_ROUTE)
+async def set_generate_model(raw_request: Request) -> Any:
+    try:
+        model = (await raw_request.json())["model"]
+    except (ValueError, KeyError, TypeError):
+        return _bad_request('expected {"model": "<served model or adapter name>" | null}')
+    if model is not None and not isinstance(model, str):
+        return _bad_request(f'"model" must be a string or null, not {model!r}')
+    raw_request.app.state.grpod_generate_model = model
+    return JSONResponse({"model": model})
 
-    async def set_generate_model(raw_request: Request) -> Any:
-        try:
-            model = (await raw_request.json())["model"]
-        except (ValueError, KeyError, TypeError):
-            return bad_request('expected {"model": "<served model or adapter name>" | null}')
-        if model is not None and not isinstance(model, str):
-            return bad_request(f'"model" must be a string or null, not {model!r}')
-        raw_request.app.state.grpod_generate_model = model
-        return JSONResponse({"model": model})
 
-    async def pause(raw_request: Request) -> Any:
-        mode = raw_request.query_params.get("mode", "keep")
-        if mode not in ("keep", "abort"):
-            return bad_request(f"mode must be 'keep' or 'abort', not {mode!r}")
-        await raw_request.app.state.engine_client.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
-        return JSONResponse({"status": "paused"})
+@router.post(PAUSE_ROUTE)
+async def pause(raw_request: Request) -> Any:
+    mode = raw_request.query_params.get("mode", "keep")
+    if mode not in ("keep", "abort"):
+        return _bad_request(f"mode must be 'keep' or 'abort', not {mode!r}")
+    await raw_request.app.state.engine_client.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
+    return JSONResponse({"status": "paused"})
 
-    async def resume(raw_request: Request) -> Any:
-        try:
-            version = (await raw_request.json())["version"]
-        except (ValueError, KeyError, TypeError):
-            return bad_request('expected {"version": <integer weight version>}')
-        if not isinstance(version, int) or isinstance(version, bool):
-            return bad_request(f'"version" must be an integer, not {version!r}')
-        engine = raw_request.app.state.engine_client
-        reset = await engine.reset_prefix_cache()
-        await engine.update_weight_version(str(version))
-        await engine.resume_generation()
-        return JSONResponse({"prefix_cache_reset": bool(reset), "version": version})
+
+@router.post(RESUME_ROUTE)
+async def resume(raw_request: Request) -> Any:
+    try:
+        version = (await raw_request.json())["version"]
+    except (ValueError, KeyError, TypeError):
+        return _bad_request('expected {"version": <integer weight version>}')
+    if not isinstance(version, int) or isinstance(version, bool):
+        return _bad_request(f'"version" must be an integer, not {version!r}')
+    engine = raw_request.app.state.engine_client
+    reset = await engine.reset_prefix_cache()
+    await engine.update_weight_version(str(version))
+    await engine.resume_generation()
+    return JSONResponse({"prefix_cache_reset": bool(reset), "version": version})
+
+
+def add_grpod_routes(app: Any, args: Any) -> None:
+    """Add grpod's routes and, when the server has an API key, the all-routes key check; then
+    the launch token on every answer."""
+    from starlette.datastructures import Headers
+    from vllm import envs
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
     app.state.grpod_generate_model = None
-    app.add_api_route(PAUSE_ROUTE, pause, methods=["POST"])
-    app.add_api_route(RESUME_ROUTE, resume, methods=["POST"])
-    app.add_api_route("/generate", generate, methods=["POST"])
-    app.add_api_route(GENERATE_MODEL_ROUTE, set_generate_model, methods=["POST"])
+    app.include_router(router)
 
     class KeyOnEveryRoute(AuthenticationMiddleware):
         def __call__(self, scope, receive, send):
@@ -271,7 +222,7 @@ def main() -> None:
 
     def build_app(args: Any, *a: Any, **kw: Any) -> Any:
         app = stock_build_app(args, *a, **kw)
-        _add_grpod_routes(app, args)
+        add_grpod_routes(app, args)
         return app
 
     launcher.build_app = build_app

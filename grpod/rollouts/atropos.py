@@ -53,17 +53,21 @@ import json
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import anyio
 import structlog
 
-from grpod.config import GrpodConfig
+from grpod.config import AtroposSourceConfig
+from grpod.inference.policy import Policy
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.group import RolloutGroup
-from grpod.rollouts.validation import MalformedGroup, RejectionCounter, group_from_atropos, record_rejection
+from grpod.rollouts.atropos_wire import group_from_atropos
+from grpod.rollouts.source import MayGenerate, SourceStats
+from grpod.rollouts.validation import MalformedGroup, RejectionCounter, record_rejection
 
 log = structlog.get_logger(__name__)
 
@@ -72,8 +76,6 @@ MAX_WAIT_S = 8.0
 # While no batch arrives, a console line every WAITING_LINE_S says so (run.progress).
 WAITING_LINE_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
-# How often the fetch loop looks for room in a full buffer (the buffer offers no room event).
-ROOM_CHECK_S = 0.05
 BODY_EXCERPT_CHARS = 300
 
 
@@ -204,12 +206,24 @@ class TrajectoryApiClient:
 
 
 @dataclass
-class AtroposStats:
+class Registration:
+    """What grpod tells run-api about the run when it registers (besides the batch size)."""
+
+    run_name: str
+    max_token_len: int
+    checkpoint_dir: Path
+    checkpoint_every: int
+    steps: int
+
+
+@dataclass
+class AtroposStats(SourceStats):
     """What `ctl status` shows of the source. `last_error` is the most recent failure and stays
-    after recovery; `api_state` says whether the source is waiting on the API right now."""
+    after recovery; `api_state` says whether the source is waiting on the API right now. The
+    failure run (`failing_since`, `consecutive_errors`) is not ended by registering again, only
+    by an answered `/batch`."""
 
     api_state: str = ApiState.STARTING.value
-    last_error: str | None = None
     registrations: int = 0
     batches: int = 0
     accepted_groups: int = 0
@@ -217,10 +231,6 @@ class AtroposStats:
     pending_groups: int = 0
     empty_polls: int = 0
     api_errors: int = 0
-    # The current unbroken run of failed requests: wall time of its first failure (None while
-    # `/batch` answers) and its length. Registering again does not end it; an answered `/batch` does.
-    failing_since: float | None = None
-    consecutive_errors: int = 0
     # Groups that declared no sampling temperature (trained at source.temperature).
     undeclared_temperature_groups: int = 0
     api_batch_size: int | None = None
@@ -251,26 +261,29 @@ class AtroposSource:
 
     def __init__(
         self,
-        cfg: GrpodConfig,
-        bridge,
+        src: AtroposSourceConfig,
+        policy: Policy,
         *,
+        groups_per_step: int,
+        registration: Registration,
         cursor: dict | None = None,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         rejections: RejectionCounter | None = None,
+        progress: bool = True,
     ) -> None:
-        self.cfg = cfg
-        self.bridge = bridge
+        self.src = src
+        self.policy = policy
+        self.run_info = registration
+        self.progress = progress
         # The daemon's one rejection counter: conversion rejects count where validation's do
         # (`ctl status`, Prometheus).
         self.rejections = rejections if rejections is not None else RejectionCounter()
-        self.group_size = cfg.source.group_size
-        self.groups_per_step = cfg.train.groups_per_step
+        self.group_size = src.group_size
+        self.groups_per_step = groups_per_step
         self.batch_size = self.groups_per_step * self.group_size
         check_batch_geometry(self.batch_size, self.group_size, self.groups_per_step)
-        self.url = cfg.source.atropos_url
-        self.undeclared_temperature = (
-            cfg.source.temperature if cfg.source.atropos_undeclared_temperature == "config" else None
-        )
+        self.url = src.atropos_url
+        self.undeclared_temperature = src.temperature if src.atropos_undeclared_temperature == "config" else None
         self.request_timeout_s = request_timeout_s
         cursor = dict(cursor or {})
         if cursor.get("kind", self.kind) != self.kind:
@@ -286,8 +299,8 @@ class AtroposSource:
         self._outage_errors = 0
         self._waiting_since = time.monotonic()
         self._last_waiting_line = self._waiting_since
-        self._poll_wait = _Backoff(cfg.source.atropos_poll_s, MAX_WAIT_S)
-        self._error_wait = _Backoff(cfg.source.atropos_poll_s, MAX_WAIT_S)
+        self._poll_wait = _Backoff(src.atropos_poll_s, MAX_WAIT_S)
+        self._error_wait = _Backoff(src.atropos_poll_s, MAX_WAIT_S)
 
     def cursor(self) -> dict:
         cursor: dict[str, Any] = {"kind": self.kind, "batches": self.batches, "step": self.step}
@@ -297,19 +310,20 @@ class AtroposSource:
 
     def registration(self) -> dict[str, Any]:
         """The body of `POST /register`; `starting_step` is the step this run has reached."""
+        info = self.run_info
         return {
-            "wandb_group": self.cfg.run.dir.name or "grpod",
+            "wandb_group": info.run_name,
             "wandb_project": "grpod",
             "batch_size": self.batch_size,
-            "max_token_len": self.cfg.model.max_seq_len,
-            "checkpoint_dir": str(self.cfg.run.dir / "checkpoints"),
-            "save_checkpoint_interval": self.cfg.checkpoint.every,
+            "max_token_len": info.max_token_len,
+            "checkpoint_dir": str(info.checkpoint_dir),
+            "save_checkpoint_interval": info.checkpoint_every,
             "starting_step": self.step,
-            "num_steps": self.cfg.train.steps,
+            "num_steps": info.steps,
         }
 
     # ---- the two ways the supervisor drives a source ---------------------------------------
-    async def run(self, buffer: RolloutBuffer, may_generate) -> None:
+    async def run(self, buffer: RolloutBuffer, may_generate: MayGenerate) -> None:
         """Keep fetching batches into `buffer` until cancelled (overlap mode).
 
         `may_generate` is awaited before every `GET /batch`: pausing the daemon stops pulling data
@@ -323,6 +337,10 @@ class AtroposSource:
                     await self._put_next(buffer)
                 await self._wait_for_room(buffer)
                 await self._receive_batch(api, may_generate)
+
+    async def evaluate(self, size: int, max_tokens: int) -> None:
+        """Environments own their evaluation; grpod has no held-out data of theirs."""
+        return None
 
     async def fill(self, buffer: RolloutBuffer, count: int) -> None:
         """Put `count` groups into `buffer` (the synchronous loop's path); waits for batches as long
@@ -348,9 +366,9 @@ class AtroposSource:
 
     async def _wait_for_room(self, buffer: RolloutBuffer) -> None:
         need = min(self.groups_per_step, buffer.capacity)
-        while buffer.capacity - len(buffer) < need:
+        if buffer.capacity - len(buffer) < need:
             self._enter(ApiState.BUFFER_FULL)
-            await anyio.sleep(ROOM_CHECK_S)
+            await buffer.wait_for_room(need)
 
     def _enter(self, state: ApiState, **why: Any) -> None:
         old = self.stats.api_state
@@ -390,7 +408,7 @@ class AtroposSource:
             )
 
     def _console(self, text: str) -> None:
-        if self.cfg.run.progress:
+        if self.progress:
             print(f"grpod: {text}", file=sys.stderr, flush=True)
 
     def _say_still_waiting(self) -> None:
@@ -409,14 +427,7 @@ class AtroposSource:
         """One failed request: part of the current run of failures (`api_errors` counts requests
         that failed outright, not a run-api that forgot the trainer)."""
         self.stats.api_errors += int(api_error)
-        self.stats.last_error = error
-        self.stats.consecutive_errors += 1
-        if self.stats.failing_since is None:
-            self.stats.failing_since = time.time()
-
-    def _count_success(self) -> None:
-        self.stats.failing_since = None
-        self.stats.consecutive_errors = 0
+        self.stats.failing(error)
 
     async def _register(self, api: TrajectoryApiClient) -> None:
         self._enter(ApiState.REGISTERING)
@@ -477,7 +488,7 @@ class AtroposSource:
                 # run-api forgets a batch once it is sent: finish the request even when cancelled.
                 with anyio.CancelScope(shield=True):
                     items = await api.batch()
-                    self._count_success()
+                    self.stats.succeeded()
                     if items is not None:
                         self._accept(items)
                         self._poll_wait.reset()
@@ -500,7 +511,7 @@ class AtroposSource:
 
     def _accept(self, items: list[Any]) -> None:
         """Convert one batch into pending groups, tagged with the version vLLM serves now."""
-        version = self.bridge.policy_version
+        version = self.policy.version
         self.batches += 1
         self.step += 1
         self.stats.batches += 1

@@ -44,8 +44,21 @@ class RolloutBuffer:
                 self._changed.notify_all()
                 return taken
 
+    async def wait_for_room(self, n: int, timeout_s: float | None = None) -> None:
+        """Wait until the buffer has room for `n` more groups (TimeoutError after `timeout_s`)."""
+        with anyio.fail_after(timeout_s):
+            async with self._changed:
+                while self.capacity - len(self._groups) < n:
+                    await self._changed.wait()
+
+    async def wait_ready(self, n: int) -> None:
+        """Wait until `n` groups are buffered, taking none (cancel it freely: nothing is lost)."""
+        async with self._changed:
+            while len(self._groups) < n:
+                await self._changed.wait()
+
     async def take_available(self, n: int) -> list[RolloutGroup]:
-        """Take up to `n` groups without waiting (used when draining)."""
+        """Take up to `n` groups without waiting for more (after `wait_ready`, or when draining)."""
         async with self._changed:
             taken = [self._groups.popleft() for _ in range(min(n, len(self._groups)))]
             self._changed.notify_all()

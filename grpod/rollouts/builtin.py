@@ -19,11 +19,12 @@ import sys
 import anyio
 import structlog
 
-from grpod.config import GrpodConfig
+from grpod.config import BuiltinSourceConfig
+from grpod.inference.policy import Policy
 from grpod.rollouts.arithmetic import INSTRUCT_MIN_TOKENS, ArithmeticTask, Problem, prompt_style_for
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
-from grpod.rollouts.sampling_source import SamplingSource, SourceStats
+from grpod.rollouts.sampling_source import SamplingSource, SamplingStats
 
 log = structlog.get_logger(__name__)
 
@@ -31,26 +32,38 @@ log = structlog.get_logger(__name__)
 class BuiltinSource(SamplingSource):
     kind = "builtin"
 
-    def __init__(self, cfg: GrpodConfig, tokenizer, bridge, *, cursor: dict | None = None) -> None:
-        self.cfg = cfg
-        self.src = cfg.source
+    def __init__(
+        self,
+        src: BuiltinSourceConfig,
+        tokenizer,
+        policy: Policy,
+        *,
+        engine_wait_s: float,
+        dynamic_sampling: DynamicSampling,
+        cursor: dict | None = None,
+        progress: bool = True,
+    ) -> None:
+        """`engine_wait_s`: how long a request waits for an available engine."""
+        self.src = src
         self.tokenizer = tokenizer
-        self.bridge = bridge
-        style = prompt_style_for(tokenizer, cfg.source.task_prompt) if tokenizer is not None else "bare"
-        self.task = ArithmeticTask(seed=cfg.source.task_seed, prompt_style=style)
+        self.policy = policy
+        self.engine_wait_s = engine_wait_s
+        style = prompt_style_for(tokenizer, src.task_prompt) if tokenizer is not None else "bare"
+        self.task = ArithmeticTask(seed=src.task_seed, prompt_style=style)
         self.max_tokens = self.src.max_tokens
         if style == "instruct" and self.max_tokens < INSTRUCT_MIN_TOKENS:
             # A chat model writes "a + b = c" before the answer: 8 tokens would cut every answer off.
             self.max_tokens = INSTRUCT_MIN_TOKENS
             log.warning("instruct_completion_budget", configured=self.src.max_tokens, used=self.max_tokens)
-            print(
-                f"grpod: source.max_tokens = {self.src.max_tokens} is too short for an instruct model's answer; "
-                f"the arithmetic task uses {self.max_tokens} (set source.max_tokens to choose)",
-                file=sys.stderr, flush=True,
-            )
+            if progress:
+                print(
+                    f"grpod: source.max_tokens = {self.src.max_tokens} is too short for an instruct model's answer; "
+                    f"the arithmetic task uses {self.max_tokens} (set source.max_tokens to choose)",
+                    file=sys.stderr, flush=True,
+                )
         self.next_index = int((cursor or {}).get("next_index", 0))
-        self.stats = SourceStats()
-        self.dynamic_sampling = DynamicSampling(cfg)
+        self.stats = SamplingStats()
+        self.dynamic_sampling = dynamic_sampling
 
     def cursor(self) -> dict:
         return {"kind": self.kind, "next_index": self.next_index}
@@ -73,28 +86,32 @@ class BuiltinSource(SamplingSource):
     async def evaluate(self, size: int, max_tokens: int) -> dict:
         if self.task.prompt_style == "instruct":
             max_tokens = max(max_tokens, self.max_tokens)
-        return await evaluate_greedy(self.bridge, self.tokenizer, self.task, self.task.eval_set(size), max_tokens)
+        return await evaluate_greedy(
+            self.policy, self.tokenizer, self.task, self.task.eval_set(size), max_tokens, self.engine_wait_s
+        )
 
 
-async def evaluate_greedy(bridge, tokenizer, task: ArithmeticTask, problems: list[Problem], max_tokens: int) -> dict:
-    """Held-out accuracy of greedy decoding through vLLM (the policy vLLM serves right now)."""
-    client = await bridge.wait_available(60.0)
+# Evaluation requests in flight at once.
+EVAL_CONCURRENCY = 8
+
+
+async def evaluate_greedy(
+    policy: Policy, tokenizer, task: ArithmeticTask, problems: list[Problem], max_tokens: int, engine_wait_s: float
+) -> dict:
+    """Held-out accuracy of greedy decoding through vLLM (the policy the engines serve now)."""
     correct = 0
-    limiter = anyio.Semaphore(8)
+    limiter = anyio.Semaphore(EVAL_CONCURRENCY)
+    version = policy.version
 
     async def one(problem: Problem) -> None:
         nonlocal correct
-        async with limiter:
-            out = await client.generate(
-                task.prompt_for(tokenizer, problem),
-                n=1,
-                max_tokens=max_tokens,
-                temperature=0.0,
-                model=bridge.request_model(),
+        async with limiter, policy.engine(engine_wait_s) as lease:
+            out = await lease.client.generate(
+                task.prompt_for(tokenizer, problem), n=1, max_tokens=max_tokens, temperature=0.0, model=lease.model
             )
         correct += int(task.score(problem, out[0].text) >= 1.0)
 
     async with anyio.create_task_group() as tg:
         for problem in problems:
             tg.start_soon(one, problem)
-    return {"eval_accuracy": correct / max(len(problems), 1), "eval_size": len(problems), "policy_version": bridge.policy_version}
+    return {"eval_accuracy": correct / max(len(problems), 1), "eval_size": len(problems), "policy_version": version}

@@ -42,7 +42,9 @@ from typing import Any
 import anyio
 import structlog
 
-from grpod.config import DatasetConfig, GrpodConfig
+from grpod.config import DatasetConfig, DatasetSourceConfig, EvalConfig
+from grpod.inference.policy import Policy
+from grpod.rollouts.builtin import EVAL_CONCURRENCY
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.rewards import (
@@ -53,12 +55,11 @@ from grpod.rollouts.rewards import (
     load_reward_functions,
     score_group,
 )
-from grpod.rollouts.sampling_source import SamplingSource, SourceStats
+from grpod.rollouts.sampling_source import SamplingSource, SamplingStats
 
 log = structlog.get_logger(__name__)
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-EVAL_CONCURRENCY = 8
 # Reward functions get these positionally; a column of the same name could not be passed.
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
 
@@ -76,9 +77,8 @@ class DatasetItem:
 
 
 @dataclass
-class DatasetStats(SourceStats):
+class DatasetStats(SamplingStats):
     epoch: int = 0
-    exhausted: bool = False
     reward_s: float = 0.0
 
 
@@ -196,24 +196,38 @@ def epoch_order(size: int, seed: int, epoch: int) -> list[int]:
 class DatasetSource(SamplingSource):
     kind = "dataset"
 
-    def __init__(self, cfg: GrpodConfig, tokenizer, bridge, *, cursor: dict | None = None) -> None:
-        self.cfg = cfg
-        self.src = cfg.source
-        self.dcfg = cfg.source.dataset
+    def __init__(
+        self,
+        src: DatasetSourceConfig,
+        tokenizer,
+        policy: Policy,
+        *,
+        eval_cfg: EvalConfig,
+        max_seq_len: int,
+        engine_wait_s: float,
+        dynamic_sampling: DynamicSampling,
+        cursor: dict | None = None,
+    ) -> None:
+        """`max_seq_len` bounds prompt + completion (`model.max_seq_len`); `engine_wait_s` is how
+        long a request waits for an available engine."""
+        self.src = src
+        self.dcfg = src.dataset
+        self.eval_cfg = eval_cfg
         self.tokenizer = tokenizer
-        self.bridge = bridge
+        self.policy = policy
+        self.engine_wait_s = engine_wait_s
         self.max_tokens = self.src.max_tokens
         self.functions = load_reward_functions(self.dcfg.rewards)
-        max_prompt = cfg.model.max_seq_len - self.max_tokens
+        max_prompt = max_seq_len - self.max_tokens
         self.items = load_items(self.dcfg.path, self.dcfg, tokenizer, self.functions, max_prompt)
         self.eval_items: list[DatasetItem] = []
-        if cfg.eval.dataset is not None:
-            self.eval_items = load_items(cfg.eval.dataset, self.dcfg, tokenizer, self.functions, max_prompt)
+        if eval_cfg.dataset is not None:
+            self.eval_items = load_items(eval_cfg.dataset, self.dcfg, tokenizer, self.functions, max_prompt)
         self.stats = DatasetStats()
         self.epoch = int((cursor or {}).get("epoch", 0))
         self.position = int((cursor or {}).get("position", 0))
         self._order_epoch, self._order = -1, []
-        self.dynamic_sampling = DynamicSampling(cfg)
+        self.dynamic_sampling = dynamic_sampling
         log.info("dataset_loaded", path=str(self.dcfg.path), rows=len(self.items), eval_rows=len(self.eval_items),
                  rewards=[f.name for f in self.functions], epoch=self.epoch, position=self.position)
 
@@ -263,10 +277,6 @@ class DatasetSource(SamplingSource):
         finally:
             self.stats.reward_s += anyio.current_time() - started
 
-    @property
-    def finished(self) -> bool:
-        return self.stats.exhausted
-
     async def generate_group(self) -> RolloutGroup | None:
         drawn = self._draw()
         if drawn is None:
@@ -291,11 +301,11 @@ class DatasetSource(SamplingSource):
         if not self.eval_items:
             raise DatasetError("evaluation needs eval.dataset (a held-out split with the training set's columns)")
         items = self.eval_items[:size]
-        k, threshold = self.cfg.eval.k, self.cfg.eval.correct_threshold
+        k, threshold = self.eval_cfg.k, self.eval_cfg.correct_threshold
         max_tokens = max(max_tokens, self.max_tokens)
-        client = await self.bridge.wait_available(self.cfg.inference.start_timeout_s)
         limiter = anyio.Semaphore(EVAL_CONCURRENCY)
         greedy_correct, sampled_correct, failures = 0, 0, 0
+        version = self.policy.version
 
         async def correct(item: DatasetItem, completions) -> int:
             nonlocal failures
@@ -310,13 +320,13 @@ class DatasetSource(SamplingSource):
 
         async def one(item: DatasetItem) -> None:
             nonlocal greedy_correct, sampled_correct
-            async with limiter:
-                greedy = await client.generate(item.prompt_ids, n=1, max_tokens=max_tokens, temperature=0.0,
-                                               model=self.bridge.request_model())
+            async with limiter, self.policy.engine(self.engine_wait_s) as lease:
+                greedy = await lease.client.generate(item.prompt_ids, n=1, max_tokens=max_tokens, temperature=0.0,
+                                                     model=lease.model)
                 sampled = []
                 if k:
-                    sampled = await client.generate(item.prompt_ids, n=k, max_tokens=max_tokens,
-                                                    temperature=self.src.temperature, model=self.bridge.request_model())
+                    sampled = await lease.client.generate(item.prompt_ids, n=k, max_tokens=max_tokens,
+                                                          temperature=self.src.temperature, model=lease.model)
             # Awaited before the `+=`: `x += await f()` reads x before awaiting and loses updates.
             greedy_ok = await correct(item, greedy)
             sampled_ok = await correct(item, sampled) if k else 0
@@ -331,7 +341,7 @@ class DatasetSource(SamplingSource):
             "eval_accuracy": greedy_correct / size,
             "eval_size": len(items),
             "eval_reward_failures": failures,
-            "policy_version": self.bridge.policy_version,
+            "policy_version": version,
         }
         if k:
             result |= {"eval_mean_at_k": sampled_correct / (size * k), "eval_k": k}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import structlog
 
-from grpod.config import GrpodConfig
+from grpod.config import AdvantageConfig
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.signal import carries_signal
 
@@ -23,11 +23,13 @@ log = structlog.get_logger(__name__)
 
 
 class DynamicSampling:
-    def __init__(self, cfg: GrpodConfig) -> None:
-        self.enabled = cfg.source.dynamic_sampling
-        self.max_in_a_row = cfg.source.dynamic_sampling_max_filtered
-        self.advantages = cfg.train.advantages
-        self.budget = cfg.completion_budget
+    def __init__(self, enabled: bool, max_in_a_row: int, advantages: AdvantageConfig, budget: int) -> None:
+        """`advantages` and `budget` (the completion budget) decide what carries a signal, as in
+        the trainer; `enabled`/`max_in_a_row` are `source.dynamic_sampling[_max_filtered]`."""
+        self.enabled = enabled
+        self.max_in_a_row = max_in_a_row
+        self.advantages = advantages
+        self.budget = budget
         self.in_a_row = 0
 
     def admit(self, group: RolloutGroup, stats) -> bool:

@@ -12,9 +12,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpod.config import GrpodConfig
+from grpod.config import ReplaySourceConfig
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.source import MayGenerate, SourceStats
 
 
 class ReplayError(Exception):
@@ -22,9 +23,8 @@ class ReplayError(Exception):
 
 
 @dataclass
-class ReplayStats:
+class ReplayStats(SourceStats):
     replayed: int = 0
-    exhausted: bool = False
 
 
 def record_groups(path: Path, step: int, groups: list[RolloutGroup]) -> None:
@@ -36,8 +36,8 @@ def record_groups(path: Path, step: int, groups: list[RolloutGroup]) -> None:
 class ReplaySource:
     kind = "replay"
 
-    def __init__(self, cfg: GrpodConfig, *, cursor: dict | None = None) -> None:
-        path = cfg.source.replay_path
+    def __init__(self, src: ReplaySourceConfig, *, cursor: dict | None = None) -> None:
+        path = src.replay_path
         assert path is not None
         self.path = Path(path)
         if not self.path.is_file():
@@ -76,7 +76,11 @@ class ReplaySource:
             if not await self._put_next(buffer):
                 return
 
-    async def run(self, buffer: RolloutBuffer, may_generate) -> None:
+    async def evaluate(self, size: int, max_tokens: int) -> None:
+        """A replay has no held-out data."""
+        return None
+
+    async def run(self, buffer: RolloutBuffer, may_generate: MayGenerate) -> None:
         """Put every remaining group into the buffer; returns when the file is exhausted."""
         while True:
             await may_generate()

@@ -18,13 +18,11 @@ Rules a valid group satisfies (`validate_group`):
   not overridden), top_p exactly 1 (truncated sampling is not replicated by the trainer: rejected
   as `truncated_sampling`, as is an Atropos top_k > 0), policy_version an int >= 0, weight finite >= 0.
 
-`group_from_atropos` turns one item of an Atropos `/batch` into a `RolloutGroup`, raising
-`MalformedGroup` (with the same reason codes) when the item cannot even be converted.
+The Atropos wire format is converted in `grpod.rollouts.atropos_wire` with the same reason codes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -42,8 +40,6 @@ log = structlog.get_logger(__name__)
 
 # vLLM's float32 log-softmax can round a near-certain token's logprob to a hair above 0.
 LOGPROB_TOLERANCE = 1e-4
-# Atropos marks "no loss here" in `masks` with this value; elsewhere the mask holds the token id.
-ATROPOS_NO_LOSS = -100
 
 
 class RejectionReason(StrEnum):
@@ -104,7 +100,7 @@ class MalformedGroup(ValueError):
         return Rejection(self.reason, self.detail)
 
 
-class _Invalid(Exception):
+class InvalidField(Exception):
     """Internal: carries the first rule a group breaks out of the nested checks."""
 
     def __init__(self, reason: RejectionReason, detail: str) -> None:
@@ -113,11 +109,11 @@ class _Invalid(Exception):
         self.detail = detail
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return type(x) is int or (isinstance(x, Integral) and not isinstance(x, bool))
 
 
-def _is_number(x: Any) -> bool:
+def is_number(x: Any) -> bool:
     return type(x) is float or type(x) is int or (isinstance(x, Real) and not isinstance(x, bool))
 
 
@@ -132,11 +128,11 @@ def _is_finite(x: Any) -> bool:
         return False
 
 
-def _type_name(x: Any) -> str:
+def type_name(x: Any) -> str:
     return "None" if x is None else type(x).__name__
 
 
-def _show(x: Any) -> str:
+def show(x: Any) -> str:
     """A value for a rejection detail, cut short: garbage can be huge."""
     text = repr(x)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -146,13 +142,13 @@ def _first_failing(values: Iterable[Any], ok: Callable[[Any], bool]) -> int | No
     return next((j for j, x in enumerate(values) if not ok(x)), None)
 
 
-def _require_list(name: str, value: Any) -> Sequence[Any]:
+def require_list(name: str, value: Any) -> Sequence[Any]:
     if not isinstance(value, (list, tuple)):
-        raise _Invalid(RejectionReason.BAD_TYPE, f"{name}: expected a list, got {_type_name(value)}")
+        raise InvalidField(RejectionReason.BAD_TYPE, f"{name}: expected a list, got {type_name(value)}")
     return value
 
 
-def _require_elements(
+def require_elements(
     name: str, values: Sequence[Any], ok: Callable[[Any], bool], what: str, usual_type: type | None = None
 ) -> None:
     # Checking `type(x) is usual_type` first is ~5x faster on the common all-plain-ints/floats case.
@@ -160,15 +156,15 @@ def _require_elements(
         return
     bad = _first_failing(values, ok)
     if bad is not None:
-        raise _Invalid(
+        raise InvalidField(
             RejectionReason.BAD_TYPE,
-            f"{name}[{bad}]: expected {what}, got {_type_name(values[bad])} {_show(values[bad])}",
+            f"{name}[{bad}]: expected {what}, got {type_name(values[bad])} {show(values[bad])}",
         )
 
 
-def _require_count(name: str, values: Sequence[Any], n: int) -> None:
+def require_count(name: str, values: Sequence[Any], n: int) -> None:
     if len(values) != n:
-        raise _Invalid(RejectionReason.COUNT_MISMATCH, f"{name}: {len(values)} entries for {n} sequences")
+        raise InvalidField(RejectionReason.COUNT_MISMATCH, f"{name}: {len(values)} entries for {n} sequences")
 
 
 def _require_finite(name: str, values: Sequence[float], reason: RejectionReason) -> None:
@@ -179,7 +175,7 @@ def _require_finite(name: str, values: Sequence[float], reason: RejectionReason)
         pass
     bad = _first_failing(values, _is_finite)
     if bad is not None:
-        raise _Invalid(reason, f"{name}[{bad}] = {_show(values[bad])}")
+        raise InvalidField(reason, f"{name}[{bad}] = {show(values[bad])}")
 
 
 def _check_sequence(
@@ -193,119 +189,119 @@ def _check_sequence(
     max_seq_len: int,
 ) -> int:
     """Check sequence i (and its logprobs row when the group has logprobs); return its loss tokens."""
-    tokens = _require_list(f"tokens[{i}]", tokens)
-    mask = _require_list(f"loss_mask[{i}]", mask)
+    tokens = require_list(f"tokens[{i}]", tokens)
+    mask = require_list(f"loss_mask[{i}]", mask)
     if len(tokens) != len(mask):
-        raise _Invalid(RejectionReason.LENGTH_MISMATCH, f"sequence {i}: {len(tokens)} tokens, {len(mask)} mask entries")
+        raise InvalidField(RejectionReason.LENGTH_MISMATCH, f"sequence {i}: {len(tokens)} tokens, {len(mask)} mask entries")
     if has_logprobs:
-        logprobs = _require_list(f"inference_logprobs[{i}]", logprobs)
+        logprobs = require_list(f"inference_logprobs[{i}]", logprobs)
         if len(logprobs) != len(tokens):
-            raise _Invalid(
+            raise InvalidField(
                 RejectionReason.LENGTH_MISMATCH, f"sequence {i}: {len(tokens)} tokens, {len(logprobs)} logprobs"
             )
     if not tokens:
-        raise _Invalid(RejectionReason.EMPTY_SEQUENCE, f"sequence {i} has no tokens")
+        raise InvalidField(RejectionReason.EMPTY_SEQUENCE, f"sequence {i} has no tokens")
     if len(tokens) > max_seq_len:
-        raise _Invalid(
+        raise InvalidField(
             RejectionReason.SEQUENCE_TOO_LONG, f"sequence {i}: {len(tokens)} tokens > max_seq_len {max_seq_len}"
         )
-    _require_elements(f"tokens[{i}]", tokens, _is_int, "an int token id", int)
+    require_elements(f"tokens[{i}]", tokens, is_int, "an int token id", int)
     if min(tokens) < 0 or max(tokens) >= vocab_size:
         bad = _first_failing(tokens, lambda t: 0 <= t < vocab_size)
-        raise _Invalid(
+        raise InvalidField(
             RejectionReason.TOKEN_OUT_OF_VOCAB, f"tokens[{i}][{bad}] = {tokens[bad]} outside [0, {vocab_size})"
         )
-    _require_elements(f"loss_mask[{i}]", mask, _is_mask_value, "0 or 1", int)
+    require_elements(f"loss_mask[{i}]", mask, _is_mask_value, "0 or 1", int)
     if not set(mask) <= {0, 1}:
         bad = _first_failing(mask, lambda m: m == 0 or m == 1)
-        raise _Invalid(RejectionReason.BAD_MASK_VALUE, f"loss_mask[{i}][{bad}] = {mask[bad]}, expected 0 or 1")
+        raise InvalidField(RejectionReason.BAD_MASK_VALUE, f"loss_mask[{i}][{bad}] = {mask[bad]}, expected 0 or 1")
     if mask[0]:
-        raise _Invalid(
+        raise InvalidField(
             RejectionReason.LOSS_ON_FIRST_TOKEN, f"loss_mask[{i}][0] = 1: no token precedes position 0 to predict it"
         )
     if has_logprobs:
-        _require_elements(f"inference_logprobs[{i}]", logprobs, _is_number, "a number", float)
+        require_elements(f"inference_logprobs[{i}]", logprobs, is_number, "a number", float)
         _require_finite(f"inference_logprobs[{i}]", logprobs, RejectionReason.NONFINITE_LOGPROB)
         if max(compress(logprobs, mask), default=-math.inf) > LOGPROB_TOLERANCE:
             bad = next(t for t, (m, lp) in enumerate(zip(mask, logprobs)) if m and lp > LOGPROB_TOLERANCE)
-            raise _Invalid(
+            raise InvalidField(
                 RejectionReason.POSITIVE_LOGPROB,
-                f"inference_logprobs[{i}][{bad}] = {_show(logprobs[bad])} > 0 at a loss position",
+                f"inference_logprobs[{i}][{bad}] = {show(logprobs[bad])} > 0 at a loss position",
             )
     return sum(mask)
 
 
 def _check_scalars(group: RolloutGroup) -> None:
     t = group.temperature
-    if not _is_number(t) or not _is_finite(t) or t <= 0:
-        raise _Invalid(RejectionReason.BAD_TEMPERATURE, f"temperature = {_show(t)}, expected a finite number > 0")
+    if not is_number(t) or not _is_finite(t) or t <= 0:
+        raise InvalidField(RejectionReason.BAD_TEMPERATURE, f"temperature = {show(t)}, expected a finite number > 0")
     p = group.top_p
-    if not _is_number(p) or not (0 < p <= 1):
-        raise _Invalid(RejectionReason.BAD_TOP_P, f"top_p = {_show(p)}, expected a number in (0, 1]")
+    if not is_number(p) or not (0 < p <= 1):
+        raise InvalidField(RejectionReason.BAD_TOP_P, f"top_p = {show(p)}, expected a number in (0, 1]")
     if p < 1:
-        raise _Invalid(
+        raise InvalidField(
             RejectionReason.TRUNCATED_SAMPLING,
-            f"top_p = {_show(p)} < 1: the trainer does not replicate nucleus truncation; sample with top_p = 1",
+            f"top_p = {show(p)} < 1: the trainer does not replicate nucleus truncation; sample with top_p = 1",
         )
     v = group.policy_version
-    if not _is_int(v) or v < 0:
-        raise _Invalid(RejectionReason.BAD_POLICY_VERSION, f"policy_version = {_show(v)}, expected an int >= 0")
+    if not is_int(v) or v < 0:
+        raise InvalidField(RejectionReason.BAD_POLICY_VERSION, f"policy_version = {show(v)}, expected an int >= 0")
     w = group.weight
-    if not _is_number(w) or not _is_finite(w) or w < 0:
-        raise _Invalid(RejectionReason.BAD_WEIGHT, f"weight = {_show(w)}, expected a finite number >= 0")
+    if not is_number(w) or not _is_finite(w) or w < 0:
+        raise InvalidField(RejectionReason.BAD_WEIGHT, f"weight = {show(w)}, expected a finite number >= 0")
     for name in ("group_id", "source"):
         if not isinstance(getattr(group, name), str):
-            raise _Invalid(RejectionReason.BAD_TYPE, f"{name}: expected a str, got {_type_name(getattr(group, name))}")
+            raise InvalidField(RejectionReason.BAD_TYPE, f"{name}: expected a str, got {type_name(getattr(group, name))}")
     if not isinstance(group.extra, dict):
-        raise _Invalid(RejectionReason.BAD_TYPE, f"extra: expected a dict, got {_type_name(group.extra)}")
+        raise InvalidField(RejectionReason.BAD_TYPE, f"extra: expected a dict, got {type_name(group.extra)}")
 
 
 def _check_group(
     group: Any, *, vocab_size: int, max_seq_len: int, group_normalised: bool, require_logprobs: bool
 ) -> None:
     if not isinstance(group, RolloutGroup):
-        raise _Invalid(RejectionReason.NOT_A_GROUP, f"expected a RolloutGroup, got {_type_name(group)}")
-    tokens = _require_list("tokens", group.tokens)
+        raise InvalidField(RejectionReason.NOT_A_GROUP, f"expected a RolloutGroup, got {type_name(group)}")
+    tokens = require_list("tokens", group.tokens)
     n = len(tokens)
     if n == 0:
-        raise _Invalid(RejectionReason.EMPTY_GROUP, "the group has no sequences")
+        raise InvalidField(RejectionReason.EMPTY_GROUP, "the group has no sequences")
     if group_normalised and n < 2:
-        raise _Invalid(
+        raise InvalidField(
             RejectionReason.GROUP_TOO_SMALL, f"{n} sequence; group-normalised advantages need at least 2"
         )
-    mask = _require_list("loss_mask", group.loss_mask)
-    _require_count("loss_mask", mask, n)
-    scores = _require_list("scores", group.scores)
-    _require_count("scores", scores, n)
-    _require_elements("scores", scores, _is_number, "a number")
+    mask = require_list("loss_mask", group.loss_mask)
+    require_count("loss_mask", mask, n)
+    scores = require_list("scores", group.scores)
+    require_count("scores", scores, n)
+    require_elements("scores", scores, is_number, "a number")
     _require_finite("scores", scores, RejectionReason.NONFINITE_SCORE)
     logprobs = group.inference_logprobs
     if logprobs is None:
         if require_logprobs:
-            raise _Invalid(RejectionReason.MISSING_LOGPROBS, "inference_logprobs is None; the loss needs them")
+            raise InvalidField(RejectionReason.MISSING_LOGPROBS, "inference_logprobs is None; the loss needs them")
     else:
-        logprobs = _require_list("inference_logprobs", logprobs)
-        _require_count("inference_logprobs", logprobs, n)
+        logprobs = require_list("inference_logprobs", logprobs)
+        require_count("inference_logprobs", logprobs, n)
     if group.advantages is not None:
-        advantages = _require_list("advantages", group.advantages)
-        _require_count("advantages", advantages, n)
-        _require_elements("advantages", advantages, _is_number, "a number")
+        advantages = require_list("advantages", group.advantages)
+        require_count("advantages", advantages, n)
+        require_elements("advantages", advantages, is_number, "a number")
         _require_finite("advantages", advantages, RejectionReason.NONFINITE_ADVANTAGE)
     if group.overrides is not None:
-        overrides = _require_list("overrides", group.overrides)
-        _require_count("overrides", overrides, n)
-        _require_elements("overrides", overrides, lambda o: isinstance(o, dict), "a dict")
+        overrides = require_list("overrides", group.overrides)
+        require_count("overrides", overrides, n)
+        require_elements("overrides", overrides, lambda o: isinstance(o, dict), "a dict")
         for i, override in enumerate(overrides):
             t = override.get("temperature")
-            if t is not None and (not _is_number(t) or not _is_finite(t) or t <= 0):
-                raise _Invalid(
+            if t is not None and (not is_number(t) or not _is_finite(t) or t <= 0):
+                raise InvalidField(
                     RejectionReason.BAD_TEMPERATURE,
-                    f"overrides[{i}].temperature = {_show(t)}, expected a finite number > 0 (or null: not overridden)",
+                    f"overrides[{i}].temperature = {show(t)}, expected a finite number > 0 (or null: not overridden)",
                 )
     if group.truncated is not None:
-        truncated = _require_list("truncated", group.truncated)
-        _require_count("truncated", truncated, n)
-        _require_elements("truncated", truncated, lambda b: isinstance(b, bool), "a bool")
+        truncated = require_list("truncated", group.truncated)
+        require_count("truncated", truncated, n)
+        require_elements("truncated", truncated, lambda b: isinstance(b, bool), "a bool")
     _check_scalars(group)
     loss_tokens = 0
     for i in range(n):
@@ -319,7 +315,7 @@ def _check_group(
             max_seq_len=max_seq_len,
         )
     if loss_tokens == 0:
-        raise _Invalid(RejectionReason.NO_LOSS_TOKENS, f"none of the {n} sequences has a loss token")
+        raise InvalidField(RejectionReason.NO_LOSS_TOKENS, f"none of the {n} sequences has a loss token")
 
 
 def validate_group(
@@ -343,7 +339,7 @@ def validate_group(
             group_normalised=group_normalised,
             require_logprobs=require_logprobs,
         )
-    except _Invalid as invalid:
+    except InvalidField as invalid:
         return Rejection(invalid.reason, invalid.detail)
     except Exception as exc:  # noqa: BLE001 - bad input must never crash the daemon
         return Rejection(RejectionReason.INTERNAL_ERROR, f"validation failed unexpectedly: {exc!r:.200}")
@@ -409,227 +405,3 @@ def validate_batch(
             rejected.append((group, rejection))
             record_rejection(group, rejection, counter)
     return valid, rejected
-
-
-def _optional_dict(item: dict[str, Any], name: str) -> dict[str, Any]:
-    value = item.get(name)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise _Invalid(RejectionReason.BAD_TYPE, f"{name}: expected an object or null, got {_type_name(value)}")
-    return value
-
-
-def _number_field(where: str, value: Any) -> float:
-    """float(value) for a JSON number; NaN and inf pass (validation rejects them with a reason)."""
-    if not _is_number(value):
-        raise _Invalid(RejectionReason.BAD_TYPE, f"{where}: expected a number, got {_type_name(value)} {_show(value)}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise _Invalid(RejectionReason.BAD_TYPE, f"{where}: {_show(value)} does not fit a float") from None
-
-
-def _atropos_loss_mask(i: int, tokens: Sequence[int], masks: Any) -> list[int]:
-    masks = _require_list(f"masks[{i}]", masks)
-    if len(masks) != len(tokens):
-        raise _Invalid(
-            RejectionReason.LENGTH_MISMATCH, f"sequence {i}: {len(tokens)} tokens, {len(masks)} mask entries"
-        )
-    _require_elements(f"masks[{i}]", masks, _is_int, f"an int ({ATROPOS_NO_LOSS} or the token id)")
-    bad = next((t for t, (tok, m) in enumerate(zip(tokens, masks)) if m != ATROPOS_NO_LOSS and m != tok), None)
-    if bad is not None:
-        raise _Invalid(
-            RejectionReason.MASK_TOKEN_MISMATCH,
-            f"masks[{i}][{bad}] = {masks[bad]}, expected {ATROPOS_NO_LOSS} or the token id {tokens[bad]}",
-        )
-    return [0 if m == ATROPOS_NO_LOSS else 1 for m in masks]
-
-
-def _atropos_logprobs(i: int, tokens: Sequence[int], loss_mask: list[int], row: Any) -> list[float]:
-    """Logprobs aligned with tokens; Atropos's 1.0 placeholders at prompt positions become 0.0."""
-    row = _require_list(f"inference_logprobs[{i}]", row)
-    if len(row) != len(tokens):
-        raise _Invalid(RejectionReason.LENGTH_MISMATCH, f"sequence {i}: {len(tokens)} tokens, {len(row)} logprobs")
-    _require_elements(f"inference_logprobs[{i}]", row, lambda x: _is_number(x) or x is None, "a number")
-    bad = next((t for t, (m, lp) in enumerate(zip(loss_mask, row)) if m and lp is None), None)
-    if bad is not None:
-        raise _Invalid(RejectionReason.BAD_TYPE, f"inference_logprobs[{i}][{bad}] is null at a loss position")
-    return [
-        _number_field(f"inference_logprobs[{i}][{t}]", lp) if m else 0.0
-        for t, (m, lp) in enumerate(zip(loss_mask, row))
-    ]
-
-
-def _atropos_advantage(i: int, loss_mask: list[int], row: Any) -> float:
-    """One advantage per sequence: Atropos sends one per token; grpod needs them constant."""
-    if _is_number(row):
-        return _number_field(f"advantages[{i}]", row)
-    row = _require_list(f"advantages[{i}]", row)
-    _require_elements(f"advantages[{i}]", row, _is_number, "a number")
-    if len(row) == 1:
-        return _number_field(f"advantages[{i}][0]", row[0])
-    if len(row) != len(loss_mask):
-        raise _Invalid(
-            RejectionReason.LENGTH_MISMATCH, f"sequence {i}: {len(loss_mask)} tokens, {len(row)} advantages"
-        )
-    values = [_number_field(f"advantages[{i}][{t}]", a) for t, a in enumerate(row)]
-    at_loss = [a for m, a in zip(loss_mask, values) if m] or values[-1:]
-    if not at_loss:
-        return 0.0  # an empty sequence; validation rejects it
-    if any(not math.isclose(a, at_loss[0], rel_tol=1e-6, abs_tol=1e-6) for a in at_loss):
-        raise _Invalid(
-            RejectionReason.PER_TOKEN_ADVANTAGES,
-            f"advantages[{i}] varies across loss tokens ({min(at_loss)} .. {max(at_loss)}); "
-            "grpod takes one advantage per sequence",
-        )
-    return at_loss[0]
-
-
-def _atropos_sampling(
-    n: int,
-    overrides: list[dict[str, Any]] | None,
-    generation: dict[str, Any],
-    group_overrides: dict[str, Any],
-    undeclared_temperature: float | None,
-) -> tuple[float, float, bool]:
-    """(temperature, top_p, declared): per-sequence override > generation_params > group_overrides
-    > `undeclared_temperature` (None: refused); top_p defaults to 1.0."""
-    group_level: dict[str, float | None] = {"temperature": None, "top_p": 1.0}
-    for key in ("temperature", "top_p"):
-        for name, params in (("generation_params", generation), ("group_overrides", group_overrides)):
-            if params.get(key) is not None:
-                group_level[key] = _number_field(f"{name}.{key}", params[key])
-                break
-    temperatures = set()
-    undeclared = 0
-    for i in range(n):
-        per_seq = overrides[i].get("temperature") if overrides is not None else None
-        if per_seq is None:
-            if group_level["temperature"] is None:
-                undeclared += 1
-                if undeclared_temperature is None:
-                    raise _Invalid(
-                        RejectionReason.UNDECLARED_TEMPERATURE,
-                        "no sampling temperature (generation_params.temperature, group_overrides or "
-                        "overrides[i].temperature): the trainer cannot know the distribution the logprobs come from",
-                    )
-                temperatures.add(undeclared_temperature)
-            else:
-                temperatures.add(group_level["temperature"])
-        else:
-            temperatures.add(_number_field(f"overrides[{i}].temperature", per_seq))
-    if len(temperatures) > 1:
-        raise _Invalid(
-            RejectionReason.MIXED_TEMPERATURE,
-            f"sequences sampled at different temperatures {sorted(temperatures)}; a group needs one",
-        )
-    return temperatures.pop(), group_level["top_p"], undeclared == 0
-
-
-def _content_id(tokens: list[list[int]], scores: list[float]) -> str:
-    digest = hashlib.blake2b(digest_size=6)
-    digest.update(repr((tokens, scores)).encode())
-    return f"atropos-{digest.hexdigest()}"
-
-
-def _convert_atropos(item: Any, default_version: int, group_id: str, undeclared_temperature: float | None) -> RolloutGroup:
-    if not isinstance(item, dict):
-        raise _Invalid(RejectionReason.NOT_A_GROUP, f"expected a JSON object, got {_type_name(item)}")
-    tokens_in = _require_list("tokens", item.get("tokens"))
-    n = len(tokens_in)
-    if n == 0:
-        raise _Invalid(RejectionReason.EMPTY_GROUP, "tokens is empty")
-    tokens = []
-    for i, row in enumerate(tokens_in):
-        row = _require_list(f"tokens[{i}]", row)
-        _require_elements(f"tokens[{i}]", row, _is_int, "an int token id")
-        tokens.append([int(t) for t in row])
-    masks = _require_list("masks", item.get("masks"))
-    _require_count("masks", masks, n)
-    loss_mask = [_atropos_loss_mask(i, tokens[i], masks[i]) for i in range(n)]
-    scores_in = _require_list("scores", item.get("scores"))
-    _require_count("scores", scores_in, n)
-    scores = [_number_field(f"scores[{i}]", s) for i, s in enumerate(scores_in)]
-
-    logprobs = None
-    if item.get("inference_logprobs") is not None:
-        rows = _require_list("inference_logprobs", item["inference_logprobs"])
-        _require_count("inference_logprobs", rows, n)
-        logprobs = [_atropos_logprobs(i, tokens[i], loss_mask[i], rows[i]) for i in range(n)]
-    advantages = None
-    if item.get("advantages") is not None:
-        rows = _require_list("advantages", item["advantages"])
-        _require_count("advantages", rows, n)
-        advantages = [_atropos_advantage(i, loss_mask[i], rows[i]) for i in range(n)]
-    overrides = None
-    if item.get("overrides") is not None:
-        rows = _require_list("overrides", item["overrides"])
-        _require_count("overrides", rows, n)
-        _require_elements("overrides", rows, lambda o: o is None or isinstance(o, dict), "an object or null")
-        overrides = [dict(o) if o is not None else {} for o in rows]
-    group_overrides = _optional_dict(item, "group_overrides")
-    generation = _optional_dict(item, "generation_params")
-    temperature, top_p, declared = _atropos_sampling(n, overrides, generation, group_overrides, undeclared_temperature)
-    for name, params in (("generation_params", generation), ("group_overrides", group_overrides)):
-        top_k = params.get("top_k")
-        if top_k is not None and top_k not in (0, -1):
-            raise _Invalid(
-                RejectionReason.TRUNCATED_SAMPLING,
-                f"{name}.top_k = {_show(top_k)}: the trainer does not replicate top-k truncation; sample with top_k = 0",
-            )
-
-    truncated = None
-    if overrides is not None and any("truncated" in o or "finish_reason" in o for o in overrides):
-        # An environment says a completion ran out of tokens either way; mask_truncated needs it.
-        truncated = [bool(o.get("truncated")) or o.get("finish_reason") == "length" for o in overrides]
-
-    extra: dict[str, Any] = {}
-    if item.get("env_id") is not None:
-        extra["env_id"] = item["env_id"]
-    if group_overrides:
-        extra["group_overrides"] = group_overrides
-    if not declared:
-        # Recorded with the group (rollouts.jsonl, checkpoints): the temperature came from config.
-        extra["temperature_from"] = "source.temperature"
-    return RolloutGroup(
-        tokens=tokens,
-        loss_mask=loss_mask,
-        scores=scores,
-        inference_logprobs=logprobs,
-        advantages=advantages,
-        overrides=overrides,
-        truncated=truncated,
-        temperature=temperature,
-        top_p=top_p,
-        policy_version=default_version,
-        source="atropos",
-        group_id=group_id or _content_id(tokens, scores),
-        extra=extra,
-    )
-
-
-def group_from_atropos(
-    item: dict[str, Any], *, default_version: int, group_id: str = "", undeclared_temperature: float | None = 1.0
-) -> RolloutGroup:
-    """Convert one Atropos `/batch` item (see notes/atropos.md) into a RolloutGroup.
-
-    `masks` (-100 = no loss, else the token id) become a 0/1 loss mask; `inference_logprobs`
-    keep their alignment with tokens, with the prompt placeholders (1.0, or null) set to 0.0;
-    per-token `advantages` must be constant over each sequence's loss tokens. A per-sequence
-    override `truncated: true` or `finish_reason: "length"` marks a truncated completion (for
-    `train.loss.mask_truncated`). Temperature:
-    per-sequence override > generation_params > group_overrides > `undeclared_temperature` (the
-    source passes `source.temperature` and records `extra["temperature_from"]`; None refuses the
-    group as `undeclared_temperature`), and all sequences of a group must agree. Atropos carries no policy version, so `default_version` (the version being
-    served when the batch was fetched) is recorded. Values that convert but are out of range
-    (NaN scores, positive logprobs, ...) are left for `validate_group` to reject.
-
-    Raises MalformedGroup for anything that cannot be converted; nothing else.
-    """
-    try:
-        return _convert_atropos(item, default_version, group_id, undeclared_temperature)
-    except _Invalid as invalid:
-        raise MalformedGroup(invalid.reason, invalid.detail) from None
-    except Exception as exc:  # noqa: BLE001 - garbage from the network must not crash the daemon
-        raise MalformedGroup(RejectionReason.INTERNAL_ERROR, f"conversion failed unexpectedly: {exc!r:.200}") from None

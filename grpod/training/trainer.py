@@ -7,11 +7,18 @@ embeddings stay one parameter (one optimizer state, one update), as the checkpoi
 With `train.disable_dropout` (the default) every dropout of the model (LoRA's included) is set to
 0 at load: training computes the function vLLM serves.
 
-`train_step` is the whole batch, top to bottom: advantages, pi_old (recorded once when the batch
-gets several updates), then for each of `train.epochs` epochs and each of `train.minibatches`
-minibatches: micro-batches, forward + loss + backward per micro-batch (gradients accumulate; the
-loss normalisers are the minibatch's, see `loss`), clip, optimizer step. The learning-rate
-schedule advances once per batch, trained or skipped, so it follows `train.steps` to its end.
+A batch's step is in phases, so that the step loop can fence each optimizer update (bridge mode
+`shared`) as a line of its own:
+
+    plan = trainer.plan(groups)              advantages, sequences, pi_old (when several updates)
+    for part in trainer.parts(plan):         train.epochs x train.minibatches parts
+        prepared = trainer.prepare(plan, part)   forward + loss + backward per micro-batch, clip
+        trainer.apply(prepared)              optimizer step (skipped for a non-finite gradient)
+    metrics = trainer.finish(plan)           schedule, counters, the batch's metrics
+
+`train_step(groups)` runs them in order, unfenced. Gradients accumulate over a part's
+micro-batches; the loss normalisers are the part's (see `loss`). The learning-rate schedule
+advances once per batch, trained or skipped, so it follows `train.steps` to its end.
 `step` counts batches that took at least one optimizer update, `updates` the updates; a batch
 with nothing to train on (every group zero-variance) or only non-finite gradients leaves the
 weights and `step` untouched and reports `skipped = 1`.
@@ -28,7 +35,8 @@ import math
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +44,7 @@ import structlog
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from grpod.config import GrpodConfig
+from grpod.config import GrpodConfig, ModelConfig, TrainConfig
 from grpod.rollouts.group import RolloutGroup
 from grpod.training.advantages import compute_advantages
 from grpod.training.batching import MicroBatch, TrainingSequence, collate, plan_micro_batches, training_sequences
@@ -46,7 +54,7 @@ from grpod.training.optim import build_optimizer, build_scheduler
 
 log = structlog.get_logger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from grpod.dtypes import TORCH_DTYPES
 # Files a HF model directory holds besides its weights and config, which vLLM and from_pretrained
 # need to load the tokenizer.
 TOKENIZER_FILES = (
@@ -55,8 +63,32 @@ TOKENIZER_FILES = (
 )
 
 
-def _run_unfenced(update: Callable[[], object]) -> object:
-    return update()
+@dataclass
+class BatchPlan:
+    """One batch on its way through the phases of a step (see the module docstring)."""
+
+    groups: int
+    sequences: list[TrainingSequence]
+    metrics: dict[str, float]
+    old: list[torch.Tensor] | None = None
+    stats: LossStats = field(default_factory=LossStats)
+    grad_norms: list[float] = field(default_factory=list)
+    real_tokens: int = 0
+    processed_tokens: int = 0
+    micro_batches: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class PreparedUpdate:
+    """Gradients of one part of a batch, accumulated and clipped; `finite` says whether
+    `apply` may step on them."""
+
+    grad_norm: float
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.grad_norm)
 
 
 def _zero_dropout(model: torch.nn.Module) -> None:
@@ -76,24 +108,39 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> PreTrai
 
 
 class Trainer:
-    def __init__(self, cfg: GrpodConfig, model_path: Path, *, adapter_path: Path | None = None) -> None:
-        self.cfg = cfg
-        self.model_path = Path(model_path)
-        self.device = torch.device(cfg.train.device)
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
+    def __init__(
+        self,
+        train: TrainConfig,
+        model: ModelConfig,
+        *,
+        model_path: Path | None = None,
+        adapter_path: Path | None = None,
+        seed: int = 0,
+        completion_budget: int,
+    ) -> None:
+        """`train` and `model` are the config's sections; `model_path` the weights to load (default
+        `model.path`; a resumed checkpoint's otherwise); `completion_budget` the completion length M
+        of Dr. GRPO's normaliser and of overlong shaping (`GrpodConfig.completion_budget`)."""
+        self.train_cfg = train
+        self.model_cfg = model
+        self.seed = seed
+        self.completion_budget = completion_budget
+        self.model_path = Path(model_path or model.path)
+        self.device = torch.device(train.device)
+        if train.threads:
+            torch.set_num_threads(train.threads)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
 
-        if cfg.train.lora:
-            base = _load_model(self.model_path, DTYPES[cfg.model.dtype], self.device)
+        if train.lora:
+            base = _load_model(self.model_path, TORCH_DTYPES[model.dtype], self.device)
             self.model = self._wrap_lora(base, adapter_path)
         else:
             if adapter_path is not None:
                 raise ValueError(f"adapter_path {adapter_path} given but train.lora = false")
             self.model = _load_model(self.model_path, torch.float32, self.device)
-        if cfg.train.disable_dropout:
+        if train.disable_dropout:
             _zero_dropout(self.model)
-        if cfg.model.gradient_checkpointing:
+        if model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
         # The frozen reference for kl_reference = "model" is the initial policy, `model.path` (not
@@ -105,20 +152,16 @@ class Trainer:
             self._load_reference()
 
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.trainable, cfg.train)
-        # Every optimizer step (the only place the weights change) runs as `update_fence(step)`.
-        # A bridge whose vLLM reads these parameters in place (`shared`) sets a fence that pauses
-        # generation around the step; train_step must then run in an anyio worker thread.
-        self.update_fence: Callable[[Callable[[], object]], object] = _run_unfenced
-        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.optimizer = build_optimizer(self.trainable, train)
+        self.scheduler = build_scheduler(self.optimizer, train)
         self.step = 0
         self.updates = 0
         self.vocab_size: int = self.model.config.vocab_size
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         log.info(
-            "trainer_loaded", model=str(self.model_path), lora=cfg.train.lora, device=str(self.device),
-            trainable_params=sum(p.numel() for p in self.trainable), optimizer=cfg.train.optimizer,
+            "trainer_loaded", model=str(self.model_path), lora=train.lora, device=str(self.device),
+            trainable_params=sum(p.numel() for p in self.trainable), optimizer=train.optimizer,
         )
 
     def _wrap_lora(self, base: PreTrainedModel, adapter_path: Path | None):
@@ -126,22 +169,22 @@ class Trainer:
 
         if adapter_path is not None:
             return PeftModel.from_pretrained(base, adapter_path, is_trainable=True)
-        lcfg = self.cfg.train.lora_config
+        lcfg = self.train_cfg.lora_config
         peft_cfg = LoraConfig(
             r=lcfg.rank, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
             target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM",
         )
         # Seeded adapter init without disturbing the process RNG streams (checkpointed elsewhere).
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.cfg.run.seed)
+            torch.manual_seed(self.seed)
             return get_peft_model(base, peft_cfg)
 
     def _needs_reference(self) -> bool:
-        loss_cfg = self.cfg.train.loss
-        return loss_cfg.kl_coef > 0 and loss_cfg.kl_reference == "model" and not self.cfg.train.lora
+        loss_cfg = self.train_cfg.loss
+        return loss_cfg.kl_coef > 0 and loss_cfg.kl_reference == "model" and not self.train_cfg.lora
 
     def _load_reference(self) -> None:
-        path = self.cfg.model.path
+        path = self.model_cfg.path
         if not path.exists():
             raise FileNotFoundError(
                 f"train.loss.kl_reference = 'model' needs the initial policy at model.path = "
@@ -156,82 +199,108 @@ class Trainer:
         when `train.disable_dropout`."""
         self.model.train()
 
-    def train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
-        """The updates of one batch, `groups`; returns its metrics (see the module docstring)."""
-        started = time.perf_counter()
-        cfg = self.cfg.train
+    def plan(self, groups: list[RolloutGroup]) -> BatchPlan:
+        """Advantages, training sequences and (several updates) pi_old of a batch."""
+        cfg = self.train_cfg
         scores = [s for g in groups for s in g.scores]
-        advantages = compute_advantages(groups, cfg.advantages, self.cfg.completion_budget)
+        advantages = compute_advantages(groups, cfg.advantages, self.completion_budget)
         sequences = training_sequences(advantages, mask_truncated=cfg.loss.mask_truncated)
-        metrics: dict[str, float] = {
-            "reward_mean": sum(scores) / len(scores) if scores else float("nan"),
-            "dropped_zero_variance": float(advantages.dropped_zero_variance),
-            "overlong_penalized": float(advantages.overlong_penalized),
-            "sequences": float(len(sequences)),
-            "lr": self.scheduler.get_last_lr()[0],
-        }
+        plan = BatchPlan(
+            groups=len(groups),
+            sequences=sequences,
+            metrics={
+                "reward_mean": sum(scores) / len(scores) if scores else float("nan"),
+                "dropped_zero_variance": float(advantages.dropped_zero_variance),
+                "overlong_penalized": float(advantages.overlong_penalized),
+                "sequences": float(len(sequences)),
+                "lr": self.scheduler.get_last_lr()[0],
+            },
+        )
         if not sequences:
-            self._advance_schedule()
-            log.info("train_step_skipped", reason="no_trainable_sequences", groups=len(groups), **metrics)
-            return metrics | {"skipped": 1.0, "optimizer_steps": float(self.updates)}
+            return plan
         if self.reference_model is None and self._needs_reference():
             self._load_reference()
-
         self._forward_mode()
-        several = cfg.epochs * cfg.minibatches > 1
-        old = self._old_logprobs(sequences) if several else None
-        stats = LossStats()
-        grad_norms: list[float] = []
-        real_tokens = processed_tokens = micro_batches = 0
-        for epoch in range(cfg.epochs):
-            for part in self._minibatches(len(sequences), epoch):
-                chosen = [sequences[i] for i in part]
-                plan = plan_micro_batches(
-                    [len(s.tokens) for s in chosen], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency
-                )
-                normalizer = StepNormalizer.for_step([len(s.loss_positions) for s in chosen], self.cfg.completion_budget)
-                self.optimizer.zero_grad(set_to_none=True)
-                for indices in plan.batches:
-                    batch = collate(
-                        [chosen[i] for i in indices], self.pad_id, self.device,
-                        old_logprobs=[old[part[i]] for i in indices] if old is not None else None,
-                    )
-                    loss, batch_stats = self._micro_batch_loss(batch, normalizer)
-                    loss.backward()
-                    stats.merge(batch_stats)
-                real_tokens += plan.real_tokens
-                processed_tokens += plan.processed_tokens
-                micro_batches += len(plan.batches)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip))
-                grad_norms.append(grad_norm)
-                if not math.isfinite(grad_norm):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    log.warning("update_skipped", reason="non_finite_grad_norm", grad_norm=grad_norm, step=self.step)
-                    continue
-                self.update_fence(self.optimizer.step)
-                self.updates += 1
-                self.optimizer.zero_grad(set_to_none=True)
-        self._advance_schedule()
-        finite = [g for g in grad_norms if math.isfinite(g)]
-        if not finite:
-            log.warning("train_step_skipped", reason="non_finite_grad_norm", grad_norm=grad_norms[-1], step=self.step)
-            return metrics | {"skipped": 1.0, "grad_norm": grad_norms[-1], "optimizer_steps": float(self.updates)}
-        self.step += 1
+        if cfg.epochs * cfg.minibatches > 1:
+            plan.old = self._old_logprobs(sequences)
+        return plan
 
-        metrics |= stats.as_metrics()
+    def parts(self, plan: BatchPlan) -> Iterator[list[int]]:
+        """The parts of the batch, one optimizer update each: `train.minibatches` per epoch."""
+        if not plan.sequences:
+            return
+        for epoch in range(self.train_cfg.epochs):
+            yield from self._minibatches(len(plan.sequences), epoch)
+
+    def prepare(self, plan: BatchPlan, part: list[int]) -> PreparedUpdate:
+        """Forward, loss and backward of each micro-batch of `part`, then the gradient clip."""
+        cfg = self.train_cfg
+        chosen = [plan.sequences[i] for i in part]
+        micro = plan_micro_batches([len(s.tokens) for s in chosen], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
+        normalizer = StepNormalizer.for_step([len(s.loss_positions) for s in chosen], self.completion_budget)
+        self.optimizer.zero_grad(set_to_none=True)
+        for indices in micro.batches:
+            batch = collate(
+                [chosen[i] for i in indices], self.pad_id, self.device,
+                old_logprobs=[plan.old[part[i]] for i in indices] if plan.old is not None else None,
+            )
+            loss, batch_stats = self._micro_batch_loss(batch, normalizer)
+            loss.backward()
+            plan.stats.merge(batch_stats)
+        plan.real_tokens += micro.real_tokens
+        plan.processed_tokens += micro.processed_tokens
+        plan.micro_batches += len(micro.batches)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip))
+        plan.grad_norms.append(grad_norm)
+        prepared = PreparedUpdate(grad_norm)
+        if not prepared.finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            log.warning("update_skipped", reason="non_finite_grad_norm", grad_norm=grad_norm, step=self.step)
+        return prepared
+
+    def apply(self, prepared: PreparedUpdate) -> None:
+        """The optimizer step on prepared gradients: the only place the weights change."""
+        if not prepared.finite:
+            raise ValueError(f"apply() of a non-finite gradient (norm {prepared.grad_norm})")
+        self.optimizer.step()
+        self.updates += 1
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def finish(self, plan: BatchPlan) -> dict[str, float]:
+        """Advance the schedule, count the step, and return the batch's metrics."""
+        self._advance_schedule()
+        metrics = plan.metrics
+        if not plan.sequences:
+            log.info("train_step_skipped", reason="no_trainable_sequences", groups=plan.groups, **metrics)
+            return metrics | {"skipped": 1.0, "optimizer_steps": float(self.updates)}
+        finite = [g for g in plan.grad_norms if math.isfinite(g)]
+        if not finite:
+            log.warning("train_step_skipped", reason="non_finite_grad_norm", grad_norm=plan.grad_norms[-1], step=self.step)
+            return metrics | {"skipped": 1.0, "grad_norm": plan.grad_norms[-1], "optimizer_steps": float(self.updates)}
+        self.step += 1
+        metrics |= plan.stats.as_metrics()
         metrics |= {
             "optimizer_steps": float(self.updates),
             "updates": float(len(finite)),
             "skipped": 0.0,
             "grad_norm": sum(finite) / len(finite),
-            "tokens": float(real_tokens),
-            "processed_tokens": float(processed_tokens),
-            "padding_efficiency": real_tokens / processed_tokens if processed_tokens else 1.0,
-            "micro_batches": float(micro_batches),
-            "step_time_s": time.perf_counter() - started,
+            "tokens": float(plan.real_tokens),
+            "processed_tokens": float(plan.processed_tokens),
+            "padding_efficiency": plan.real_tokens / plan.processed_tokens if plan.processed_tokens else 1.0,
+            "micro_batches": float(plan.micro_batches),
+            "step_time_s": time.perf_counter() - plan.started,
         }
         log.debug("train_step", **metrics)
         return metrics
+
+    def train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        """The updates of one batch, `groups`, unfenced; returns its metrics (module docstring)."""
+        plan = self.plan(groups)
+        for part in self.parts(plan):
+            prepared = self.prepare(plan, part)
+            if prepared.finite:
+                self.apply(prepared)
+        return self.finish(plan)
 
     def _advance_schedule(self) -> None:
         """One schedule step per batch (F12 of the audit: a skipped batch used to leave the cosine
@@ -244,11 +313,11 @@ class Trainer:
     def _minibatches(self, n: int, epoch: int) -> list[list[int]]:
         """The batch's sequences split into `train.minibatches` parts, shuffled per epoch with a
         generator seeded by (run seed, batch index, epoch), so a resumed run splits the same way."""
-        parts = min(self.cfg.train.minibatches, n)
+        parts = min(self.train_cfg.minibatches, n)
         if parts == 1:
             return [list(range(n))]
         generator = torch.Generator().manual_seed(
-            hash((self.cfg.run.seed, self.scheduler.last_epoch, epoch)) & 0x7FFFFFFF
+            hash((self.seed, self.scheduler.last_epoch, epoch)) & 0x7FFFFFFF
         )
         order = torch.randperm(n, generator=generator).tolist()
         return [order[k::parts] for k in range(parts)]
@@ -256,7 +325,7 @@ class Trainer:
     @torch.no_grad()
     def _old_logprobs(self, sequences: list[TrainingSequence]) -> list[torch.Tensor]:
         """pi_old's logprob of every loss token, per sequence, before the batch's first update."""
-        cfg = self.cfg.train
+        cfg = self.train_cfg
         plan = plan_micro_batches([len(s.tokens) for s in sequences], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
         old: list[torch.Tensor | None] = [None] * len(sequences)
         for indices in plan.batches:
@@ -271,7 +340,7 @@ class Trainer:
 
     def _micro_batch_loss(self, batch: MicroBatch, normalizer: StepNormalizer) -> tuple[torch.Tensor, LossStats]:
         """Forward one micro-batch; its share of the (mini)batch loss and its statistics."""
-        loss_cfg = self.cfg.train.loss
+        loss_cfg = self.train_cfg.loss
         chunk = loss_cfg.logprob_chunk_tokens
         logits = self.model(input_ids=batch.input_ids, use_cache=False).logits
         predicting = logits[batch.rows, batch.positions - 1]
@@ -295,7 +364,7 @@ class Trainer:
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: MicroBatch) -> torch.Tensor | None:
-        loss_cfg = self.cfg.train.loss
+        loss_cfg = self.train_cfg.loss
         if loss_cfg.kl_coef <= 0 or loss_cfg.kl_reference != "model":
             return None
         if self.reference_model is not None:
@@ -316,7 +385,7 @@ class Trainer:
         try:
             ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
             logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1]
-            out = token_logprobs(logits, ids[0, 1:], temperature, self.cfg.train.loss.logprob_chunk_tokens)
+            out = token_logprobs(logits, ids[0, 1:], temperature, self.train_cfg.loss.logprob_chunk_tokens)
         finally:
             self.model.train(was_training)
         return out.tolist()
@@ -330,12 +399,12 @@ class Trainer:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, safe_serialization=True)
-        if not self.cfg.train.lora:
+        if not self.train_cfg.lora:
             for name in TOKENIZER_FILES:
                 source = self.model_path / name
                 if source.is_file():
                     shutil.copy2(source, out / name)
-        log.info("weights_saved", out=str(out), lora=self.cfg.train.lora, step=self.step)
+        log.info("weights_saved", out=str(out), lora=self.train_cfg.lora, step=self.step)
 
     def set_learning_rate(self, lr: float) -> None:
         """Change the peak learning rate live; the schedule's shape (warm-up, cosine) is kept."""
@@ -365,6 +434,15 @@ class Trainer:
         self.step = int(state["step"])
         self.updates = int(state.get("updates", self.step))
         saved_lr = self.scheduler.base_lrs[0]
-        if not math.isclose(saved_lr, self.cfg.train.lr, rel_tol=1e-9):
-            log.warning("learning_rate_from_config", checkpoint_lr=saved_lr, config_lr=self.cfg.train.lr)
-            self.set_learning_rate(self.cfg.train.lr)
+        if not math.isclose(saved_lr, self.train_cfg.lr, rel_tol=1e-9):
+            log.warning("learning_rate_from_config", checkpoint_lr=saved_lr, config_lr=self.train_cfg.lr)
+            self.set_learning_rate(self.train_cfg.lr)
+
+
+def build_trainer(cfg: GrpodConfig, model_path: Path | None = None, *, adapter_path: Path | None = None) -> Trainer:
+    """The trainer a run's config describes: its `train` and `model` sections, the run's seed and
+    the completion budget, on `model_path` (default `model.path`)."""
+    return Trainer(
+        cfg.train, cfg.model, model_path=model_path, adapter_path=adapter_path,
+        seed=cfg.run.seed, completion_budget=cfg.completion_budget,
+    )

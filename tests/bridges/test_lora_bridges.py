@@ -11,13 +11,14 @@ import re
 import anyio
 import pytest
 
-from grpod.bridges import lora_only, lora_restart, make_bridge
+from grpod.bridges import lora_only, lora_restart
 from grpod.bridges.lora_only import LoraOnlyBridge
 from grpod.bridges.lora_restart import LoraRestartBridge
 from grpod.bridges.machine import IllegalTransition, StateMachine
 from grpod.config import GrpodConfig
+from grpod.daemon.components import build_bridge, build_engines
 from grpod.models.tiny import build_model, save_model
-from grpod.training.trainer import Trainer
+from grpod.training.trainer import build_trainer
 
 MODES = {"lora_only": (lora_only, "SWAPPING"), "lora_restart": (lora_restart, "RESTARTING")}
 ROW = re.compile(r"^\s{4}([A-Z_]+)\s+--([A-Z_]+)-*>\s+([A-Z_]+)", re.MULTILINE)
@@ -102,28 +103,32 @@ def test_the_docstring_prints_the_table(mode):
     assert "any         --STOP------->  STOPPING --STOPPED--> STOPPED" in module.__doc__
 
 
-def test_make_bridge_builds_the_configured_mode(tmp_path, model_root):
-    trainer = Trainer(config(model_root, "lora_only"), model_root / "model")
+def _bridge(cfg, run_dir, trainer, policy_version):
+    return build_bridge(cfg, run_dir, build_engines(cfg, run_dir), trainer=trainer, policy_version=policy_version)
+
+
+def test_build_bridge_builds_the_configured_mode(tmp_path, model_root):
+    trainer = build_trainer(config(model_root, "lora_only"))
     for name, cls in (("lora_only", LoraOnlyBridge), ("lora_restart", LoraRestartBridge)):
-        bridge = make_bridge(config(model_root, name), tmp_path / name, trainer, policy_version=3)
-        assert type(bridge) is cls and bridge.mode == name and bridge.policy_version == 3
+        bridge = _bridge(config(model_root, name), tmp_path / name, trainer, policy_version=3)
+        assert type(bridge) is cls and bridge.mode == name and bridge.policy.version == 3
         assert bridge.state == "IDLE"
 
 
 def test_vllm_launches_on_the_base_with_the_current_adapter_preloaded(tmp_path, model_root, mode):
     name, _, _ = mode
     cfg = config(model_root, name, keep_adapters=2)
-    trainer = Trainer(cfg, model_root / "model")
-    bridge = make_bridge(cfg, tmp_path / "run", trainer, policy_version=5)
+    trainer = build_trainer(cfg)
+    bridge = _bridge(cfg, tmp_path / "run", trainer, policy_version=5)
     with pytest.raises(RuntimeError, match="before start"):
-        bridge.request_model()
+        bridge._served_name()
     stale = bridge.adapters.path_for(6)
     stale.mkdir(parents=True)  # left by an earlier run that synced past its last checkpoint
 
-    model_path = anyio.run(bridge._initial_weights, True)
+    model_path = anyio.run(bridge._initial_weights, None)
 
     assert model_path == cfg.model.path == bridge.current_weights
-    assert bridge.request_model() == "policy-v5"
+    assert bridge.policy.served_name == "policy-v5"
     assert bridge.adapter.path == tmp_path / "run" / "adapters" / "v000005"
     assert (bridge.adapter.path / "adapter_model.safetensors").exists()
     assert not stale.exists()
@@ -134,8 +139,23 @@ def test_vllm_launches_on_the_base_with_the_current_adapter_preloaded(tmp_path, 
         "lora_target_modules": list(cfg.train.lora_config.target_modules),
         "lora_modules": {"policy-v5": str(bridge.adapter.path)},
     }
-    argv = bridge.inference.build_args(model_path, **kwargs)
+    argv = bridge.engines[0].process.build_args(model_path, **kwargs)
     assert argv[argv.index("--model") + 1] == str(cfg.model.path)
     assert argv[argv.index("--lora-modules") + 1] == f"policy-v5={bridge.adapter.path}"
     assert argv[argv.index("--max-lora-rank") + 1] == "8"
     assert bridge.describe()["adapter"] == {"name": "policy-v5", "version": 5, "path": str(bridge.adapter.path)}
+
+
+def test_a_resumed_run_serves_the_checkpoints_adapter_without_the_trainer(tmp_path, model_root, mode):
+    """Resuming, the engines launch on the checkpoint's adapter (hard-linked in as the current
+    version) while the trainer is still loading: no trainer is needed to start them."""
+    name, _, _ = mode
+    cfg = config(model_root, name)
+    checkpoint_adapter = tmp_path / "checkpoint" / "model"
+    build_trainer(cfg).save_weights(checkpoint_adapter)
+    bridge = _bridge(cfg, tmp_path / "run", None, policy_version=4)
+    assert anyio.run(bridge._initial_weights, checkpoint_adapter) == cfg.model.path
+    assert bridge.adapter.path == tmp_path / "run" / "adapters" / "v000004"
+    assert bridge.policy.served_name == "policy-v4" and bridge.trainer is None
+    written = bridge.adapter.path / "adapter_model.safetensors"
+    assert written.read_bytes() == (checkpoint_adapter / "adapter_model.safetensors").read_bytes()

@@ -46,9 +46,9 @@ def test_every_state_can_stop_and_the_docstring_shows_the_table():
 
 def test_probe_tolerance_knows_the_serving_dtype():
     from grpod.bridges.probe import ProbeResult, ProbeTolerance
-    from grpod.config import BridgeConfig
+    from grpod.config import NoneBridgeConfig
 
-    cfg = BridgeConfig()
+    cfg = NoneBridgeConfig()
     fp32 = ProbeTolerance.for_serving("float32", cfg)
     bf16 = ProbeTolerance.for_serving("bfloat16", cfg)
     # bf16 rounding of the same weights as measured (tiny model): max 0.18, mean 0.028, p95 0.10

@@ -15,7 +15,14 @@ def cfg(**sections) -> GrpodConfig:
 
 
 def test_a_supported_cpu_configuration_passes():
-    shared.check_supported(cfg(), "cpu", vllm_on_gpu=False)
+    c = cfg()
+    shared.check_supported(c.model, c.inference.enforce_eager, "cpu", False, 1)
+
+
+def test_more_than_one_engine_is_refused():
+    c = cfg()
+    with pytest.raises(shared.SharedModeUnsupported, match="inference.engines = 1"):
+        shared.check_supported(c.model, c.inference.enforce_eager, "cpu", False, 2)
 
 
 @pytest.mark.parametrize(
@@ -29,7 +36,7 @@ def test_a_supported_cpu_configuration_passes():
 )
 def test_unsupported_configurations_are_refused_naming_the_key(config, device, gpu, message):
     with pytest.raises(shared.SharedModeUnsupported, match=message):
-        shared.check_supported(config, device, vllm_on_gpu=gpu)
+        shared.check_supported(config.model, config.inference.enforce_eager, device, gpu, 1)
 
 
 def test_the_shm_directory_is_scoped_to_the_run(tmp_path):

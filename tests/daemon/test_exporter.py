@@ -6,26 +6,30 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from grpod.config import load_config
 from grpod.daemon.exporter import DaemonCollector, serve_metrics
-from grpod.daemon.supervisor import Daemon
+from grpod.daemon.supervisor import Supervisor
+from grpod.rollouts.admission import BatchAdmission
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.staleness import apply_staleness
 from grpod.rollouts.validation import Rejection
 
 
 def _daemon(tmp_path):
-    daemon = Daemon(load_config(None, [f"run.dir={str(tmp_path)!r}"]))
-    daemon.step = 7
+    cfg = load_config(None, [f"run.dir={str(tmp_path)!r}"])
+    daemon = Supervisor(cfg)
+    daemon.progress.step = 7
     daemon.rejections.add(Rejection(reason="length_mismatch", detail="x"))
     daemon.rejections.add(Rejection(reason="length_mismatch", detail="y"))
+    admission = BatchAdmission(cfg.train, vocab_size=10, max_seq_len=10, rejections=daemon.rejections)
     groups = [RolloutGroup([[1]], [[1]], [0.0], policy_version=v) for v in (5, 4, 1)]
-    apply_staleness(groups, 5, 2, "drop", daemon.staleness)
-    daemon.last_metrics = {"reward_mean": 0.25, "tokens": 100, "step_s": 0.5}
+    apply_staleness(groups, 5, 2, "drop", admission.staleness)
+    daemon.reporter.attach(admission=admission)
+    daemon.progress.last_metrics = {"reward_mean": 0.25, "tokens": 100, "step_s": 0.5}
     return daemon
 
 
 def test_collector_exposes_the_daemon_state(tmp_path):
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(_daemon(tmp_path)))
+    registry.register(DaemonCollector(_daemon(tmp_path).status))
     text = generate_latest(registry).decode()
     assert "grpod_step 7.0" in text
     assert 'grpod_rejected_groups_total{reason="length_mismatch"} 2.0' in text
@@ -43,7 +47,7 @@ def test_endpoint_serves_text_on_loopback(tmp_path):
 
     async def main():
         async with anyio.create_task_group() as tg:
-            await tg.start(serve_metrics, daemon, "127.0.0.1", port)
+            await tg.start(serve_metrics, daemon.status, "127.0.0.1", port)
             body = await anyio.to_thread.run_sync(
                 lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
             )

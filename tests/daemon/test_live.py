@@ -10,11 +10,12 @@ import structlog.testing
 from grpod.config import ConfigError, load_config
 from grpod.daemon.control import ControlError
 from grpod.daemon.live import RefusedChange, diff_file, plan_changes
-from grpod.daemon.state import RunStore
-from grpod.daemon.supervisor import Daemon
+from grpod.daemon.desk import OperatorDesk
+from grpod.daemon.progress import RunProgress
 from grpod.models.tiny import build_model, save_model
-from grpod.training.checkpoint import load_json
-from grpod.training.trainer import Trainer
+from grpod.run.checkpoint import load_json
+from grpod.run.store import RunSnapshot, RunStore
+from grpod.training.trainer import build_trainer
 from tests.harness import write_config
 
 
@@ -35,8 +36,19 @@ def test_diff_file_finds_changed_keys():
     assert diff_file(a, b) == {"train.lr": 1e-3, "inference.env": {"A": "1"}}
 
 
+class Desk(OperatorDesk):
+    """The desk with what applying a change at a boundary touches: the trainer's learning rate."""
+
+    def boundary(self) -> None:
+        def on_change(change):
+            if change.key == "train.lr":
+                self.trainer.set_learning_rate(change.new)
+
+        self.apply_changes(self.progress.step, on_change)
+
+
 @pytest.fixture()
-def daemon(tmp_path):
+def desk(tmp_path):
     model, tok = build_model(seed=0)
     save_model(model, tok, tmp_path / "model")
     config = write_config(
@@ -44,51 +56,52 @@ def daemon(tmp_path):
         {"run.dir": str(tmp_path / "run"), "model.path": str(tmp_path / "model"), "train.lr": 1e-4},
     )
     cfg = load_config(config)
-    d = Daemon(cfg, config_path=config)
-    d.trainer = Trainer(cfg, cfg.model.path)
+    d = Desk(cfg, RunProgress(cfg.train.steps), config_path=config)
+    d.trainer = build_trainer(cfg)
     d.store = RunStore(cfg, cfg.run.dir)
     return d
 
 
-def test_ctl_set_applies_at_boundary_and_lands_in_checkpoint(daemon):
-    reply = anyio.run(daemon._ctl_set, {"key": "train.lr", "value": 5e-4})
+def test_ctl_set_applies_at_boundary_and_lands_in_checkpoint(desk):
+    reply = anyio.run(desk.ctl_set, {"key": "train.lr", "value": 5e-4})
     assert reply["accepted"][0]["new"] == 5e-4
-    assert daemon.cfg.train.lr == 1e-4, "not before the step boundary"
-    daemon._apply_changes()
-    assert daemon.cfg.train.lr == 5e-4
-    assert daemon.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
-    assert daemon.config_changes[0]["key"] == "train.lr" and daemon.config_changes[0]["version"] == 1
-    path = daemon.store.save(daemon.trainer, 1, 0, [], {"kind": "builtin"}, {"config_changes": daemon.config_changes})
-    state = load_json(path, "run_state.json")
+    assert desk.cfg.train.lr == 1e-4, "not before the step boundary"
+    assert desk.pending()
+    desk.boundary()
+    assert desk.cfg.train.lr == 5e-4
+    assert desk.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+    assert desk.config_changes[0]["key"] == "train.lr" and desk.config_changes[0]["version"] == 1
+    snapshot = RunSnapshot(1, 0, [], {"kind": "builtin"}, {"config_changes": desk.config_changes})
+    state = load_json(desk.store.save(desk.trainer, snapshot), "run_state.json")
     assert state["extra"]["config_changes"][0]["new"] == 5e-4
 
     with pytest.raises(ControlError, match="cannot change while running"):
-        anyio.run(daemon._ctl_set, {"key": "model.path", "value": "/elsewhere"})
+        anyio.run(desk.ctl_set, {"key": "model.path", "value": "/elsewhere"})
     with pytest.raises(ControlError, match="train.loss.clip_low"):
-        anyio.run(daemon._ctl_set, {"key": "train.loss.clip_low", "value": 3})
+        anyio.run(desk.ctl_set, {"key": "train.loss.clip_low", "value": 3})
     with pytest.raises(ControlError, match="expected args"):
-        anyio.run(daemon._ctl_set, {"value": 1})
-    assert not daemon.pending_changes
+        anyio.run(desk.ctl_set, {"value": 1})
+    assert not desk.pending()
 
 
-def test_sighup_applies_safe_subset_and_refuses_the_rest(daemon, tmp_path):
-    text = daemon.config_path.read_text().replace("lr = 0.0001", "lr = 0.002")
+def test_sighup_applies_safe_subset_and_refuses_the_rest(desk, tmp_path):
+    text = desk.config_path.read_text().replace("lr = 0.0001", "lr = 0.002")
     text += '\n[bridge]\nmode = "shared"\n[source]\ntemperature = 0.7\n'
-    daemon.config_path.write_text(text)
+    desk.config_path.write_text(text)
     with structlog.testing.capture_logs() as events:
-        daemon._reload_config_file()
-    daemon._apply_changes()
-    assert daemon.cfg.train.lr == 0.002 and daemon.cfg.source.temperature == 0.7
-    assert daemon.cfg.bridge.mode == "none", "a key that needs a restart is refused"
+        desk.reload_file()
+    desk.boundary()
+    assert desk.cfg.train.lr == 0.002 and desk.cfg.source.temperature == 0.7
+    assert desk.cfg.bridge.mode == "none", "a key that needs a restart is refused"
     refused = [e for e in events if e["event"] == "reload_refused"]
     assert refused and refused[0]["keys"] == ["bridge.mode"] and "restart" in refused[0]["reason"]
-    keys = [c["key"] for c in daemon.config_changes]
+    keys = [c["key"] for c in desk.config_changes]
     assert sorted(keys) == ["source.temperature", "train.lr"]
-    assert all(c["origin"] == "SIGHUP" for c in daemon.config_changes)
+    assert all(c["origin"] == "SIGHUP" for c in desk.config_changes)
 
 
-def test_sighup_with_broken_file_changes_nothing(daemon):
-    daemon.config_path.write_text("[train\n")
-    daemon._reload_config_file()
-    assert not daemon.pending_changes
-    assert json.dumps(daemon.cfg.model_dump(mode="json"))
+def test_sighup_with_broken_file_changes_nothing(desk):
+    desk.config_path.write_text("[train\n")
+    desk.reload_file()
+    assert not desk.pending()
+    assert json.dumps(desk.cfg.model_dump(mode="json"))

@@ -7,14 +7,14 @@ import anyio
 
 from grpod.config import load_config
 from grpod.daemon.notify import SystemdNotifier
-from grpod.daemon.supervisor import Daemon
+from grpod.daemon.supervisor import Supervisor
 
 
 def test_watchdog_pings_only_while_steps_progress(tmp_path, monkeypatch):
     path = tmp_path / "notify.sock"
     monkeypatch.setenv("WATCHDOG_USEC", "100000")  # ping every 50 ms
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
-    daemon = Daemon(load_config(None, [f"run.dir={str(tmp_path / 'run')!r}", "notify.stall_after_s=0.3"]))
+    daemon = Supervisor(load_config(None, [f"run.dir={str(tmp_path / 'run')!r}", "notify.stall_after_s=0.3"]))
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(str(path))
         sock.setblocking(False)
@@ -61,13 +61,15 @@ def test_the_source_alarm_reaches_status_prometheus_and_systemd_and_fail_after_e
     from grpod.daemon.exporter import DaemonCollector
 
     path = tmp_path / "notify.sock"
-    daemon = Daemon(
+    daemon = Supervisor(
         load_config(None, [f"run.dir={str(tmp_path / 'run')!r}", "source.error_alarm_s=1", "source.fail_after_s=3"])
     )
     stats = SimpleNamespace(failing_since=time.time(), consecutive_errors=4, last_error="Atropos API /batch: HTTP 500")
-    daemon.source = SimpleNamespace(kind="atropos", stats=stats, cursor=lambda: {})
+    source = SimpleNamespace(kind="atropos", stats=stats, cursor=lambda: {})
+    daemon.parts = SimpleNamespace(source=source)
+    daemon.reporter.attach(source=source)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(daemon))
+    registry.register(DaemonCollector(daemon.status))
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(str(path))
         sock.setblocking(False)
@@ -83,7 +85,7 @@ def test_the_source_alarm_reaches_status_prometheus_and_systemd_and_fail_after_e
                 seen["status"] = daemon.status()["alarms"]["source"]
                 seen["prometheus"] = generate_latest(registry).decode()
                 with anyio.fail_after(10):
-                    while daemon.exit_code == 0:
+                    while daemon.progress.exit_code == 0:
                         await anyio.sleep(0.1)
                 tg.cancel_scope.cancel()
             return seen
@@ -101,5 +103,6 @@ def test_the_source_alarm_reaches_status_prometheus_and_systemd_and_fail_after_e
     assert 'grpod_alarm{alarm="logprob_gap"} 0.0' in seen["prometheus"]
     assert "grpod_source_consecutive_errors 4.0" in seen["prometheus"]
     assert any(d.startswith("STATUS=ALARM") and "4 errors in a row" in d for d in datagrams), datagrams
-    assert daemon.exit_code == 1
-    assert "source.fail_after_s = 3" in daemon.stop_reason and "HTTP 500" in daemon.stop_reason
+    assert daemon.progress.exit_code == 1
+    reason = daemon.progress.stop_reason
+    assert "source.fail_after_s = 3" in reason and "HTTP 500" in reason

@@ -1,40 +1,21 @@
-"""The daemon's step path without vLLM: validation and the staleness bound before the loss.
+"""The step loop's path without vLLM, with the real trainer: validation and the staleness bound
+before the loss.
 
-The bridge is a stand-in (a policy version and a no-op sync): what is under test is which groups
-reach `Trainer.train_step`, and what the metrics and `ctl status` say about the others.
+The bridge is a stand-in (a policy version and a counting sync): what is under test is which
+groups reach the trainer, and what the metrics and `ctl status` say about the others.
 """
 
+import json
 import random
 
 import anyio
 import pytest
 
 from grpod.config import load_config
-from grpod.daemon.logs import MetricsLog
-from grpod.daemon.supervisor import Daemon
 from grpod.models.tiny import build_model, save_model
 from grpod.rollouts.group import RolloutGroup
-from grpod.training.trainer import Trainer
-
-
-class VersionOnlyBridge:
-    state = "SERVING"
-    pipelined = False
-
-    def __init__(self, version):
-        self.policy_version = version
-
-    def sync_due(self, step):
-        return False
-
-    async def settled(self):
-        return None
-
-    async def after_step(self, step):
-        return None
-
-    def describe(self):
-        return {"mode": "stand-in", "state": self.state, "policy_version": self.policy_version}
+from grpod.training.trainer import build_trainer
+from tests.daemon.conftest import StandInBridge, make_loop
 
 
 def _group(gid, version, rng):
@@ -48,28 +29,34 @@ def _group(gid, version, rng):
     return RolloutGroup(tokens, masks, [0.0, 1.0, 0.0, 1.0], logprobs, policy_version=version, group_id=gid)
 
 
-@pytest.fixture()
-def daemon(tmp_path):
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train-path-model")
     model, tok = build_model(seed=0)
-    save_model(model, tok, tmp_path / "model")
-    cfg = load_config(None, [f"run.dir={str(tmp_path / 'run')!r}", f"model.path={str(tmp_path / 'model')!r}",
+    save_model(model, tok, root)
+    return root
+
+
+@pytest.fixture()
+def daemon(tmp_path, model_dir):
+    cfg = load_config(None, [f"run.dir={str(tmp_path / 'run')!r}", f"model.path={str(model_dir)!r}",
                              "train.max_staleness=2", "run.progress=false"])
-    d = Daemon(cfg)
-    d.trainer = Trainer(cfg, cfg.model.path)
-    d.bridge = VersionOnlyBridge(10)
-    d.metrics = MetricsLog(tmp_path / "run" / "metrics.jsonl")
-    return d
+    trainer = build_trainer(cfg)
+    loop = make_loop(cfg, trainer, bridge=StandInBridge(10, sync_every=1000), vocab_size=trainer.vocab_size)
+    loop.status = loop.reporter.status
+    loop.metrics = loop.reporter.metrics
+    return loop
 
 
 def _trained_ids(daemon, monkeypatch):
     seen = []
-    real = daemon.trainer.train_step
+    real = daemon.trainer.plan
 
     def spy(groups):
         seen.append([g.group_id for g in groups])
         return real(groups)
 
-    monkeypatch.setattr(daemon.trainer, "train_step", spy)
+    monkeypatch.setattr(daemon.trainer, "plan", spy)
     return seen
 
 
@@ -77,7 +64,7 @@ def test_stale_groups_never_reach_the_loss(daemon, monkeypatch):
     rng = random.Random(0)
     seen = _trained_ids(daemon, monkeypatch)
     groups = [_group("fresh", 10, rng), _group("edge", 8, rng), _group("stale", 7, rng), _group("ancient", 1, rng)]
-    anyio.run(daemon._train_one, groups)
+    anyio.run(daemon.step, groups)
     assert seen == [["fresh", "edge"]]
     status = daemon.status()
     assert status["staleness"]["dropped"] == 2
@@ -90,9 +77,9 @@ def test_downweight_policy_trains_them_with_smaller_weight(daemon, monkeypatch):
     daemon.cfg.train.stale_policy = "downweight"
     rng = random.Random(1)
     weights = []
-    real = daemon.trainer.train_step
-    monkeypatch.setattr(daemon.trainer, "train_step", lambda gs: weights.append([g.weight for g in gs]) or real(gs))
-    anyio.run(daemon._train_one, [_group("fresh", 10, rng), _group("stale", 6, rng)])
+    real = daemon.trainer.plan
+    monkeypatch.setattr(daemon.trainer, "plan", lambda gs: weights.append([g.weight for g in gs]) or real(gs))
+    anyio.run(daemon.step, [_group("fresh", 10, rng), _group("stale", 6, rng)])
     assert weights == [[1.0, pytest.approx(1 / 3)]]
     assert daemon.status()["staleness"]["downweighted"] == 1
 
@@ -105,7 +92,7 @@ def test_malformed_groups_are_rejected_and_the_rest_trains(daemon, monkeypatch):
     short.loss_mask[1] = short.loss_mask[1][:-1]
     outside = _group("out-of-vocab", 10, rng)
     outside.tokens[0][-2] = 10_000
-    anyio.run(daemon._train_one, [good, short, outside])
+    anyio.run(daemon.step, [good, short, outside])
     assert seen == [["good"]]
     assert sum(daemon.status()["rejected"].values()) == 2
 
@@ -115,9 +102,9 @@ def test_a_batch_with_nothing_valid_is_skipped_not_fatal(daemon, monkeypatch):
     seen = _trained_ids(daemon, monkeypatch)
     bad = _group("bad", 10, rng)
     bad.scores = [float("nan")] * 4
-    anyio.run(daemon._train_one, [bad])
+    anyio.run(daemon.step, [bad])
     assert seen == []
-    assert daemon.step == 1 and daemon.metrics.read()[-1]["skipped"] == 1
+    assert daemon.progress.step == 1 and daemon.metrics.read()[-1]["skipped"] == 1
     status = daemon.status()
     assert (status["trained_steps"], status["skipped_batches"]) == (0, 1)
 
@@ -130,9 +117,9 @@ def test_a_run_that_trained_nothing_says_so_and_fails(daemon):
     for g in bad:
         g.scores = [float("nan")] * 4
     daemon.buffer.restore(bad)
-    anyio.run(daemon._train_loop)
-    assert daemon.step == 2 and daemon.exit_code == 1
-    assert daemon.stop_reason.startswith("no step trained: all 2 batches were skipped")
+    anyio.run(daemon.run)
+    assert daemon.progress.step == 2 and daemon.progress.exit_code == 1
+    assert daemon.progress.stop_reason.startswith("no step trained: all 2 batches were skipped")
 
 
 def test_a_run_with_some_trained_steps_ends_normally(daemon):
@@ -141,9 +128,9 @@ def test_a_run_with_some_trained_steps_ends_normally(daemon):
     bad = _group("bad", 10, rng)
     bad.scores = [float("nan")] * 4
     daemon.buffer.restore([bad, _group("good", 10, rng)])
-    anyio.run(daemon._train_loop)
-    assert daemon.exit_code == 0 and daemon.stop_reason == "steps done"
-    assert (daemon.trained_steps, daemon.skipped_batches) == (1, 1)
+    anyio.run(daemon.run)
+    assert daemon.progress.exit_code == 0 and daemon.progress.stop_reason == "steps done"
+    assert (daemon.progress.trained_steps, daemon.progress.skipped_batches) == (1, 1)
 
 
 def test_groups_without_inference_logprobs_train_uncorrected(daemon, monkeypatch):
@@ -153,7 +140,7 @@ def test_groups_without_inference_logprobs_train_uncorrected(daemon, monkeypatch
     seen = _trained_ids(daemon, monkeypatch)
     group = _group("no-logprobs", 10, rng)
     group.inference_logprobs = None
-    anyio.run(daemon._train_one, [group])
+    anyio.run(daemon.step, [group])
     assert seen == [["no-logprobs"]]
     record = daemon.metrics.read()[-1]
     assert record["skipped"] == 0.0 and record["is_uncorrected_tokens"] == 16.0
@@ -168,7 +155,7 @@ def test_a_null_temperature_override_trains_at_the_groups_temperature(daemon, mo
     group.overrides = [{"temperature": None}, {}, {"temperature": None}, {}]
     bad = _group("string-override", 10, rng)
     bad.overrides = [{"temperature": "hot"}, {}, {}, {}]
-    anyio.run(daemon._train_one, [group, bad])
+    anyio.run(daemon.step, [group, bad])
     assert seen == [["null-override"]]
     assert daemon.status()["rejected"] == {"bad_temperature": 1}
     assert daemon.metrics.read()[-1]["skipped"] == 0.0
@@ -180,35 +167,31 @@ def test_a_group_that_arrives_twice_is_trained_once(daemon, monkeypatch):
     group = _group("first", 10, rng)
     again = RolloutGroup(group.tokens, group.loss_mask, group.scores, group.inference_logprobs, policy_version=10,
                          group_id="second-id")
-    anyio.run(daemon._train_one, [group])
-    anyio.run(daemon._train_one, [again, _group("other", 10, rng)])
+    anyio.run(daemon.step, [group])
+    anyio.run(daemon.step, [again, _group("other", 10, rng)])
     assert seen == [["first"], ["other"]]
     assert daemon.status()["rejected"] == {"duplicate": 1}
 
 
 def test_rollouts_jsonl_records_only_trained_groups(daemon, monkeypatch):
-    import json
-
     rng = random.Random(9)
     daemon.cfg.run.record_rollouts = True
     daemon.run_dir.mkdir(parents=True, exist_ok=True)
     bad = _group("bad", 10, rng)
     bad.scores = [float("nan")] * 4
     stale = _group("stale", 1, rng)
-    anyio.run(daemon._train_one, [_group("good", 10, rng), bad, stale])
+    anyio.run(daemon.step, [_group("good", 10, rng), bad, stale])
     lines = (daemon.run_dir / "rollouts.jsonl").read_text().splitlines()
     assert [json.loads(line)["group"]["group_id"] for line in lines] == ["good"]
 
 
 def test_each_reward_functions_mean_reaches_metrics_and_status(daemon):
-    import json
-
     rng = random.Random(10)
     daemon.run_dir.mkdir(parents=True, exist_ok=True)
     first, second = _group("a", 10, rng), _group("b", 10, rng)
     first.extra = {"reward_means": {"correct": 0.5, "format": 1.0}}
     second.extra = {"reward_means": {"correct": 0.25}}
-    anyio.run(daemon._train_one, [first, second])
+    anyio.run(daemon.step, [first, second])
     daemon.metrics.close()
     (record,) = [json.loads(line) for line in (daemon.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert record["reward/correct"] == 0.375 and record["reward/format"] == 1.0

@@ -32,7 +32,7 @@ from grpod.inference.release import group_members
 from grpod.models.tiny import build_model, save_model
 from grpod.rollouts.builtin import BuiltinSource
 from grpod.rollouts.group import RolloutGroup
-from grpod.training.trainer import Trainer
+from grpod.training.trainer import build_trainer
 
 pytestmark = pytest.mark.e2e
 
@@ -75,7 +75,7 @@ def started_bridge(portal, root, bridge_cls, sync_every: int):
     model, tokenizer = build_model(seed=0)
     save_model(model, tokenizer, root / "model")
     cfg = config(root, bridge_cls.mode, sync_every)
-    trainer = Trainer(cfg, root / "model")
+    trainer = build_trainer(cfg, root / "model")
     bridge = bridge_cls(cfg, root / "run", trainer)
     try:
         probe = portal.call(bridge.start)

@@ -16,7 +16,7 @@ from grpod.config import GrpodConfig
 from grpod.inference.release import group_members
 from grpod.models.tiny import build_model, save_model
 from grpod.rollouts.group import RolloutGroup
-from grpod.training.trainer import Trainer
+from grpod.training.trainer import build_trainer
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ def portal():
 def bridge(portal, tmp_path_factory):
     root = tmp_path_factory.mktemp("none-bridge")
     # Tied embeddings: vLLM's in-place reload once left a tied output head on its old weights
-    # (grpod.inference.reload_ext); an untied model would not show it.
+    # (grpod.weights.reload_ext); an untied model would not show it.
     model, tok = build_model(seed=0, tie_word_embeddings=True)
     save_model(model, tok, root / "model")
     cfg = GrpodConfig.model_validate(
@@ -46,7 +46,7 @@ def bridge(portal, tmp_path_factory):
             "bridge": {"mode": "none", "reload": "in_place", "probe_tolerance": TOLERANCE},
         }
     )
-    trainer = Trainer(cfg, root / "model")
+    trainer = build_trainer(cfg, root / "model")
     b = NoneBridge(cfg, root / "run", trainer)
     portal.call(b.start)
     try:

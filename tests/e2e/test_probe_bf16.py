@@ -5,15 +5,14 @@ must still fail it."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import anyio
 import pytest
 
 from grpod.bridges.probe import ProbeTolerance, run_probe
-from grpod.config import InferenceConfig, ModelConfig, parse_config
+from grpod.config import InferenceConfig, parse_config
 from grpod.inference.process import InferenceProcess
-from grpod.training.trainer import Trainer
+from grpod.training.trainer import build_trainer
 from tests.training.test_trainer import random_groups
 
 pytestmark = pytest.mark.e2e
@@ -23,7 +22,7 @@ def test_bf16_serving_passes_the_probe_and_a_missed_step_fails_it(warm_model_dir
     cfg = parse_config(
         {"model": {"path": str(warm_model_dir), "dtype": "bfloat16"}, "train": {"threads": 1, "lr": 1e-4}}
     )
-    trainer = Trainer(cfg, warm_model_dir)
+    trainer = build_trainer(cfg, warm_model_dir)
     tolerance = ProbeTolerance.for_serving("bfloat16", cfg.bridge)
     process = InferenceProcess(InferenceConfig(start_timeout_s=600.0), cfg.model, tmp_path / "run")
     results = {}

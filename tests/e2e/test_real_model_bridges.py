@@ -23,7 +23,7 @@ from grpod.bridges.shared import SharedBridge
 from grpod.config import GrpodConfig
 from grpod.inference.release import group_members
 from grpod.rollouts.builtin import BuiltinSource
-from grpod.training.trainer import Trainer
+from grpod.training.trainer import build_trainer
 
 pytestmark = pytest.mark.e2e
 
@@ -103,7 +103,7 @@ def step_and_sync(portal, bridge, trainer, source, ids) -> dict:
 
 def run_mode(portal, tmp_path, model_dir, bridge_cls, *, lr: float, lora: bool, then=None):
     cfg = config(tmp_path, model_dir, bridge_cls.mode, lr=lr, lora=lora)
-    trainer = Trainer(cfg, model_dir)
+    trainer = build_trainer(cfg, model_dir)
     bridge = bridge_cls(cfg, tmp_path / "run", trainer)
     source = BuiltinSource(cfg, trainer.tokenizer, bridge)
     assert source.task.prompt_style == "instruct"

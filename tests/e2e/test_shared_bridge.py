@@ -30,8 +30,8 @@ from grpod.inference.process import InferenceProcess
 from grpod.inference.release import group_members
 from grpod.models.tiny import build_model, save_model
 from grpod.rollouts.group import RolloutGroup
-from grpod.training.attach import share_parameters
-from grpod.training.trainer import Trainer
+from grpod.weights.shared_layout import share_parameters
+from grpod.training.trainer import build_trainer
 
 pytestmark = pytest.mark.e2e
 
@@ -66,7 +66,7 @@ def run(tmp_path_factory, portal):
     model, tokenizer = build_model(seed=0, tie_word_embeddings=True, rope_scaling=ROPE)
     save_model(model, tokenizer, root / "model")
     cfg = config(root / "run", root / "model")
-    trainer = Trainer(cfg, root / "model")
+    trainer = build_trainer(cfg, root / "model")
     bridge = SharedBridge(cfg, root / "run", trainer)
     try:
         portal.call(bridge.start)
@@ -285,7 +285,7 @@ def test_trainer_and_vllm_hold_one_copy_of_the_weights(tmp_path):
     del model
     cfg = config(tmp_path / "run", tmp_path / "model")
     shm = shared_dir(tmp_path / "run")
-    trainer = Trainer(cfg, tmp_path / "model")
+    trainer = build_trainer(cfg, tmp_path / "model")
     me = os.getpid()
     process = InferenceProcess(cfg.inference, cfg.model, tmp_path / "run")
 
@@ -297,7 +297,7 @@ def test_trainer_and_vllm_hold_one_copy_of_the_weights(tmp_path):
         before_trainer = measure(me)
         shared = share_parameters(trainer.model, shm)
         after_trainer = measure(me)
-        await process.start(tmp_path / "model", worker_extension="grpod.inference.worker_ext.SharedWeightsExtension")
+        await process.start(tmp_path / "model", worker_extension="grpod.weights.shared_ext.SharedWeightsExtension")
         async with process.client() as client:
             (report,) = await client.collective_rpc("shared_weights_report")
             before_vllm = measure(report["pid"])

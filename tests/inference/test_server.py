@@ -17,13 +17,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from grpod.inference.server import (
-    NAP_S,
-    GenerateRequestError,
-    _add_grpod_routes,
-    atropos_response,
-    completion_request_body,
-)
+from grpod.inference.routes import GenerateRequestError, atropos_response, completion_request_body
+from grpod.inference.server import NAP_S, add_grpod_routes
 
 ATROPOS_REQUEST = {"prompt": {"prompt_token_ids": [3, 4, 5]}, "logprobs": 0, "n": 2, "max_tokens": 2, "seed": 1}
 
@@ -130,7 +125,7 @@ def _app(api_key: list[str] | None) -> TestClient:
     async def pause():
         return {"status": "paused"}
 
-    _add_grpod_routes(app, Namespace(api_key=api_key))
+    add_grpod_routes(app, Namespace(api_key=api_key))
     return TestClient(app)
 
 

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from grpod.config import parse_config
 from grpod.models.gguf import GgufError, extract_gguf
-from grpod.training.trainer import Trainer
+from grpod.training.trainer import build_trainer
 
 
 def test_a_file_that_is_no_gguf_is_a_clear_error(tmp_path):
@@ -48,7 +48,7 @@ def test_smollm2_converts_to_a_plain_hf_llama_with_gqa_and_tied_embeddings(smoll
 @pytest.mark.e2e
 def test_the_trainer_loads_smollm2_and_scores_what_hf_computes(smollm2_dir):
     cfg = parse_config({"model": {"path": str(smollm2_dir), "init_if_missing": False}, "train": {"threads": 1}})
-    trainer = Trainer(cfg, smollm2_dir)
+    trainer = build_trainer(cfg, smollm2_dir)
     model = trainer.model
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one parameter
     ids = trainer.tokenizer.apply_chat_template(

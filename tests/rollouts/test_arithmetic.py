@@ -184,9 +184,10 @@ def test_instruct_prompt_asks_for_the_number():
 
 def test_the_builtin_source_gives_an_instruct_model_room_to_answer():
     from grpod.config import parse_config
-    from grpod.rollouts.builtin import BuiltinSource
+    from grpod.rollouts.source import make_source
+    from grpod.rollouts.validation import RejectionCounter
 
-    source = BuiltinSource(parse_config({"source": {"max_tokens": 8}}), _BigVocab(), bridge=None)
+    source = make_source(parse_config({"source": {"max_tokens": 8}}), _BigVocab(), None, None, RejectionCounter())
     assert source.task.prompt_style == "instruct" and source.max_tokens == 24
-    explicit = BuiltinSource(parse_config({"source": {"max_tokens": 40}}), _BigVocab(), bridge=None)
+    explicit = make_source(parse_config({"source": {"max_tokens": 40}}), _BigVocab(), None, None, RejectionCounter())
     assert explicit.max_tokens == 40

@@ -16,7 +16,9 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from grpod.config import parse_config
-from grpod.rollouts.atropos import AtroposConfigError, AtroposSource, check_batch_geometry
+from grpod.rollouts.atropos import AtroposConfigError, check_batch_geometry
+from grpod.rollouts.source import make_source
+from grpod.rollouts.validation import RejectionCounter
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.group import RolloutGroup
 from tests.atropos_env import ScoredGroupEnv, TrajectoryApiProcess, api_get, free_port, scored_group, wait_until
@@ -37,6 +39,15 @@ async def _never_paused() -> None:
     return None
 
 
+def AtroposSource(cfg, policy, cursor=None, *, request_timeout_s=None, rejections=None):  # noqa: N802
+    """The source as the daemon builds it from `cfg` (`policy`: anything with a `version`)."""
+    policy = policy if policy is not None else SimpleNamespace(version=0)
+    source = make_source(cfg, None, policy, cursor, rejections if rejections is not None else RejectionCounter())
+    if request_timeout_s is not None:
+        source.request_timeout_s = request_timeout_s
+    return source
+
+
 @pytest.mark.parametrize("batch_size,group_size", [(8, 4), (4, 4), (16, 1), (64, 16)])
 def test_power_of_two_group_dividing_batch_is_accepted(batch_size, group_size):
     check_batch_geometry(batch_size, group_size)
@@ -53,7 +64,7 @@ def test_other_group_sizes_are_refused_with_the_reason(batch_size, group_size):
 def test_source_refuses_a_non_power_of_two_group_size_at_construction(tmp_path):
     cfg = _cfg(tmp_path, group_size=3, groups_per_step=2)
     with pytest.raises(AtroposConfigError) as err:
-        AtroposSource(cfg, SimpleNamespace(policy_version=0), cursor=None)
+        AtroposSource(cfg, SimpleNamespace(version=0), cursor=None)
     message = str(err.value)
     assert "train.groups_per_step = 2 × source.group_size = 3" in message
     assert "Set source.group_size to a power of two (2 or 4)" in message
@@ -61,7 +72,7 @@ def test_source_refuses_a_non_power_of_two_group_size_at_construction(tmp_path):
 
 def test_registration_carries_every_required_field(tmp_path):
     cfg = _cfg(tmp_path, group_size=4, groups_per_step=3, model={"max_seq_len": 128}, checkpoint={"every": 5})
-    source = AtroposSource(cfg, SimpleNamespace(policy_version=0), cursor={"kind": "atropos", "batches": 2, "step": 9})
+    source = AtroposSource(cfg, SimpleNamespace(version=0), cursor={"kind": "atropos", "batches": 2, "step": 9})
     body = source.registration()
     assert body == {
         "wandb_group": "run",
@@ -105,7 +116,7 @@ def test_pending_groups_in_a_cursor_are_delivered_before_any_request(tmp_path):
 def test_starting_step_from_the_cursor_reaches_run_api_and_environments(tmp_path):
     with TrajectoryApiProcess(tmp_path) as api:
         cfg = _cfg(tmp_path, api.url, group_size=2, groups_per_step=1)
-        source = AtroposSource(cfg, SimpleNamespace(policy_version=11), cursor={"kind": "atropos", "batches": 7, "step": 7})
+        source = AtroposSource(cfg, SimpleNamespace(version=11), cursor={"kind": "atropos", "batches": 7, "step": 7})
 
         async def main():
             buffer = RolloutBuffer(capacity=4)
@@ -151,7 +162,7 @@ def test_a_batch_larger_than_the_buffer_room_stays_pending_in_the_cursor(tmp_pat
     other half is recorded by `cursor()` until the trainer makes room."""
     with TrajectoryApiProcess(tmp_path) as api:
         cfg = _cfg(tmp_path, api.url, group_size=2, groups_per_step=2)
-        source = AtroposSource(cfg, SimpleNamespace(policy_version=0), cursor=None)
+        source = AtroposSource(cfg, SimpleNamespace(version=0), cursor=None)
         posted = [scored_group(seed, group_size=1) for seed in range(4)]
 
         async def main():
@@ -216,7 +227,7 @@ def test_errors_timeouts_and_garbage_are_waited_out(tmp_path):
     port = free_port()
     source = AtroposSource(
         _cfg(tmp_path, f"http://127.0.0.1:{port}", group_size=4, groups_per_step=2),
-        SimpleNamespace(policy_version=2),
+        SimpleNamespace(version=2),
         cursor=None,
         request_timeout_s=0.3,
     )
@@ -272,7 +283,7 @@ def test_a_persistent_api_failure_raises_the_source_alarm_and_recovery_clears_it
     from grpod.daemon.alarms import SourceErrorAlarm
 
     with TrajectoryApiProcess(tmp_path) as api:
-        source = AtroposSource(_cfg(tmp_path, api.url, group_size=2, groups_per_step=1), SimpleNamespace(policy_version=0))
+        source = AtroposSource(_cfg(tmp_path, api.url, group_size=2, groups_per_step=1), SimpleNamespace(version=0))
         alarm = SourceErrorAlarm(alarm_after_s=0.5, fail_after_s=2.0)
 
         async def until(condition, what):
@@ -329,7 +340,7 @@ def test_the_console_says_registered_and_still_waiting_for_batches(tmp_path, mon
     with TrajectoryApiProcess(tmp_path) as api:
         source = AtroposSource(
             _cfg(tmp_path, api.url, group_size=2, groups_per_step=2, run={"dir": str(tmp_path / "run"), "progress": True}),
-            SimpleNamespace(policy_version=0),
+            SimpleNamespace(version=0),
         )
 
         async def main():
@@ -360,7 +371,7 @@ def test_groups_without_a_temperature_get_source_temperature_counted_or_are_refu
             cfg.source.temperature = 0.6
             cfg.source.atropos_undeclared_temperature = policy
             rejections = RejectionCounter()
-            source = AtroposSource(cfg, SimpleNamespace(policy_version=0), rejections=rejections)
+            source = AtroposSource(cfg, SimpleNamespace(version=0), rejections=rejections)
 
             async def main():
                 buffer = RolloutBuffer(capacity=8)

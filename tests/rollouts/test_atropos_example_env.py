@@ -20,7 +20,8 @@ from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
 
 from grpod.config import load_config
 from grpod.models.tiny import build_tokenizer
-from grpod.rollouts.validation import group_from_atropos, validate_batch
+from grpod.rollouts.atropos_wire import group_from_atropos
+from grpod.rollouts.validation import validate_batch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "etc" / "examples" / "atropos" / "arith_env.py"
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import anyio
 import pytest
@@ -16,6 +15,9 @@ from grpod.inference.client import Completion
 from grpod.models.tiny import build_tokenizer
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.dataset import DatasetError, DatasetSource, read_rows
+from grpod.rollouts.source import make_source
+from grpod.rollouts.validation import RejectionCounter
+from tests.rollouts.conftest import scripted_policy
 
 ROWS = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(12)]
 
@@ -49,20 +51,16 @@ class ScriptedClient:
         return [Completion(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop", text=text) for _ in range(n)]
 
 
-def bridge_for(client):
-    async def wait_available(timeout_s):
-        return client
-
-    return SimpleNamespace(policy_version=3, state="ready", wait_available=wait_available, request_model=lambda: "policy")
-
-
 def right_answer(prompt_text: str) -> str:
     a = int(prompt_text.split("user\n")[1].split("+")[0])
     return str(2 * a)
 
 
 def source(tokenizer, cfg, answer_for=right_answer, cursor=None) -> DatasetSource:
-    return DatasetSource(cfg, tokenizer, bridge_for(ScriptedClient(tokenizer, answer_for)), cursor=cursor)
+    client = ScriptedClient(tokenizer, answer_for)
+    src = make_source(cfg, tokenizer, scripted_policy(client, version=3)[0], cursor, RejectionCounter())
+    src.client = client
+    return src
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".csv"])
@@ -255,7 +253,7 @@ def test_evaluation_gives_pass_at_1_and_mean_at_k(tmp_path, tokenizer):
 
 
 def _client(src: DatasetSource) -> ScriptedClient:
-    return anyio.run(src.bridge.wait_available, 1.0)
+    return src.client
 
 
 def test_config_names_the_missing_keys(tmp_path):

@@ -4,9 +4,16 @@ import anyio
 
 from grpod.config import parse_config
 from grpod.rollouts.buffer import RolloutBuffer
-from grpod.rollouts.builtin import BuiltinSource, SourceStats
-from grpod.rollouts.dynamic_sampling import DynamicSampling
+from grpod.rollouts.dynamic_sampling import DynamicSampling as _DynamicSampling
 from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.sampling_source import SamplingStats as SourceStats
+from grpod.rollouts.source import make_source
+from grpod.rollouts.validation import RejectionCounter
+
+
+def DynamicSampling(cfg):  # noqa: N802 — the filter as the source factory builds it from `cfg`
+    src = cfg.source
+    return _DynamicSampling(src.dynamic_sampling, src.dynamic_sampling_max_filtered, cfg.train.advantages, cfg.completion_budget)
 
 
 def group(scores, gid="g"):
@@ -45,7 +52,7 @@ def test_a_saturated_task_lets_one_through_after_the_bound():
 
 def test_the_builtin_source_queues_only_groups_with_signal(monkeypatch):
     cfg = parse_config({"source": {"dynamic_sampling": True}})
-    source = BuiltinSource(cfg, tokenizer=None, bridge=None)
+    source = make_source(cfg, None, None, None, RejectionCounter())
     produced = iter([group([1.0, 1.0], "flat-1"), group([0.0, 1.0], "signal-1"), group([0.0, 0.0], "flat-2"),
                      group([1.0, 0.0], "signal-2")])
 

@@ -6,34 +6,23 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import anyio
+
 from grpod.config import parse_config
 from grpod.inference.client import Completion
 from grpod.models.tiny import build_tokenizer
 from grpod.rollouts.buffer import RolloutBuffer
-from grpod.rollouts.builtin import BuiltinSource
-
-class Bridge:
-    state = "SERVING"
-
-    def __init__(self, generate, versions=(4, 4)):
-        self.client = SimpleNamespace(generate=generate)
-        self._versions = list(versions)
-
-    @property
-    def policy_version(self):
-        return self._versions.pop(0) if len(self._versions) > 1 else self._versions[0]
-
-    async def wait_available(self, timeout_s):
-        return self.client
-
-    def request_model(self):
-        return "policy-v4"
+from grpod.rollouts.source import make_source
+from grpod.rollouts.validation import RejectionCounter
+from tests.rollouts.conftest import scripted_policy
 
 
-def _builtin(generate, versions=(4, 4)):
+def _builtin(generate, version=5):
     cfg = parse_config({"source": {"group_size": 3, "max_tokens": 5, "temperature": 0.9}})
     tokenizer = build_tokenizer()
-    return BuiltinSource(cfg, tokenizer, Bridge(generate, versions)), tokenizer
+    policy, engine = scripted_policy(SimpleNamespace(generate=generate), version=version, served_name="policy-v4")
+    source = make_source(cfg, tokenizer, policy, None, RejectionCounter())
+    source.engine = engine
+    return source, tokenizer
 
 
 def test_a_group_is_one_request_scored_and_tagged_with_the_older_version():
@@ -41,10 +30,11 @@ def test_a_group_is_one_request_scored_and_tagged_with_the_older_version():
 
     async def generate(prompt, **kwargs):
         requests.append(kwargs)
+        source.engine.version = 4  # the engine's weights changed while the request ran
         return [Completion(token_ids=[7, 8], logprobs=[-0.1, -0.2], finish_reason=reason, text="x")
                 for reason in ("stop", "length", "stop")]
 
-    source, _ = _builtin(generate, versions=(5, 4))  # a sync landed while the request ran
+    source, _ = _builtin(generate, version=5)
     group = anyio.run(source.generate_group)
     assert requests == [{"n": 3, "max_tokens": 5, "temperature": 0.9, "top_p": 1.0, "model": "policy-v4"}]
     prompt_len = len(group.tokens[0]) - 2

@@ -15,7 +15,7 @@ from grpod.config import parse_config
 from grpod.models.warmup import completion_text, generate, greedy_accuracy
 from grpod.rollouts.arithmetic import ArithmeticTask, prompt_ids
 from grpod.rollouts.group import RolloutGroup
-from grpod.training.trainer import Trainer
+from grpod.training.trainer import build_trainer
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +50,7 @@ def sampled_groups(trainer, task, rng, generator, groups=8, size=8, temperature=
 
 def test_grpo_steps_on_training_problems_raise_held_out_greedy_accuracy(warm_model_dir):
     cfg = parse_config({"train": {"threads": 1, "lr": 1e-4}, "source": {"max_tokens": 8}})
-    trainer = Trainer(cfg, warm_model_dir)
+    trainer = build_trainer(cfg, warm_model_dir)
     task = ArithmeticTask(seed=0)
     held_out = task.eval_set(task.held_out_size)
     before = greedy_accuracy(trainer.model.eval(), trainer.tokenizer, held_out)

@@ -13,7 +13,7 @@ from grpod.config import parse_config
 from grpod.models.tiny import build_model, save_model
 from grpod.rollouts.group import RolloutGroup
 from grpod.training.optim import OptimizerUnavailable
-from grpod.training.trainer import Trainer
+from grpod.training.trainer import build_trainer
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def completion_logprob(trainer, prompt, completion):
 
 
 def test_positive_advantage_completion_rises_and_negative_falls(model_dir):
-    trainer = Trainer(config(lr=1e-3, loss={"tis_mode": "off"}), model_dir)
+    trainer = build_trainer(config(lr=1e-3, loss={"tis_mode": "off"}), model_dir)
     prompt, good, bad = [1, 10, 11, 12, 13], [20, 21, 22], [30, 31, 32]
     group = RolloutGroup(
         tokens=[prompt + good, prompt + bad], loss_mask=[[0] * 5 + [1] * 3] * 2, scores=[1.0, 0.0]
@@ -116,7 +116,7 @@ def test_micro_batch_split_gives_the_same_step(model_dir, aggregation):
             lr=lr, micro_batch_tokens=budget, micro_batch_min_efficiency=floor,
             loss={"aggregation": aggregation, "kl_coef": 0.01},
         )
-        trainer = Trainer(cfg, model_dir)
+        trainer = build_trainer(cfg, model_dir)
         metrics, grads = step_with_gradients(trainer, groups)
         results.append((metrics, grads, params(trainer)))
     micro_batches = [m["micro_batches"] for m, _, _ in results]
@@ -135,15 +135,15 @@ def test_micro_batch_split_gives_the_same_step(model_dir, aggregation):
 
 def test_gradient_checkpointing_gives_the_same_step(model_dir):
     groups = random_groups(seed=2)
-    plain = Trainer(config(), model_dir).train_step(groups)
+    plain = build_trainer(config(), model_dir).train_step(groups)
     cfg = config()
     cfg.model.gradient_checkpointing = True
-    checkpointed = Trainer(cfg, model_dir).train_step(groups)
+    checkpointed = build_trainer(cfg, model_dir).train_step(groups)
     assert checkpointed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
 
 
 def test_inference_logprobs_equal_to_the_trainers_give_zero_diff_at_any_temperature(model_dir):
-    trainer = Trainer(config(), model_dir)
+    trainer = build_trainer(config(), model_dir)
     groups = random_groups(n_groups=2, seed=3, temperature=0.7)
     for g in groups:
         g.inference_logprobs = [[0.0] + trainer.score(seq, temperature=0.7) for seq in g.tokens]
@@ -154,7 +154,7 @@ def test_inference_logprobs_equal_to_the_trainers_give_zero_diff_at_any_temperat
 
 
 def test_score_is_the_temperature_scaled_fp32_logprob_of_each_next_token(model_dir):
-    trainer = Trainer(config(), model_dir)
+    trainer = build_trainer(config(), model_dir)
     ids = [1, 20, 21, 22, 2, 30]
     got = trainer.score(ids, temperature=0.8)
     with torch.no_grad():
@@ -165,7 +165,7 @@ def test_score_is_the_temperature_scaled_fp32_logprob_of_each_next_token(model_d
 
 
 def test_all_zero_variance_batch_is_skipped_without_touching_the_weights(model_dir):
-    trainer = Trainer(config(), model_dir)
+    trainer = build_trainer(config(), model_dir)
     before = params(trainer)
     groups = random_groups(n_groups=2)
     for g in groups:
@@ -178,7 +178,7 @@ def test_all_zero_variance_batch_is_skipped_without_touching_the_weights(model_d
 
 
 def test_non_finite_gradient_skips_the_update(model_dir):
-    trainer = Trainer(config(advantages={"use_source_advantages": True}), model_dir)
+    trainer = build_trainer(config(advantages={"use_source_advantages": True}), model_dir)
     before = params(trainer)
     groups = random_groups(n_groups=1)
     groups[0].advantages = [float("inf"), 1.0, -1.0, 0.0]
@@ -191,7 +191,7 @@ def test_non_finite_gradient_skips_the_update(model_dir):
 
 
 def test_step_metrics_are_reported(model_dir):
-    metrics = Trainer(config(), model_dir).train_step(random_groups())
+    metrics = build_trainer(config(), model_dir).train_step(random_groups())
     for key in (
         "loss", "reward_mean", "ratio_mean", "ratio_min", "ratio_max", "clipped_low_fraction",
         "clipped_high_fraction", "kl", "entropy", "grad_norm", "lr", "tokens", "padding_efficiency",
@@ -203,7 +203,7 @@ def test_step_metrics_are_reported(model_dir):
 
 
 def test_tied_embeddings_stay_one_parameter_after_a_step_and_a_save(tied_model_dir, tmp_path):
-    trainer = Trainer(config(lr=1e-3), tied_model_dir)
+    trainer = build_trainer(config(lr=1e-3), tied_model_dir)
     model = trainer.model
     assert model.lm_head.weight is model.model.embed_tokens.weight
     before = model.lm_head.weight.detach().clone()
@@ -220,7 +220,7 @@ def test_tied_embeddings_stay_one_parameter_after_a_step_and_a_save(tied_model_d
 
 
 def test_full_save_loads_with_from_pretrained_and_the_copied_tokenizer(model_dir, tmp_path):
-    trainer = Trainer(config(lr=1e-3), model_dir)
+    trainer = build_trainer(config(lr=1e-3), model_dir)
     trainer.train_step(random_groups())
     out = tmp_path / "weights"
     trainer.save_weights(out)
@@ -236,7 +236,7 @@ def test_full_save_loads_with_from_pretrained_and_the_copied_tokenizer(model_dir
 
 
 def test_lora_adapter_loads_in_peft_and_matches_the_trainer(model_dir, tmp_path):
-    trainer = Trainer(config(lora=True, lr=1e-2), model_dir)
+    trainer = build_trainer(config(lora=True, lr=1e-2), model_dir)
     trainer.train_step(random_groups())
     out = tmp_path / "adapter"
     trainer.save_weights(out)
@@ -256,7 +256,7 @@ def test_lora_adapter_loads_in_peft_and_matches_the_trainer(model_dir, tmp_path)
 
 
 def test_lora_trains_only_adapters_with_no_dropout_by_default(model_dir):
-    trainer = Trainer(config(lora=True), model_dir)
+    trainer = build_trainer(config(lora=True), model_dir)
     names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
     dropouts = [m for n, m in trainer.model.named_modules() if n.endswith("lora_dropout.default")]
@@ -267,14 +267,14 @@ def test_lora_trains_only_adapters_with_no_dropout_by_default(model_dir):
 def test_resume_from_saved_weights_and_state_continues_identically(model_dir, tmp_path, lora):
     cfg = config(lora=lora, lr=1e-3, warmup_steps=3)
     first, second = random_groups(seed=4), random_groups(seed=5)
-    original = Trainer(cfg, model_dir)
+    original = build_trainer(cfg, model_dir)
     original.train_step(first)
     original.save_weights(tmp_path / "w")
     state = copy.deepcopy(original.state_dict())  # as if written to disk: no shared tensors
     if lora:
-        resumed = Trainer(cfg, model_dir, adapter_path=tmp_path / "w")
+        resumed = build_trainer(cfg, model_dir, adapter_path=tmp_path / "w")
     else:
-        resumed = Trainer(cfg, tmp_path / "w")
+        resumed = build_trainer(cfg, tmp_path / "w")
     resumed.load_state_dict(state)
     assert resumed.step == 1
     a, b = original.train_step(second), resumed.train_step(second)
@@ -287,7 +287,7 @@ def test_resume_from_saved_weights_and_state_continues_identically(model_dir, tm
 def test_kl_to_a_frozen_reference_model_starts_at_zero_and_grows(model_dir, lora):
     cfg = config(lora=lora, lr=1e-2, loss={"kl_coef": 0.1, "kl_reference": "model"})
     cfg.model.path = model_dir
-    trainer = Trainer(cfg, model_dir)
+    trainer = build_trainer(cfg, model_dir)
     groups = random_groups()
     first = trainer.train_step(groups)
     second = trainer.train_step(groups)
@@ -298,10 +298,10 @@ def test_kl_to_a_frozen_reference_model_starts_at_zero_and_grows(model_dir, lora
 def test_kl_reference_model_is_the_initial_policy_even_after_resume(model_dir, tmp_path):
     cfg = config(lr=1e-2, loss={"kl_coef": 0.1, "kl_reference": "model"})
     cfg.model.path = model_dir
-    trainer = Trainer(cfg, model_dir)
+    trainer = build_trainer(cfg, model_dir)
     trainer.train_step(random_groups())
     trainer.save_weights(tmp_path / "w")
-    resumed = Trainer(cfg, tmp_path / "w")
+    resumed = build_trainer(cfg, tmp_path / "w")
     assert resumed.train_step(random_groups(seed=9))["kl"] > 1e-6
 
 
@@ -309,11 +309,11 @@ def test_kl_reference_model_missing_is_a_clear_error(model_dir, tmp_path):
     cfg = config(loss={"kl_coef": 0.1, "kl_reference": "model"})
     cfg.model.path = tmp_path / "nowhere"
     with pytest.raises(FileNotFoundError, match="kl_reference = 'model' needs the initial policy"):
-        Trainer(cfg, model_dir)
+        build_trainer(cfg, model_dir)
 
 
 def test_adafactor_takes_a_step(model_dir):
-    trainer = Trainer(config(optimizer="adafactor", lr=1e-3), model_dir)
+    trainer = build_trainer(config(optimizer="adafactor", lr=1e-3), model_dir)
     before = params(trainer)
     metrics = trainer.train_step(random_groups())
     assert metrics["skipped"] == 0.0
@@ -322,7 +322,7 @@ def test_adafactor_takes_a_step(model_dir):
 
 def test_adamw_8bit_without_bitsandbytes_or_cuda_fails_at_start(model_dir):
     with pytest.raises(OptimizerUnavailable, match="adamw_8bit"):
-        Trainer(config(optimizer="adamw_8bit"), model_dir)
+        build_trainer(config(optimizer="adamw_8bit"), model_dir)
 
 
 # ---- the algorithm audit's defects (each failed before its fix) and PPO epochs -------------------
@@ -332,7 +332,7 @@ def test_turning_kl_on_live_with_a_model_reference_loads_it_instead_of_crashing(
     # F3: kl_coef 0 at start, then `ctl set train.loss.kl_coef` > 0 with kl_reference = "model".
     cfg = config(loss={"kl_coef": 0.0, "kl_reference": "model"})
     cfg.model.path = model_dir
-    trainer = Trainer(cfg, model_dir)
+    trainer = build_trainer(cfg, model_dir)
     assert trainer.reference_model is None
     trainer.train_step(random_groups())
     cfg.train.loss.kl_coef = 0.1
@@ -344,11 +344,10 @@ def test_turning_kl_on_live_with_a_model_reference_loads_it_instead_of_crashing(
 def test_one_update_per_batch_cannot_clip_but_ppo_epochs_do(model_dir):
     # F8: with one update the ratio is 1 and the clip metrics are constants; with 2 epochs x 2
     # minibatches pi_old is recorded before the first update and the later updates see r != 1.
-    one = Trainer(config(lr=1e-2, loss={"clip_low": 0.01, "clip_high": 0.01}), model_dir).train_step(random_groups())
+    one = build_trainer(config(lr=1e-2, loss={"clip_low": 0.01, "clip_high": 0.01}), model_dir).train_step(random_groups())
     assert one["ratio_min"] == one["ratio_max"] == 1.0 and one["clipped_fraction"] == 0.0
     assert one["updates"] == 1.0
-    ppo = Trainer(
-        config(lr=1e-2, epochs=2, minibatches=2, loss={"clip_low": 0.01, "clip_high": 0.01}), model_dir
+    ppo = build_trainer(config(lr=1e-2, epochs=2, minibatches=2, loss={"clip_low": 0.01, "clip_high": 0.01}), model_dir
     ).train_step(random_groups())
     assert ppo["updates"] == 4.0 and ppo["optimizer_steps"] == 4.0
     assert ppo["ratio_max"] > 1.01 or ppo["ratio_min"] < 0.99
@@ -359,20 +358,20 @@ def test_first_update_of_ppo_epochs_sees_ratio_one(model_dir):
     # pi_old is the policy before the first update: the first minibatch's ratios are 1 (to float
     # noise from a different micro-batch shape), so one epoch of one minibatch equals the old path.
     groups = random_groups()
-    a = Trainer(config(lr=1e-3), model_dir)
-    b = Trainer(config(lr=1e-3, epochs=1, minibatches=1), model_dir)
+    a = build_trainer(config(lr=1e-3), model_dir)
+    b = build_trainer(config(lr=1e-3, epochs=1, minibatches=1), model_dir)
     a.train_step(groups)
     b.train_step(groups)
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(pa, pb), name
-    forced = Trainer(config(lr=1e-3, epochs=2), model_dir)
+    forced = build_trainer(config(lr=1e-3, epochs=2), model_dir)
     metrics = forced.train_step(random_groups())
     assert metrics["updates"] == 2.0
 
 
 def test_a_skipped_batch_advances_the_schedule(model_dir):
     # F12: the cosine follows train.steps (batches), skipped or not.
-    trainer = Trainer(config(schedule="cosine", steps=4, lr=1e-3), model_dir)
+    trainer = build_trainer(config(schedule="cosine", steps=4, lr=1e-3), model_dir)
     zero = random_groups(n_groups=1)
     zero[0].scores = [1.0] * 4
     assert trainer.train_step(zero)["skipped"] == 1.0
@@ -383,14 +382,14 @@ def test_a_skipped_batch_advances_the_schedule(model_dir):
 
 def test_resume_applies_a_train_lr_changed_in_the_config(model_dir, tmp_path):
     # F12: a train.lr changed between runs used to be overridden by the checkpoint's.
-    trainer = Trainer(config(lr=1e-4), model_dir)
+    trainer = build_trainer(config(lr=1e-4), model_dir)
     trainer.train_step(random_groups())
     state = copy.deepcopy(trainer.state_dict())
-    resumed = Trainer(config(lr=1e-5), model_dir)
+    resumed = build_trainer(config(lr=1e-5), model_dir)
     resumed.load_state_dict(state)
     assert resumed.scheduler.base_lrs[0] == pytest.approx(1e-5)
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-5)
-    same = Trainer(config(lr=1e-4), model_dir)
+    same = build_trainer(config(lr=1e-4), model_dir)
     same.load_state_dict(copy.deepcopy(state))
     assert same.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
 
@@ -411,8 +410,8 @@ def test_the_training_forward_runs_without_dropout_by_default(dropout_model_dir,
     from grpod.training.batching import collate, training_sequences
     from grpod.training.loss import StepNormalizer
 
-    trainer = Trainer(config(disable_dropout=disable_dropout), dropout_model_dir)
-    result = compute_advantages(random_groups(), trainer.cfg.train.advantages)
+    trainer = build_trainer(config(disable_dropout=disable_dropout), dropout_model_dir)
+    result = compute_advantages(random_groups(), trainer.train_cfg.advantages)
     sequences = training_sequences(result, mask_truncated=False)
     norm = StepNormalizer.for_step([len(s.loss_positions) for s in sequences], 16)
     losses = []
@@ -434,7 +433,7 @@ def test_completion_budget_of_dr_grpo_follows_the_source():
 
 @pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "cispo", "gspo"])
 def test_every_loss_type_trains_with_ppo_epochs(model_dir, loss_type):
-    trainer = Trainer(config(lr=1e-3, epochs=2, loss={"type": loss_type}), model_dir)
+    trainer = build_trainer(config(lr=1e-3, epochs=2, loss={"type": loss_type}), model_dir)
     before = params(trainer)
     metrics = trainer.train_step(random_groups())
     assert metrics["skipped"] == 0.0 and math.isfinite(metrics["loss"]) and metrics["updates"] == 2.0
@@ -443,8 +442,8 @@ def test_every_loss_type_trains_with_ppo_epochs(model_dir, loss_type):
 
 def test_entropy_bonus_changes_the_step(model_dir):
     groups = random_groups()
-    plain = Trainer(config(lr=1e-3), model_dir)
-    bonus = Trainer(config(lr=1e-3, loss={"entropy_coef": 0.5}), model_dir)
+    plain = build_trainer(config(lr=1e-3), model_dir)
+    bonus = build_trainer(config(lr=1e-3, loss={"entropy_coef": 0.5}), model_dir)
     m_plain, m_bonus = plain.train_step(groups), bonus.train_step(groups)
     assert m_bonus["entropy"] == pytest.approx(m_plain["entropy"])
     assert m_bonus["loss"] == pytest.approx(m_plain["loss"] - 0.5 * m_plain["entropy"], rel=1e-4)

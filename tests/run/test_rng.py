@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from grpod.training.checkpoint import load_json, save_json
-from grpod.training.rng import RngStateError, capture_rng, restore_rng
+from grpod.run.checkpoint import load_json, save_json
+from grpod.run.rng import RngStateError, capture_rng, restore_rng
 
 
 def _draw() -> dict[str, list[float]]:

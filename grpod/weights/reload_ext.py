@@ -1,6 +1,6 @@
 """vLLM worker extension for bridge mode `none` (in place): reload the weights, then the output head.
 
-Launched as `--worker-extension-cls grpod.inference.reload_ext.ReloadExtension`; the bridge calls
+Launched as `--worker-extension-cls grpod.weights.reload_ext.ReloadExtension`; the bridge calls
 `grpod_reload_weights` through `collective_rpc` instead of vLLM's own `reload_weights`.
 
 Why: with tied embeddings (SmolLM2, Qwen2.5 small models, Llama 3.2 1B/3B) vLLM's output head is

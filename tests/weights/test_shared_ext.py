@@ -1,4 +1,4 @@
-"""vLLM's half of bridge mode `shared` (grpod/inference/worker_ext.py) without a server: the CPU
+"""vLLM's half of bridge mode `shared` (grpod/weights/shared_ext.py) without a server: the CPU
 gemm switch, and `attach_model` on a module shaped like vLLM's (one parameter per layout slot).
 The same against a real vLLM worker is in tests/e2e/test_shared_bridge.py."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpod.inference import worker_ext
+from grpod.weights import shared_ext as worker_ext
 from grpod.models.tiny import build_model
-from grpod.training.attach import SharedLayoutError, share_parameters
+from grpod.weights.shared_layout import SharedLayoutError, share_parameters
 
 
 def vllm_shaped(layout, flat: torch.Tensor) -> torch.nn.Module:

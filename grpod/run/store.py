@@ -5,7 +5,7 @@ modes), the trainer state (optimizer, scheduler, step), every RNG stream, and `r
 step, policy version, the rollout source's cursor, and the accepted-but-untrained rollout groups.
 Restoring all of it is what makes a resume exact: the stream continues where it stopped and no
 accepted group is lost or trained twice. The write itself (temp dir, fsync, manifest last,
-atomic rename) lives once, in `grpod.training.checkpoint`.
+atomic rename) lives once, in `grpod.run.checkpoint`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import structlog
 
 from grpod.config import GrpodConfig
 from grpod.rollouts.group import RolloutGroup
-from grpod.training.checkpoint import (
+from grpod.run.checkpoint import (
     clean_stale_temp,
     load_json,
     load_tensors_state,
@@ -27,20 +27,37 @@ from grpod.training.checkpoint import (
     save_tensors_state,
     write_checkpoint,
 )
-from grpod.training.rng import capture_rng, restore_rng
+from grpod.run.rng import capture_rng, restore_rng
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass
 class Restored:
-    trainer: Any
+    """What a run resumes from (all defaults: a fresh run)."""
+
     step: int = 0
     policy_version: int = 0
     buffered: list[RolloutGroup] = field(default_factory=list)
     source_cursor: dict[str, Any] | None = None
     checkpoint: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def weights(self) -> Path | None:
+        """The checkpoint's copy of the policy (HF weights, or the adapter in LoRA modes)."""
+        return self.checkpoint / "model" if self.checkpoint is not None else None
+
+
+@dataclass
+class RunSnapshot:
+    """What a checkpoint records besides the trainer: where the run is and what it holds."""
+
+    step: int
+    policy_version: int
+    buffered: list[RolloutGroup]
+    source_cursor: dict[str, Any]
+    extra: dict[str, Any]
 
 
 class ResumeMismatch(RuntimeError):
@@ -51,11 +68,11 @@ def run_identity(cfg: GrpodConfig) -> dict[str, str]:
     """What a checkpoint must share with the config to be resumed by it."""
     source = cfg.source
     task = {
-        "builtin": f"arithmetic, task_seed {source.task_seed}",
-        "atropos": f"atropos at {source.atropos_url}",
-        "replay": f"replay of {source.replay_path}",
-        "dataset": f"dataset {source.dataset.path}",
-    }.get(source.kind, source.kind)
+        "builtin": lambda: f"arithmetic, task_seed {source.task_seed}",
+        "atropos": lambda: f"atropos at {source.atropos_url}",
+        "replay": lambda: f"replay of {source.replay_path}",
+        "dataset": lambda: f"dataset {source.dataset.path}",
+    }[source.kind]()
     return {"model": str(Path(cfg.model.path).resolve()), "source_kind": source.kind, "task": task}
 
 
@@ -97,24 +114,16 @@ class RunStore:
         log.info("model_init", path=str(path))
         init_model(path, seed=self.cfg.run.seed)
 
-    def load_trainer(self) -> Restored:
-        from grpod.training.trainer import Trainer
-
-        self.ensure_model()
+    def resume_point(self) -> Restored:
+        """The newest complete checkpoint's run state (identity checked), or a fresh start. The
+        trainer and the RNG streams come back in `load_trainer`."""
         clean_stale_temp(self.root)
         info = resolve_resume(self.root, self.cfg.run.resume)
         if info is None:
-            return Restored(trainer=Trainer(self.cfg, self.cfg.model.path))
+            return Restored()
         state = load_json(info.path, "run_state.json")
         check_identity(info.path, state.get("identity"), self.cfg)
-        if self.cfg.train.lora:
-            trainer = Trainer(self.cfg, self.cfg.model.path, adapter_path=info.path / "model")
-        else:
-            trainer = Trainer(self.cfg, info.path / "model")
-        trainer.load_state_dict(load_tensors_state(info.path, "trainer_state.pt"))
-        restore_rng(load_json(info.path, "rng.json"))
         return Restored(
-            trainer=trainer,
             step=state["step"],
             policy_version=state["policy_version"],
             buffered=[RolloutGroup.from_json(g) for g in state["buffered"]],
@@ -123,15 +132,23 @@ class RunStore:
             extra=state.get("extra", {}),
         )
 
-    def save(
-        self,
-        trainer,
-        step: int,
-        policy_version: int,
-        buffered: list[RolloutGroup],
-        source_cursor: dict[str, Any],
-        extra: dict[str, Any],
-    ) -> Path:
+    def load_trainer(self, restored: Restored):
+        """The trainer, fresh or as `restored` left it (weights, optimizer, schedule, step), and
+        then every RNG stream as the checkpoint recorded it."""
+        from grpod.training.trainer import build_trainer
+
+        self.ensure_model()
+        if restored.checkpoint is None:
+            return build_trainer(self.cfg)
+        if self.cfg.train.lora:
+            trainer = build_trainer(self.cfg, adapter_path=restored.weights)
+        else:
+            trainer = build_trainer(self.cfg, restored.weights)
+        trainer.load_state_dict(load_tensors_state(restored.checkpoint, "trainer_state.pt"))
+        restore_rng(load_json(restored.checkpoint, "rng.json"))
+        return trainer
+
+    def save(self, trainer, snapshot: RunSnapshot) -> Path:
         def populate(tmp: Path) -> None:
             trainer.save_weights(tmp / "model")
             save_tensors_state(tmp, "trainer_state.pt", trainer.state_dict())
@@ -140,31 +157,14 @@ class RunStore:
                 tmp,
                 "run_state.json",
                 {
-                    "step": step,
-                    "policy_version": policy_version,
-                    "source_cursor": source_cursor,
-                    "buffered": [g.to_json() for g in buffered],
-                    "extra": extra,
+                    "step": snapshot.step,
+                    "policy_version": snapshot.policy_version,
+                    "source_cursor": snapshot.source_cursor,
+                    "buffered": [g.to_json() for g in snapshot.buffered],
+                    "extra": snapshot.extra,
                     "identity": run_identity(self.cfg),
                 },
             )
 
-        meta = {"policy_version": policy_version, "config_hash": self.cfg.digest(), "mode": self.cfg.bridge.mode}
-        return write_checkpoint(self.root, step, populate, meta, self.cfg.checkpoint.keep_last)
-
-    def make_source(self, tokenizer, bridge, cursor: dict[str, Any] | None, rejections=None):
-        if self.cfg.source.kind == "replay":
-            from grpod.rollouts.replay import ReplaySource
-
-            return ReplaySource(self.cfg, cursor=cursor)
-        if self.cfg.source.kind == "atropos":
-            from grpod.rollouts.atropos import AtroposSource
-
-            return AtroposSource(self.cfg, bridge, cursor=cursor, rejections=rejections)
-        if self.cfg.source.kind == "dataset":
-            from grpod.rollouts.dataset import DatasetSource
-
-            return DatasetSource(self.cfg, tokenizer, bridge, cursor=cursor)
-        from grpod.rollouts.builtin import BuiltinSource
-
-        return BuiltinSource(self.cfg, tokenizer, bridge, cursor=cursor)
+        meta = {"policy_version": snapshot.policy_version, "config_hash": self.cfg.digest(), "mode": self.cfg.bridge.mode}
+        return write_checkpoint(self.root, snapshot.step, populate, meta, self.cfg.checkpoint.keep_last)

@@ -1,6 +1,6 @@
 """vLLM worker extension for bridge mode `shared`: vLLM's parameters become the trainer's memory.
 
-Launched as `--worker-extension-cls grpod.inference.worker_ext.SharedWeightsExtension`; vLLM mixes
+Launched as `--worker-extension-cls grpod.weights.shared_ext.SharedWeightsExtension`; vLLM mixes
 the class into its Worker and `collective_rpc` calls its methods there (string arguments only).
 
 Import side effect, on CPU only: vLLM's CPU linear layers normally hand their weights to oneDNN
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from grpod.training.attach import (
+from grpod.weights.shared_layout import (
     SharedLayout,
     SharedLayoutError,
     device_uuid,

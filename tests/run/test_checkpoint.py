@@ -17,7 +17,7 @@ import pytest
 import structlog
 import torch
 
-from grpod.training.checkpoint import (
+from grpod.run.checkpoint import (
     CheckpointError,
     CorruptCheckpointError,
     ResumeError,
@@ -249,7 +249,7 @@ def test_resolve_resume_modes(tmp_path: Path) -> None:
 _SLOW_WRITER = """
 import os, sys, time
 from pathlib import Path
-from grpod.training.checkpoint import write_checkpoint
+from grpod.run.checkpoint import write_checkpoint
 
 def populate(directory):
     for k in range(400):
@@ -263,7 +263,7 @@ print("finished", flush=True)
 _LOOPING_WRITER = """
 import os, random, sys
 from pathlib import Path
-from grpod.training.checkpoint import write_checkpoint
+from grpod.run.checkpoint import write_checkpoint
 
 root, step, seed = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 rng = random.Random(seed)

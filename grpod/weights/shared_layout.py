@@ -20,11 +20,11 @@ Where the buffer lives:
 - CUDA: one tensor on the trainer's device, exported as a CUDA IPC handle (`cuda_ipc.pkl`); vLLM's
   worker, on the same device, opens it. The trainer owns the memory on both kinds of device.
 
-`layout.json` beside it describes the slots; `grpod.inference.worker_ext` reads it. Anything that
+`layout.json` beside it describes the slots; `grpod.weights.shared_ext` reads it. Anything that
 cannot be mapped (a fused shard missing, mixed dtypes, a shape vLLM does not share) is a
 `SharedLayoutError` naming the parameter: a parameter is never left out or zero-filled.
 
-Only torch, structlog and the standard library are imported here: vLLM's worker imports this module.
+Only torch, structlog, `grpod.dtypes` and the standard library are imported here: vLLM's worker imports this module.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from pathlib import Path
 
 import structlog
 import torch
+
+from grpod.dtypes import TORCH_DTYPES
 
 log = structlog.get_logger(__name__)
 
@@ -61,7 +63,6 @@ FUSED_SHARDS: dict[str, tuple[str, int]] = {
     "up_proj": ("gate_up_proj", 1),
 }
 SHARDS_PER_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class SharedLayoutError(RuntimeError):
@@ -109,11 +110,11 @@ class SharedLayout:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * DTYPES[self.dtype].itemsize
+        return self.numel * TORCH_DTYPES[self.dtype].itemsize
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
     def to_json(self) -> dict:
         return {
@@ -196,9 +197,9 @@ def plan_layout(model: torch.nn.Module) -> SharedLayout:
         mixed = ", ".join(f"{n} {p.dtype}" for n, p in named if p.dtype != named[0][1].dtype)[:300]
         raise SharedLayoutError(f"shared weights need one dtype; the model mixes {named[0][1].dtype} with: {mixed}")
     dtype = next(iter(dtypes))
-    dtype_name = next((k for k, v in DTYPES.items() if v == dtype), None)
+    dtype_name = next((k for k, v in TORCH_DTYPES.items() if v == dtype), None)
     if dtype_name is None:
-        raise SharedLayoutError(f"shared weights support {sorted(DTYPES)}, not {dtype}")
+        raise SharedLayoutError(f"shared weights support {sorted(TORCH_DTYPES)}, not {dtype}")
     vocab = _vocab_parameters(model)
 
     groups: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}

@@ -1,4 +1,4 @@
-"""The trainer's half of bridge mode `shared` (grpod/training/attach.py), on CPU without vLLM:
+"""The trainer's half of bridge mode `shared` (grpod/weights/shared_layout.py), on CPU without vLLM:
 vLLM's fused layout, padded vocabulary rows, tied embeddings as one parameter, rotary buffers from
 the model's own config, and writes through the parameters landing in the shared file."""
 
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpod.models.tiny import build_model, save_model
-from grpod.training.attach import (
+from grpod.weights.shared_layout import (
     WEIGHTS_FILE,
     SharedLayout,
     SharedLayoutError,

@@ -1,0 +1,114 @@
+"""How a run's parts are built from the config and started: the wiring, in one place.
+
+Each component gets its own config section and the few values it needs, never the whole tree or
+the supervisor: the trainer its `train` and `model` sections, each engine `inference`, the bridge
+its `bridge` section with the engines, the source its `source` section with the `Policy` handle.
+
+Start-up order (`start_parts`), measured to matter on a CPU machine where vLLM's start dominates:
+the resume point is read, the model directory made sure of, and then the trainer loads while the
+engines launch; the first alignment probe follows once both are up. A failure anywhere stops
+whatever was launched before the error propagates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import structlog
+
+from grpod.bridges import bridge_class
+from grpod.config import LORA_MODES, GrpodConfig
+from grpod.daemon.desk import OperatorDesk
+from grpod.daemon.notify import Heartbeat
+from grpod.daemon.progress import RunProgress
+from grpod.daemon.step_loop import StepLoop
+from grpod.inference.process import InferenceProcess
+from grpod.inference.supervised import SupervisedInference
+from grpod.rollouts.admission import BatchAdmission
+from grpod.rollouts.buffer import RolloutBuffer
+from grpod.rollouts.source import RolloutSource, make_source
+from grpod.rollouts.validation import RejectionCounter
+from grpod.run.store import RunStore
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class RunParts:
+    trainer: object
+    bridge: object
+    source: RolloutSource
+    admission: BatchAdmission
+    loop: StepLoop
+
+
+def build_engines(cfg: GrpodConfig, run_dir: Path) -> list[SupervisedInference]:
+    """The inference engines of this node (one today; a pool is a list of these)."""
+    process = InferenceProcess(cfg.inference, cfg.model, run_dir)
+    return [SupervisedInference(process, cfg.inference, name="engine-0")]
+
+
+def build_bridge(cfg: GrpodConfig, run_dir: Path, engines: list[SupervisedInference], *, trainer=None, policy_version: int = 0):
+    """The bridge of `bridge.mode` over `engines` (the trainer may be provided later)."""
+    extra = {}
+    if cfg.bridge.mode in LORA_MODES:
+        extra["lora"] = cfg.train.lora_config
+    if cfg.bridge.mode == "shared":
+        extra["train_device"] = cfg.train.device
+    return bridge_class(cfg.bridge.mode)(
+        cfg.bridge, engines=engines, trainer=trainer, model=cfg.model, run_dir=run_dir,
+        policy_version=policy_version, **extra,
+    )
+
+
+async def start_parts(
+    cfg: GrpodConfig,
+    run_dir: Path,
+    *,
+    progress: RunProgress,
+    buffer: RolloutBuffer,
+    rejections: RejectionCounter,
+    desk: OperatorDesk,
+    heartbeat: Heartbeat,
+    reporter,
+) -> RunParts:
+    store = RunStore(cfg, run_dir)
+    restored = await anyio.to_thread.run_sync(store.resume_point)
+    await anyio.to_thread.run_sync(store.ensure_model)
+    progress.restore_counts(restored.step, restored.extra)
+    buffer.restore(restored.buffered)
+    if restored.checkpoint is not None:
+        log.info("resumed", checkpoint=str(restored.checkpoint), step=restored.step,
+                 policy_version=restored.policy_version, buffered_groups=len(restored.buffered))
+    bridge = build_bridge(cfg, run_dir, build_engines(cfg, run_dir), policy_version=restored.policy_version)
+    reporter.attach(bridge=bridge)
+    loaded: dict[str, object] = {}
+
+    async def load_trainer() -> None:
+        trainer = await anyio.to_thread.run_sync(store.load_trainer, restored)
+        bridge.provide_trainer(trainer)
+        loaded["trainer"] = trainer
+        # In a worker thread: the dataset source reads and tokenizes its whole file here.
+        loaded["source"] = await anyio.to_thread.run_sync(
+            make_source, cfg, trainer.tokenizer, bridge.policy, restored.source_cursor, rejections
+        )
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load_trainer)
+            tg.start_soon(lambda: bridge.start(resumed_weights=restored.weights))
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await bridge.stop()
+        raise
+    trainer, source = loaded["trainer"], loaded["source"]
+    admission = BatchAdmission(cfg.train, vocab_size=trainer.vocab_size, max_seq_len=cfg.model.max_seq_len,
+                               rejections=rejections)
+    loop = StepLoop(
+        cfg, trainer=trainer, bridge=bridge, source=source, buffer=buffer, admission=admission, desk=desk,
+        progress=progress, heartbeat=heartbeat, reporter=reporter, store=store, run_dir=run_dir,
+    )
+    reporter.attach(source=source, admission=admission)
+    return RunParts(trainer, bridge, source, admission, loop)

@@ -1,0 +1,312 @@
+"""`StepLoop`: the training loop — one step after another until the run ends.
+
+    while steps remain:
+        at the boundary: live settings, `ctl sync` / `ctl checkpoint`, wait while paused
+        batch     = the next train.groups_per_step groups from the rollout buffer
+        admitted  = validate → deduplicate → staleness (BatchAdmission)
+        train     = plan, then per part: prepare (forward/backward/clip), fence(apply)
+        sync      = the bridge's sync when due: whole, or its trainer half with the engines'
+                    half in the background (pipelined)
+        record    = metrics.jsonl, the progress line, alarms
+        periodic  = checkpoint / evaluation every N steps
+
+The loop is the one task that touches the trainer: every trainer call is a worker-thread call
+awaited here (the event loop keeps answering the control socket meanwhile), and the bridge's
+trainer half runs here too. With `source.overlap`, the fetch task fills the buffer beside it.
+
+Everything the loop reads or advances is handed in: the desk (operator requests), the progress
+(counters), the admission gates, the bridge (sync protocol) and its `Policy`, the store
+(checkpoints), the reporter (records). It runs in milliseconds with fakes of each.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup
+
+from grpod.bridges.base import BridgeFailed, StagedSync, SyncRecord
+from grpod.config import GrpodConfig
+from grpod.daemon.desk import OperatorDesk
+from grpod.daemon.live import SettingChange
+from grpod.daemon.notify import Heartbeat
+from grpod.daemon.progress import RunProgress
+from grpod.rollouts.admission import BatchAdmission
+from grpod.rollouts.buffer import RolloutBuffer
+from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.replay import record_groups
+from grpod.rollouts.rewards import step_reward_metrics
+from grpod.run.store import RunSnapshot
+
+log = structlog.get_logger(__name__)
+
+
+class StepLoop:
+    def __init__(
+        self,
+        cfg: GrpodConfig,
+        *,
+        trainer,
+        bridge,
+        source,
+        buffer: RolloutBuffer,
+        admission: BatchAdmission,
+        desk: OperatorDesk,
+        progress: RunProgress,
+        heartbeat: Heartbeat,
+        reporter,
+        store,
+        run_dir: Path,
+    ) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.bridge = bridge
+        self.source = source
+        self.buffer = buffer
+        self.admission = admission
+        self.desk = desk
+        self.progress = progress
+        self.heartbeat = heartbeat
+        self.reporter = reporter
+        self.store = store
+        self.run_dir = run_dir
+        self.source_exhausted = False
+        self._work: TaskGroup | None = None
+
+    # ---- the loop -------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Train until `train.steps`, a stop, a drain or an exhausted source; raises
+        BridgeFailed when the engines cannot be kept in step."""
+        train = self.cfg.train
+        self.progress.begin_training()
+        async with anyio.create_task_group() as work:
+            self._work = work
+            if self.cfg.source.overlap:
+                work.start_soon(self.fetch)
+            while self.progress.step < train.steps:
+                if not await self.at_boundary():
+                    break
+                groups = await self.next_batch(train.groups_per_step)
+                if groups is None:
+                    break
+                await self.step(groups)
+                await self.periodic()
+            await self.bridge.settled()
+            work.cancel_scope.cancel()
+        self._work = None
+        self._conclude()
+
+    async def at_boundary(self) -> bool:
+        """Serve the desk (live settings, sync and checkpoint requests); wait while paused.
+        False when the run should stop."""
+        while not self.desk.stop_requested:
+            self.desk.apply_changes(self.progress.step, self._apply_setting)
+            for request in self.desk.take_requests("sync"):
+                try:
+                    record = await self.bridge.sync_now(forced=True)
+                except BridgeFailed as exc:
+                    request.complete(error=str(exc))
+                    raise
+                self.reporter.sync_done(record, self.progress.step)
+                request.complete(record.as_dict())
+            for request in self.desk.take_requests("checkpoint"):
+                try:
+                    info = await self.checkpoint()
+                except Exception as exc:  # noqa: BLE001 — reported to the operator, the run goes on
+                    log.exception("checkpoint_failed")
+                    request.complete(error=f"checkpoint failed: {exc}")
+                else:
+                    request.complete(info)
+            self.desk.settle()
+            if not self.desk.paused:
+                return True
+            await self.desk.first_or_attention(self.desk.wait_resumed)
+        return False
+
+    async def next_batch(self, n: int) -> list[RolloutGroup] | None:
+        """The next step's `n` groups, or None when the run should end (stop, drained, exhausted)."""
+        while not self.desk.stop_requested:
+            if self.desk.draining or (self.source_exhausted and len(self.buffer) < n):
+                return await self.buffer.take_available(n) or None
+            if not self.cfg.source.overlap and len(self.buffer) < n:
+                await self.source.fill(self.buffer, n - len(self.buffer))
+                self.source_exhausted = self.source.stats.exhausted
+                continue
+
+            async def ready() -> bool:
+                await self.buffer.wait_ready(n)
+                return True
+
+            if await self.desk.first_or_attention(ready):
+                return await self.buffer.take_available(n)
+            if not await self.at_boundary():
+                return None
+        return None
+
+    async def step(self, groups: list[RolloutGroup]) -> None:
+        started = time.perf_counter()
+        admitted = self.admission.admit(groups, self.bridge.policy.version)
+        if self.cfg.run.record_rollouts and admitted.groups:
+            # Only what reaches the trainer (a replay then trains exactly these).
+            record_groups(self.run_dir / "rollouts.jsonl", self.progress.step + 1, admitted.groups)
+        self.heartbeat.busy()
+        metrics, fenced = await self.train(admitted.groups)
+        metrics["completion_tokens"] = float(sum(sum(mask) for g in admitted.groups for mask in g.loss_mask))
+        self.progress.count_batch(trained=not metrics.get("skipped"), metrics=metrics)
+        self.heartbeat.progress()
+        train_s = time.perf_counter() - started
+        sync_began = time.perf_counter()
+        self.heartbeat.busy()
+        synced = await self.sync(skipped=bool(metrics.get("skipped")), fenced=fenced)
+        self.heartbeat.progress()
+        # Seconds this step spent on a sync: all of it, or its trainer half when pipelined.
+        sync_s = time.perf_counter() - sync_began if synced else None
+        record = {
+            **metrics,
+            "groups": len(groups),
+            "rejected": admitted.rejected,
+            "staleness_mean": admitted.staleness_mean,
+            "staleness_max": admitted.staleness_max,
+            "policy_version": self.bridge.policy.version,
+            "train_s": round(train_s, 4),
+            "step_s": round(time.perf_counter() - started, 4),
+            "queue_depth": len(self.buffer),
+            "group_ids": [g.group_id for g in admitted.groups],
+            "sync_s": round(sync_s, 4) if sync_s is not None else None,
+            # The dataset source's reward functions, each one's mean over the step's groups.
+            **step_reward_metrics(groups),
+        }
+        self.reporter.step_done(record)
+
+    async def train(self, groups: list[RolloutGroup]) -> tuple[dict[str, Any], list[SyncRecord]]:
+        """The trainer's phases for one batch; each optimizer update runs through the bridge's
+        fence. Returns the metrics and the syncs the fence made (bridge mode `shared`)."""
+        if not groups:
+            log.warning("step_skipped", reason="no valid group in the batch")
+            return {"skipped": 1}, []
+        trainer, in_thread = self.trainer, anyio.to_thread.run_sync
+        plan = await in_thread(trainer.plan, groups)
+        fenced: list[SyncRecord] = []
+        for part in trainer.parts(plan):
+            prepared = await in_thread(trainer.prepare, plan, part)
+            if not prepared.finite:
+                continue
+
+            async def apply(prepared=prepared) -> None:
+                await in_thread(trainer.apply, prepared)
+
+            record = await self.bridge.fence(apply)
+            if record is not None:
+                self.reporter.sync_done(record, self.progress.step + 1)
+                fenced.append(record)
+        return await in_thread(trainer.finish, plan), fenced
+
+    async def sync(self, *, skipped: bool, fenced: list[SyncRecord]) -> bool:
+        """The step's sync, if one is due or an operator asked for one (served here rather than
+        again at the boundary). True when the step spent time on a sync."""
+        step = self.progress.step
+        requests = self.desk.take_requests("sync")
+        if requests or (not skipped and not fenced and self.bridge.sync_due(step)):
+            if self.cfg.source.overlap and self.bridge.pipelined and not requests:
+                # The trainer half now; the engines apply and probe while the next step trains.
+                staged = await self.bridge.stage_sync()
+                assert self._work is not None
+                self._work.start_soon(self._finish_sync, staged, step)
+                return True
+            try:
+                record = await self.bridge.sync_now(forced=bool(requests))
+            except BridgeFailed as exc:
+                for request in requests:
+                    request.complete(error=str(exc))
+                raise
+            self.reporter.sync_done(record, step)
+            for request in requests:
+                request.complete(record.as_dict())
+            return True
+        return bool(fenced)
+
+    async def _finish_sync(self, staged: StagedSync, step: int) -> None:
+        with self.heartbeat.running():
+            record = await self.bridge.finish_sync(staged)
+        self.reporter.sync_done(record, step)
+
+    async def periodic(self) -> None:
+        step = self.progress.step
+        if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0:
+            await self.checkpoint()
+        if self.cfg.eval.every and step % self.cfg.eval.every == 0 and step < self.cfg.train.steps:
+            await self.bridge.settled()
+            await self.evaluate("periodic")
+
+    # ---- what else the loop's task does with the trainer ------------------------------------
+    async def checkpoint(self) -> dict[str, Any]:
+        """A checkpoint of the run as it is at this boundary (after any sync in flight)."""
+        await self.bridge.settled()  # the checkpoint's policy version is the trainer's weights'
+        self.heartbeat.busy()
+        began = time.perf_counter()
+        snapshot = RunSnapshot(
+            step=self.progress.step,
+            policy_version=self.bridge.policy.version,
+            buffered=self.buffer.snapshot(),
+            source_cursor=self.source.cursor(),
+            extra={
+                "rejections": self.admission.rejections.as_dict(),
+                "config_changes": self.desk.config_changes,
+                "step_counts": {"trained": self.progress.trained_steps, "skipped": self.progress.skipped_batches},
+            },
+        )
+        path = await anyio.to_thread.run_sync(self.store.save, self.trainer, snapshot)
+        self.heartbeat.progress()
+        info = {"path": str(path), "step": snapshot.step, "seconds": round(time.perf_counter() - began, 3)}
+        self.progress.last_checkpoint = {"path": str(path), "step": snapshot.step, "time": time.time()}
+        return info
+
+    async def evaluate(self, when: str) -> None:
+        """Held-out evaluation of the policy the engines serve (skipped without eval.size)."""
+        if self.cfg.eval.size <= 0:
+            return
+        try:
+            result = await self.source.evaluate(self.cfg.eval.size, self.cfg.eval.max_tokens)
+        except Exception as exc:  # noqa: BLE001 — an evaluation failure is reported, not fatal
+            log.warning("eval_failed", when=when, error=str(exc))
+            return
+        if result is not None:
+            self.reporter.eval_done(result, when)
+
+    async def fetch(self) -> None:
+        """Keep the buffer filled (overlap mode) until cancelled, drained or the source ends."""
+        async with anyio.create_task_group() as tg:
+
+            async def end_on_drain() -> None:
+                await self.desk.drained.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(end_on_drain)
+            if not self.desk.draining:
+                await self.source.run(self.buffer, self.desk.wait_resumed)
+                # Only a finite source (replay) returns: the run ends once the buffer is used up.
+                self.source_exhausted = True
+                self.desk.wake()
+            tg.cancel_scope.cancel()
+
+    def _apply_setting(self, change: SettingChange) -> None:
+        if change.key == "train.lr":
+            self.trainer.set_learning_rate(change.new)
+
+    def _conclude(self) -> None:
+        progress, stopped = self.progress, self.desk.stop_requested
+        if progress.step > 0 and progress.trained_steps == 0 and not stopped:
+            progress.fail(
+                f"no step trained: all {progress.skipped_batches} batches were skipped (every group rejected, "
+                "zero-variance or with a non-finite gradient; `ctl status` shows the rejections)"
+            )
+        elif progress.step >= self.cfg.train.steps:
+            progress.stop_reason = progress.stop_reason or "steps done"
+        elif self.desk.draining and not stopped:
+            progress.stop_reason = "drained"
+        elif self.source_exhausted and not stopped:
+            progress.stop_reason = "source exhausted"

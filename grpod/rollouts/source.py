@@ -1,0 +1,130 @@
+"""`RolloutSource`: what the daemon asks of every source of scored groups, and the one place that
+builds one from the config.
+
+A source fills the rollout buffer (`run`, concurrently with training; `fill`, the synchronous
+loop's path), says where it is (`cursor`, checkpointed so a resumed run continues the stream), how
+it is doing (`stats`, one shape: `SourceStats`), and may evaluate the policy on held-out data
+(`evaluate`; None where it has none). Sources see the policy through the `Policy` handle only.
+
+Every group a source gives up on (a failed request, a reward function that raised) is counted in
+`stats.drop_reasons`; every group it refuses as malformed goes into the daemon's one
+`RejectionCounter`, which validation shares.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from grpod.config import GrpodConfig
+from grpod.inference.policy import Policy
+from grpod.rollouts.buffer import RolloutBuffer
+from grpod.rollouts.validation import RejectionCounter
+
+MayGenerate = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class SourceStats:
+    """What every source reports (`ctl status` shows `vars(stats)`; kinds add their own fields).
+
+    The failure run — wall time of the first failure of the current unbroken run of failures, its
+    length and the last error — is what the daemon's source alarm reads
+    (`grpod.daemon.alarms.SourceErrorAlarm`); a success ends the run."""
+
+    dropped: int = 0
+    drop_reasons: dict[str, int] = field(default_factory=dict)
+    failing_since: float | None = None
+    consecutive_errors: int = 0
+    last_error: str | None = None
+    # A finite source (replay, a dataset with `epochs`) that has nothing more to give.
+    exhausted: bool = False
+
+    def drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+    def failing(self, error: str) -> None:
+        """One failure, part of the current run of failures."""
+        self.last_error = error[:300]
+        self.consecutive_errors += 1
+        if self.failing_since is None:
+            self.failing_since = time.time()
+
+    def failed(self, reason: str, error: str) -> None:
+        """A group lost to a failure: dropped, and part of the current run of failures."""
+        self.drop(reason)
+        self.failing(error)
+
+    def succeeded(self) -> None:
+        self.failing_since = None
+        self.consecutive_errors = 0
+
+
+class RolloutSource(Protocol):
+    kind: str
+    stats: SourceStats
+
+    def cursor(self) -> dict[str, Any]:
+        """Where the source is, for the checkpoint (`make_source(..., cursor=)` continues there)."""
+
+    async def run(self, buffer: RolloutBuffer, may_generate: MayGenerate) -> None:
+        """Keep `buffer` topped up (awaiting `may_generate` before each request); returns only
+        once a finite source is exhausted."""
+
+    async def fill(self, buffer: RolloutBuffer, count: int) -> None:
+        """Put `count` groups into `buffer` (the synchronous loop's path)."""
+
+    async def evaluate(self, size: int, max_tokens: int) -> dict[str, Any] | None:
+        """Held-out metrics of the policy served now (`eval_accuracy`, `eval_size`, ...), or None
+        when the source has no held-out data."""
+
+
+def make_source(
+    cfg: GrpodConfig,
+    tokenizer,
+    policy: Policy,
+    cursor: dict[str, Any] | None,
+    rejections: RejectionCounter,
+) -> RolloutSource:
+    """The source `cfg.source.kind` names, handed its own section and the values it needs.
+    Blocking (the dataset source reads and tokenizes its file): run it in a worker thread."""
+    src = cfg.source
+    if src.kind == "replay":
+        from grpod.rollouts.replay import ReplaySource
+
+        return ReplaySource(src, cursor=cursor)
+    if src.kind == "atropos":
+        from grpod.rollouts.atropos import AtroposSource, Registration
+
+        registration = Registration(
+            run_name=cfg.run.dir.name or "grpod",
+            max_token_len=cfg.model.max_seq_len,
+            checkpoint_dir=cfg.run.dir / "checkpoints",
+            checkpoint_every=cfg.checkpoint.every,
+            steps=cfg.train.steps,
+        )
+        return AtroposSource(
+            src, policy, groups_per_step=cfg.train.groups_per_step, registration=registration,
+            cursor=cursor, rejections=rejections, progress=cfg.run.progress,
+        )
+    from grpod.rollouts.dynamic_sampling import DynamicSampling
+
+    dynamic = DynamicSampling(
+        src.dynamic_sampling, src.dynamic_sampling_max_filtered, cfg.train.advantages, cfg.completion_budget
+    )
+    if src.kind == "dataset":
+        from grpod.rollouts.dataset import DatasetSource
+
+        return DatasetSource(
+            src, tokenizer, policy, eval_cfg=cfg.eval, max_seq_len=cfg.model.max_seq_len,
+            engine_wait_s=cfg.inference.start_timeout_s, dynamic_sampling=dynamic, cursor=cursor,
+        )
+    from grpod.rollouts.builtin import BuiltinSource
+
+    return BuiltinSource(
+        src, tokenizer, policy, engine_wait_s=cfg.inference.start_timeout_s, dynamic_sampling=dynamic,
+        cursor=cursor, progress=cfg.run.progress,
+    )

@@ -1,0 +1,55 @@
+"""RunStore: a checkpoint of another run (model, source kind, task) is refused on resume."""
+
+import pytest
+
+from grpod.config import load_config
+from grpod.run.store import ResumeMismatch, RunSnapshot, RunStore
+from grpod.models.tiny import build_model, save_model
+from grpod.training.trainer import build_trainer
+
+
+@pytest.fixture()
+def run(tmp_path):
+    save_model(*build_model(seed=0), tmp_path / "model")
+    base = [f"run.dir={str(tmp_path / 'run')!r}", f"model.path={str(tmp_path / 'model')!r}", "train.threads=1"]
+    cfg = load_config(None, base)
+    RunStore(cfg, cfg.run.dir).save(build_trainer(cfg), RunSnapshot(3, 1, [], {"kind": "builtin", "next_index": 9}, {}))
+    return base
+
+
+def test_the_same_run_resumes(run):
+    cfg = load_config(None, run)
+    restored = RunStore(cfg, cfg.run.dir).resume_point()
+    assert restored.step == 3 and restored.source_cursor["next_index"] == 9
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [("source.kind=atropos", "source_kind: checkpoint 'builtin', config 'atropos'"),
+     ("source.task_seed=7", "task: checkpoint 'arithmetic, task_seed 1234', config 'arithmetic, task_seed 7'")],
+)
+def test_a_checkpoint_of_another_run_is_refused_naming_both(run, change, named):
+    # Issue: after `make run`, `--set source.kind=atropos` on the same run dir resumed the builtin
+    # run's final checkpoint, trained nothing and exited 0.
+    cfg = load_config(None, [*run, change])
+    with pytest.raises(ResumeMismatch) as caught:
+        RunStore(cfg, cfg.run.dir).resume_point()
+    assert named in str(caught.value) and 'run.resume_mismatch = "allow"' in str(caught.value)
+
+
+def test_a_different_model_is_refused_and_allow_overrides(run, tmp_path):
+    save_model(*build_model(seed=1), tmp_path / "other")
+    cfg = load_config(None, [*run, f"model.path={str(tmp_path / 'other')!r}"])
+    with pytest.raises(ResumeMismatch, match="model: checkpoint"):
+        RunStore(cfg, cfg.run.dir).resume_point()
+    allowed = load_config(None, [*run, f"model.path={str(tmp_path / 'other')!r}", "run.resume_mismatch=allow"])
+    assert RunStore(allowed, allowed.run.dir).resume_point().step == 3
+
+
+def test_a_resumed_trainer_continues_from_the_checkpoint(run):
+    cfg = load_config(None, run)
+    store = RunStore(cfg, cfg.run.dir)
+    restored = store.resume_point()
+    assert restored.weights == restored.checkpoint / "model"
+    trainer = store.load_trainer(restored)
+    assert trainer.model_path == restored.weights
