@@ -265,6 +265,10 @@ class Bridge:
     def sync_due(self, step: int) -> bool:
         return step % self.cfg.sync_every == 0
 
+    async def after_step(self, step: int) -> SyncRecord | None:
+        """A whole sync if one is due after `step` (the synchronous way; the step loop may pipeline)."""
+        return await self.sync_now() if self.sync_due(step) else None
+
     async def fence(self, update: Update) -> SyncRecord | None:
         """Run one optimizer update (`update`, the trainer's apply). Modes that ship a copy need
         no fence: the update runs as is and the sync follows later. `shared` overrides this."""

@@ -89,8 +89,8 @@ class OperatorDesk:
     async def first_or_attention(self, work: Callable[[], Awaitable[T]]) -> T | None:
         """`await work()`, unless something needs the loop's attention first (a request, a
         change, resume, drain, stop): then `work` is cancelled and None returned. `work` must be
-        safe to cancel (lose nothing)."""
-        if self.pending():
+        safe to cancel (lose nothing). Once woken, it returns None until the loop `settle`s."""
+        if self.pending() or self._attention.is_set():
             return None
         result: T | None = None
         attention = self._attention

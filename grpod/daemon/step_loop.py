@@ -45,6 +45,27 @@ from grpod.run.store import RunSnapshot
 log = structlog.get_logger(__name__)
 
 
+async def train_batch(trainer, bridge, groups: list[RolloutGroup]) -> tuple[dict[str, Any], list[SyncRecord]]:
+    """The trainer's phases for one batch, each call in a worker thread: plan, then per part
+    prepare (forward/backward/clip) and the optimizer update through the bridge's fence. Returns
+    the metrics and the syncs the fence made (bridge mode `shared`: each update is a sync)."""
+    in_thread = anyio.to_thread.run_sync
+    plan = await in_thread(trainer.plan, groups)
+    fenced: list[SyncRecord] = []
+    for part in trainer.parts(plan):
+        prepared = await in_thread(trainer.prepare, plan, part)
+        if not prepared.finite:
+            continue
+
+        async def apply(prepared=prepared) -> None:
+            await in_thread(trainer.apply, prepared)
+
+        record = await bridge.fence(apply)
+        if record is not None:
+            fenced.append(record)
+    return await in_thread(trainer.finish, plan), fenced
+
+
 class StepLoop:
     def __init__(
         self,
@@ -183,27 +204,13 @@ class StepLoop:
         self.reporter.step_done(record)
 
     async def train(self, groups: list[RolloutGroup]) -> tuple[dict[str, Any], list[SyncRecord]]:
-        """The trainer's phases for one batch; each optimizer update runs through the bridge's
-        fence. Returns the metrics and the syncs the fence made (bridge mode `shared`)."""
         if not groups:
             log.warning("step_skipped", reason="no valid group in the batch")
             return {"skipped": 1}, []
-        trainer, in_thread = self.trainer, anyio.to_thread.run_sync
-        plan = await in_thread(trainer.plan, groups)
-        fenced: list[SyncRecord] = []
-        for part in trainer.parts(plan):
-            prepared = await in_thread(trainer.prepare, plan, part)
-            if not prepared.finite:
-                continue
-
-            async def apply(prepared=prepared) -> None:
-                await in_thread(trainer.apply, prepared)
-
-            record = await self.bridge.fence(apply)
-            if record is not None:
-                self.reporter.sync_done(record, self.progress.step + 1)
-                fenced.append(record)
-        return await in_thread(trainer.finish, plan), fenced
+        metrics, fenced = await train_batch(self.trainer, self.bridge, groups)
+        for record in fenced:
+            self.reporter.sync_done(record, self.progress.step + 1)
+        return metrics, fenced
 
     async def sync(self, *, skipped: bool, fenced: list[SyncRecord]) -> bool:
         """The step's sync, if one is due or an operator asked for one (served here rather than

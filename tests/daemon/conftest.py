@@ -85,6 +85,13 @@ class ListSource:
         return {"eval_accuracy": 0.5, "eval_size": size}
 
 
+class IdleSource(ListSource):
+    """A source that never delivers and never ends (the test feeds the buffer itself)."""
+
+    async def run(self, buffer, may_generate) -> None:
+        await anyio.sleep_forever()
+
+
 class MemoryStore:
     """Checkpoints kept as snapshots in a list."""
 

@@ -51,3 +51,18 @@ def vllm_server(tiny_model_dir, tmp_path_factory) -> InferenceProcess:
         yield process
     finally:
         anyio.run(process.stop)
+
+
+def bridge_for(cfg, run_dir, trainer, policy_version: int = 0):
+    """The bridge `cfg` names over one real engine, wired as the daemon wires it."""
+    from grpod.daemon.components import build_bridge, build_engines
+
+    return build_bridge(cfg, run_dir, build_engines(cfg, run_dir), trainer=trainer, policy_version=policy_version)
+
+
+def source_for(cfg, tokenizer, bridge):
+    """The source `cfg` names, sampling through `bridge`'s policy."""
+    from grpod.rollouts.source import make_source
+    from grpod.rollouts.validation import RejectionCounter
+
+    return make_source(cfg, tokenizer, bridge.policy, None, RejectionCounter())

@@ -13,10 +13,11 @@ import anyio
 import pytest
 
 from grpod.config import parse_config
-from grpod.rollouts.atropos import AtroposConfigError, AtroposSource
+from grpod.rollouts.atropos import AtroposConfigError
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.validation import validate_batch
 from tests.atropos_env import ScoredGroupEnv, TrajectoryApiProcess, api_get, scored_group, wait_until
+from tests.rollouts.test_atropos import AtroposSource
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +46,7 @@ def _key(tokens) -> tuple:
 
 def test_source_registers_and_receives_exactly_the_posted_groups(tmp_path):
     with TrajectoryApiProcess(tmp_path) as api:
-        source = AtroposSource(_cfg(tmp_path, api.url), SimpleNamespace(policy_version=5), cursor=None)
+        source = AtroposSource(_cfg(tmp_path, api.url), SimpleNamespace(version=5), cursor=None)
         posted = [scored_group(seed, group_size=GROUP_SIZE, temperature=0.7) for seed in range(6)]
 
         async def main():
@@ -88,7 +89,7 @@ def test_source_registers_and_receives_exactly_the_posted_groups(tmp_path):
 
 def test_bad_items_are_rejected_with_a_reason_and_the_rest_of_the_batch_kept(tmp_path):
     with TrajectoryApiProcess(tmp_path) as api:
-        source = AtroposSource(_cfg(tmp_path, api.url, groups_per_step=4), SimpleNamespace(policy_version=0), cursor=None)
+        source = AtroposSource(_cfg(tmp_path, api.url, groups_per_step=4), SimpleNamespace(version=0), cursor=None)
         good = [scored_group(seed, group_size=GROUP_SIZE) for seed in (10, 11)]
         wrong_mask = scored_group(12, group_size=GROUP_SIZE)
         wrong_mask["masks"][1][-1] = (wrong_mask["tokens"][1][-1] + 1) % 52
@@ -119,7 +120,7 @@ def test_bad_items_are_rejected_with_a_reason_and_the_rest_of_the_batch_kept(tmp
 
 def test_source_survives_a_run_api_restart(tmp_path):
     with TrajectoryApiProcess(tmp_path) as api:
-        source = AtroposSource(_cfg(tmp_path, api.url), SimpleNamespace(policy_version=1), cursor=None)
+        source = AtroposSource(_cfg(tmp_path, api.url), SimpleNamespace(version=1), cursor=None)
         env = ScoredGroupEnv(api.url, group_size=GROUP_SIZE)
         states_seen: list[str] = []
 
@@ -167,7 +168,7 @@ def test_source_survives_a_run_api_restart(tmp_path):
 def test_group_size_misconfiguration_is_explained_before_registering(tmp_path):
     with TrajectoryApiProcess(tmp_path) as api:
         with pytest.raises(AtroposConfigError) as err:
-            AtroposSource(_cfg(tmp_path, api.url, group_size=6, groups_per_step=2), SimpleNamespace(policy_version=0), cursor=None)
+            AtroposSource(_cfg(tmp_path, api.url, group_size=6, groups_per_step=2), SimpleNamespace(version=0), cursor=None)
         info = anyio.run(api_get, api.url, "/info")
     message = str(err.value)
     assert "batch_size = 12" in message and "source.group_size = 6" in message

@@ -13,7 +13,9 @@ from transformers import AutoTokenizer
 
 from grpod.config import parse_config
 from grpod.rollouts.buffer import RolloutBuffer
-from grpod.rollouts.dataset import DatasetSource
+from grpod.rollouts.source import make_source
+from grpod.rollouts.validation import RejectionCounter
+from tests.rollouts.conftest import scripted_policy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 
@@ -29,22 +31,6 @@ def length_or_raise(prompts, completions, completion_ids, answer, explode, **col
 @pytest.fixture
 def anyio_backend():
     return "asyncio"  # aiohttp needs asyncio
-
-
-class ServedPolicy:
-    """The bridge as the source sees it: one always-available client on the session's server."""
-
-    state = "ready"
-    policy_version = 0
-
-    def __init__(self, client) -> None:
-        self.client = client
-
-    async def wait_available(self, timeout_s: float):
-        return self.client
-
-    def request_model(self) -> str:
-        return "policy"
 
 
 def write_jsonl(path, rows):
@@ -83,7 +69,8 @@ async def test_raising_reward_drops_its_groups_and_the_source_keeps_going(vllm_s
         pass
 
     async with vllm_server.client() as client:
-        source = DatasetSource(cfg, tokenizer, ServedPolicy(client))
+        policy, _ = scripted_policy(client, version=0)  # the session's real server, always open
+        source = make_source(cfg, tokenizer, policy, None, RejectionCounter())
         with anyio.fail_after(180):
             await source.run(buffer, may_generate)  # one epoch, then it returns
             result = await source.evaluate(cfg.eval.size, cfg.eval.max_tokens)

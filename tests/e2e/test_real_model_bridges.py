@@ -16,14 +16,11 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from grpod.bridges.lora_only import LoraOnlyBridge
-from grpod.bridges.lora_restart import LoraRestartBridge
-from grpod.bridges.none import NoneBridge
-from grpod.bridges.shared import SharedBridge
 from grpod.config import GrpodConfig
+from grpod.daemon.step_loop import train_batch
 from grpod.inference.release import group_members
-from grpod.rollouts.builtin import BuiltinSource
 from grpod.training.trainer import build_trainer
+from tests.e2e.conftest import bridge_for, source_for
 
 pytestmark = pytest.mark.e2e
 
@@ -33,7 +30,7 @@ SAME = 0.02
 MOVED = 0.05
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def portal():
     with anyio.from_thread.start_blocking_portal("asyncio") as portal:
         yield portal
@@ -52,7 +49,8 @@ def config(root, model_dir, mode: str, *, lr: float, lora: bool) -> GrpodConfig:
                 "lora_config": {"rank": 8},
                 "advantages": {"drop_zero_variance": False},
             },
-            "bridge": {"mode": mode, "reload": "in_place", "keep_adapters": 2},
+            "bridge": {"mode": mode, **({"reload": "in_place"} if mode == "none" else {}),
+                       **({"keep_adapters": 2} if lora else {})},
             "source": {"group_size": 4, "max_tokens": 24, "task_prompt": "instruct"},
         }
     )
@@ -68,14 +66,14 @@ def chat_sequence(tokenizer) -> list[int]:
 
 
 async def served(bridge, ids: list[int]) -> list[float]:
-    return await bridge.client.score(ids, model=bridge.request_model())
+    return await bridge.engines[0].client.score(ids, model=bridge.policy.served_name)
 
 
 def max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-async def rollout_groups(source: BuiltinSource, count: int):
+async def rollout_groups(source, count: int):
     groups = []
     for _ in range(count):
         group = await source.generate_group()
@@ -90,7 +88,7 @@ def step_and_sync(portal, bridge, trainer, source, ids) -> dict:
     before = portal.call(served, bridge, ids)
     assert max_diff(before, trainer.score(ids)) <= SAME, "vLLM and the trainer differ before the step"
     groups = portal.call(rollout_groups, source, 2)
-    metrics = portal.call(anyio.to_thread.run_sync, trainer.train_step, groups)
+    metrics, fenced = portal.call(train_batch, trainer, bridge, groups)  # `shared`: the update is a sync
     assert metrics["skipped"] == 0.0 and metrics["tokens"] > 0
     record = portal.call(bridge.sync_now)
     assert record.probe is not None and record.probe["ok"], record.probe
@@ -101,11 +99,11 @@ def step_and_sync(portal, bridge, trainer, source, ids) -> dict:
     return {"record": record, "moved": max_diff(after, before), "gap": max_diff(after, own)}
 
 
-def run_mode(portal, tmp_path, model_dir, bridge_cls, *, lr: float, lora: bool, then=None):
-    cfg = config(tmp_path, model_dir, bridge_cls.mode, lr=lr, lora=lora)
-    trainer = build_trainer(cfg, model_dir)
-    bridge = bridge_cls(cfg, tmp_path / "run", trainer)
-    source = BuiltinSource(cfg, trainer.tokenizer, bridge)
+def run_mode(portal, tmp_path, model_dir, mode: str, *, lr: float, lora: bool, then=None):
+    cfg = config(tmp_path, model_dir, mode, lr=lr, lora=lora)
+    trainer = build_trainer(cfg)
+    bridge = bridge_for(cfg, tmp_path / "run", trainer)
+    source = source_for(cfg, trainer.tokenizer, bridge)
     assert source.task.prompt_style == "instruct"
     ids = chat_sequence(trainer.tokenizer)
     try:
@@ -123,14 +121,15 @@ def run_mode(portal, tmp_path, model_dir, bridge_cls, *, lr: float, lora: bool, 
 @pytest.mark.timeout(900)
 def test_none_in_place_then_restart_on_smollm2(portal, tmp_path, smollm2_dir):
     def restart(bridge, trainer, source, ids):
-        old = bridge.inference.pid
-        bridge.cfg.bridge.reload = "restart"
+        process = bridge.engines[0].process
+        old = process.pid
+        bridge.cfg.reload = "restart"
         second = step_and_sync(portal, bridge, trainer, source, ids)
-        assert second["record"].phases["launch"] > 0 and bridge.inference.pid != old
+        assert second["record"].phases["launch"] > 0 and process.pid != old
         assert group_members(old) == [], "the previous vLLM's process group is gone"
         return second
 
-    bridge, _, first, second = run_mode(portal, tmp_path, smollm2_dir, NoneBridge, lr=1e-4, lora=False, then=restart)
+    bridge, _, first, second = run_mode(portal, tmp_path, smollm2_dir, "none", lr=1e-4, lora=False, then=restart)
     assert "reload" in first["record"].phases, "the first sync reloaded in place"
     assert bridge.policy_version == 2
 
@@ -143,16 +142,16 @@ def test_shared_on_smollm2_ties_embedding_and_lm_head(portal, tmp_path, smollm2_
         assert model.lm_head.weight.shape[0] >= 49152
         return None
 
-    run_mode(portal, tmp_path, smollm2_dir, SharedBridge, lr=1e-4, lora=False, then=tied)
+    run_mode(portal, tmp_path, smollm2_dir, "shared", lr=1e-4, lora=False, then=tied)
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("bridge_cls", [LoraOnlyBridge, LoraRestartBridge], ids=["lora_only", "lora_restart"])
-def test_lora_modes_on_smollm2_adapt_all_seven_projections(portal, tmp_path, smollm2_dir, bridge_cls):
+@pytest.mark.parametrize("mode", ["lora_only", "lora_restart"])
+def test_lora_modes_on_smollm2_adapt_all_seven_projections(portal, tmp_path, smollm2_dir, mode):
     def targets(bridge, trainer, source, ids):
         # "...self_attn.q_proj.lora_A.default.weight" -> "q_proj"
         modules = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in trainer.model.named_parameters() if ".lora_A" in name}
         assert modules == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, modules
         return None
 
-    run_mode(portal, tmp_path, smollm2_dir, bridge_cls, lr=2e-3, lora=True, then=targets)
+    run_mode(portal, tmp_path, smollm2_dir, mode, lr=2e-3, lora=True, then=targets)

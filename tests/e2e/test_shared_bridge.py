@@ -1,11 +1,13 @@
 """Bridge mode `shared` with a real vLLM (CPU build): one copy of the weights for both sides.
 
-One SharedBridge (tiny model, tied embeddings, linear rope scaling) serves the tests in file
-order: the attach maps every vLLM parameter, a write through a trainer parameter is what vLLM
-reads with no reload, fenced training steps sync and probe, a generation in flight across a step
-is paused and resumed and leaves no stale cached prefix, a vLLM killed mid-run is relaunched and
-re-attached to the trained weights, a sync that did not reach vLLM fails the probe, and stop
-removes the /dev/shm directory. A second vLLM on a larger model measures resident memory.
+One test is one run of a shared bridge (tiny model, tied embeddings, linear rope scaling), from
+start to stop, so it passes alone and in any selection: the attach maps every vLLM parameter, a
+write through a trainer parameter is what vLLM reads with no reload, fenced training steps (the
+step loop's `train_batch`: each optimizer update through `bridge.fence`) sync and probe, a
+generation in flight across a step is paused and resumed and leaves no stale cached prefix, a
+vLLM killed mid-run is relaunched and re-attached to the trained weights, a sync that did not
+reach vLLM fails the probe, and stop removes the /dev/shm directory. A second vLLM on a larger
+model measures resident memory.
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ import pytest
 import torch
 
 from grpod.bridges.probe import ProbeMismatch, probe_sequences
-from grpod.bridges.shared import SharedBridge, shared_dir
+from grpod.bridges.shared import shared_dir
 from grpod.config import GrpodConfig
 from grpod.inference.process import InferenceProcess
 from grpod.inference.release import group_members
 from grpod.models.tiny import build_model, save_model
 from grpod.rollouts.group import RolloutGroup
-from grpod.weights.shared_layout import share_parameters
+from grpod.daemon.step_loop import train_batch
 from grpod.training.trainer import build_trainer
+from grpod.weights.shared_layout import share_parameters
+from tests.e2e.conftest import bridge_for
 
 pytestmark = pytest.mark.e2e
 
@@ -53,21 +57,20 @@ def config(run_dir, model_dir, **train) -> GrpodConfig:
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def portal():
-    """One event loop for the module: the bridge's HTTP client lives in it across tests."""
+    """One event loop for the test: the bridge's HTTP client lives in it."""
     with anyio.from_thread.start_blocking_portal("asyncio") as portal:
         yield portal
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, portal):
-    root = tmp_path_factory.mktemp("shared-bridge")
+@pytest.fixture()
+def run(tmp_path, portal):
     model, tokenizer = build_model(seed=0, tie_word_embeddings=True, rope_scaling=ROPE)
-    save_model(model, tokenizer, root / "model")
-    cfg = config(root / "run", root / "model")
-    trainer = build_trainer(cfg, root / "model")
-    bridge = SharedBridge(cfg, root / "run", trainer)
+    save_model(model, tokenizer, tmp_path / "model")
+    cfg = config(tmp_path / "run", tmp_path / "model")
+    trainer = build_trainer(cfg)
+    bridge = bridge_for(cfg, tmp_path / "run", trainer)
     try:
         portal.call(bridge.start)
         yield bridge, trainer
@@ -75,16 +78,17 @@ def run(tmp_path_factory, portal):
         portal.call(bridge.stop)
 
 
-def train_step(portal, trainer, groups):
-    """The daemon's way: the step in an anyio worker thread, so the fence can reach the loop."""
-    return portal.call(anyio.to_thread.run_sync, trainer.train_step, groups)
+def train_step(portal, bridge, trainer, groups):
+    """The daemon's way: the trainer's phases in worker threads, each update through the fence.
+    Returns the metrics and the syncs the fence made."""
+    return portal.call(train_batch, trainer, bridge, groups)
 
 
 async def rollout_groups(bridge, trainer, count: int, seed: int) -> list[RolloutGroup]:
     groups = []
     for i in range(count):
         prompt = trainer.tokenizer(f"<|im_start|>user\n{i + 3}+{seed}<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
-        completions = await bridge.client.generate(prompt, n=4, max_tokens=6, temperature=1.0, seed=seed + i)
+        completions = await bridge.engines[0].client.generate(prompt, n=4, max_tokens=6, temperature=1.0, seed=seed + i)
         groups.append(
             RolloutGroup(
                 tokens=[prompt + c.token_ids for c in completions],
@@ -99,68 +103,12 @@ async def rollout_groups(bridge, trainer, count: int, seed: int) -> list[Rollout
 
 async def served_and_own_scores(bridge, trainer) -> tuple[list[float], list[float]]:
     ids = probe_sequences(trainer.tokenizer)[2]
-    served = await bridge.client.score(ids)
+    served = await bridge.engines[0].client.score(ids)
     return served, trainer.score(ids)
 
 
 def max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
-
-
-def test_attach_maps_every_vllm_parameter_into_the_trainer_buffer(run, portal):
-    bridge, trainer = run
-    assert bridge.state == "SERVING"
-    assert bridge.shm_dir == shared_dir(bridge.run_dir) and (bridge.shm_dir / "weights.bin").exists()
-    (report,) = portal.call(bridge.client.collective_rpc, "shared_weights_report")
-    assert report["outside"] == [], f"vLLM parameters not in the shared buffer: {report['outside']}"
-    assert report["pid"] != os.getpid()
-    for name, param in trainer.model.named_parameters():
-        assert bridge.shared.holds(param), f"trainer parameter {name} is not a view of the shared buffer"
-    assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight
-    served, own = portal.call(served_and_own_scores, bridge, trainer)
-    assert max_diff(served, own) < 1e-4
-
-
-def test_a_write_through_a_trainer_parameter_is_read_by_vllm_without_reload(run, portal):
-    bridge, trainer = run
-    before, _ = portal.call(served_and_own_scores, bridge, trainer)
-    embed = trainer.model.model.embed_tokens.weight  # also the output head: tied
-    k_bias = trainer.model.model.layers[1].self_attn.k_proj.bias
-    saved = embed.detach().clone(), k_bias.detach().clone()
-    try:
-        with torch.no_grad():
-            embed.mul_(1.7)
-            k_bias.add_(0.3)
-        served, own = portal.call(served_and_own_scores, bridge, trainer)
-        assert max_diff(served, before) > 0.05, "vLLM did not see the trainer's write"
-        assert max_diff(served, own) < 1e-4
-    finally:
-        with torch.no_grad():
-            embed.copy_(saved[0])
-            k_bias.copy_(saved[1])
-    restored, _ = portal.call(served_and_own_scores, bridge, trainer)
-    assert max_diff(restored, before) < 1e-5
-
-
-def test_fenced_training_steps_sync_and_pass_the_probe(run, portal):
-    bridge, trainer = run
-    start_version = bridge.policy_version
-    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    for step in range(1, 3):
-        groups = portal.call(rollout_groups, bridge, trainer, 2, 10 * step)
-        metrics = train_step(portal, trainer, groups)
-        assert metrics["skipped"] == 0.0
-        record = portal.call(bridge.after_step, trainer.step)
-        assert record is not None, "an optimizer step must make a sync"
-        assert record.version == start_version + step == bridge.policy_version
-        assert record.probe["ok"] and record.probe["max_abs_diff"] < 1e-4
-        assert {"pause", "optimizer_step", "reset_resume", "probe"} <= set(record.phases)
-        assert portal.call(bridge.after_step, trainer.step) is None, "one sync per step"
-    assert portal.call(bridge.client.weight_version) == str(bridge.policy_version)
-    moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, initial[n])]
-    assert len(moved) == len(initial), "every parameter should have trained"
-    served, own = portal.call(served_and_own_scores, bridge, trainer)
-    assert max_diff(served, own) < 1e-4
 
 
 async def long_generation(base_url: str, streaming: threading.Event) -> tuple[float, dict[int, str]]:
@@ -181,80 +129,124 @@ async def long_generation(base_url: str, streaming: threading.Event) -> tuple[fl
 
 
 async def sampled_after(bridge, ids: list[int]) -> tuple[int, float]:
-    (c,) = await bridge.client.generate(ids, n=1, max_tokens=1, temperature=1.0, seed=5)
+    (c,) = await bridge.engines[0].client.generate(ids, n=1, max_tokens=1, temperature=1.0, seed=5)
     return c.token_ids[0], c.logprobs[0]
 
 
-def test_a_generation_in_flight_is_paused_across_the_step_and_no_stale_prefix_survives(run, portal):
+def test_shared_weights_serve_fenced_steps_recover_and_stop_clean(run, portal):
     bridge, trainer = run
+    client = lambda: bridge.engines[0].client  # noqa: E731 — a relaunch replaces it
+    process = bridge.engines[0].process
+
+    # The attach maps every vLLM parameter into the trainer's buffer.
+    assert bridge.state == "SERVING"
+    assert bridge.shm_dir == shared_dir(bridge.run_dir) and (bridge.shm_dir / "weights.bin").exists()
+    (report,) = portal.call(client().collective_rpc, "shared_weights_report")
+    assert report["outside"] == [], f"vLLM parameters not in the shared buffer: {report['outside']}"
+    assert report["pid"] != os.getpid()
+    for name, param in trainer.model.named_parameters():
+        assert bridge.shared.holds(param), f"trainer parameter {name} is not a view of the shared buffer"
+    assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight
+    served, own = portal.call(served_and_own_scores, bridge, trainer)
+    assert max_diff(served, own) < 1e-4
+
+    # A write through a trainer parameter is read by vLLM without a reload.
+    before = served
+    embed = trainer.model.model.embed_tokens.weight  # also the output head: tied
+    k_bias = trainer.model.model.layers[1].self_attn.k_proj.bias
+    saved = embed.detach().clone(), k_bias.detach().clone()
+    try:
+        with torch.no_grad():
+            embed.mul_(1.7)
+            k_bias.add_(0.3)
+        served, own = portal.call(served_and_own_scores, bridge, trainer)
+        assert max_diff(served, before) > 0.05, "vLLM did not see the trainer's write"
+        assert max_diff(served, own) < 1e-4
+    finally:
+        with torch.no_grad():
+            embed.copy_(saved[0])
+            k_bias.copy_(saved[1])
+    restored, _ = portal.call(served_and_own_scores, bridge, trainer)
+    assert max_diff(restored, before) < 1e-5
+
+    # Fenced training steps sync and pass the probe: the optimizer update is the sync.
+    start_version = bridge.policy_version
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    for step in range(1, 3):
+        groups = portal.call(rollout_groups, bridge, trainer, 2, 10 * step)
+        metrics, (record,) = train_step(portal, bridge, trainer, groups)
+        assert metrics["skipped"] == 0.0
+        assert record.version == start_version + step == bridge.policy_version
+        assert record.probe["ok"] and record.probe["max_abs_diff"] < 1e-4
+        assert {"pause", "optimizer_step", "reset_resume", "probe"} <= set(record.phases)
+        assert not bridge.sync_due(trainer.step), "the fence was the step's one sync"
+    assert portal.call(client().weight_version) == str(bridge.policy_version)
+    moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, initial[n])]
+    assert len(moved) == len(initial), "every parameter should have trained"
+    served, own = portal.call(served_and_own_scores, bridge, trainer)
+    assert max_diff(served, own) < 1e-4
+
+    # A generation in flight is paused across the step, and no stale cached prefix survives.
     ids = trainer.tokenizer(LONG_PROMPT)["input_ids"]
     assert len(ids) > 128
     portal.call(sampled_after, bridge, ids)  # caches the prompt's first KV block (old weights)
     groups = portal.call(rollout_groups, bridge, trainer, 2, 77)
-
     streaming = threading.Event()
     fenced_at: list[float] = []
-    bridge_fence = trainer.update_fence
+    bridge_fence = bridge.fence
 
-    def fence_while_generating(update):
-        assert streaming.wait(60), "the long generation never started"
+    async def fence_while_generating(update):
+        await anyio.to_thread.run_sync(streaming.wait, 60)
+        assert streaming.is_set(), "the long generation never started"
         fenced_at.append(time.monotonic())
-        return bridge_fence(update)
+        return await bridge_fence(update)
 
-    trainer.update_fence = fence_while_generating
+    bridge.fence = fence_while_generating
     try:
-        in_flight = portal.start_task_soon(long_generation, bridge.inference.base_url, streaming)
-        train_step(portal, trainer, groups)
+        in_flight = portal.start_task_soon(long_generation, process.base_url, streaming)
+        _, (record,) = train_step(portal, bridge, trainer, groups)
         finished, reasons = in_flight.result(timeout=120)
     finally:
-        trainer.update_fence = bridge_fence
+        bridge.fence = bridge_fence
     assert finished > fenced_at[0], "the generation was not in flight when the fence paused vLLM"
     assert reasons == {i: "length" for i in range(16)}, "every choice must run to max_tokens after the resume"
-    record = portal.call(bridge.after_step, trainer.step)
     assert record.probe["ok"]
-
     token, served = portal.call(sampled_after, bridge, ids)
     own = trainer.score(ids + [token])[-1]
     assert abs(served - own) < 1e-3, f"vLLM served a cached prefix of the old weights ({served} vs {own})"
 
-
-def test_a_killed_vllm_is_relaunched_onto_the_trained_weights(run, portal):
-    bridge, trainer = run
+    # A killed vLLM is relaunched onto the trained weights (re-attached, no checkpoint needed).
     fresh, _ = build_model(seed=0, tie_word_embeddings=True, rope_scaling=ROPE)
     assert not torch.equal(fresh.model.norm.weight, trainer.model.model.norm.weight), "trainer should have trained"
-    old_pid = bridge.inference.pid
-    os.killpg(bridge.inference.pgid, signal.SIGKILL)
+    old_pid = process.pid
+    os.killpg(process.pgid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while group_members(old_pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    portal.call(bridge.recover)
-    assert bridge.state == "SERVING" and bridge.inference.pid != old_pid and bridge.stats.restarts == 1
-    assert not bridge.weights_root.exists(), "recovery must not need a checkpoint of the trained weights"
-    (report,) = portal.call(bridge.client.collective_rpc, "shared_weights_report")
+    portal.call(bridge.recover, bridge.engines[0], "killed by the test")
+    assert bridge.state == "SERVING" and process.pid != old_pid and bridge.restarts == 1
+    assert not (bridge.run_dir / "weights").exists(), "recovery must not need a checkpoint of the trained weights"
+    (report,) = portal.call(client().collective_rpc, "shared_weights_report")
     assert report["outside"] == []
     served, own = portal.call(served_and_own_scores, bridge, trainer)
     assert max_diff(served, own) < 1e-4
-    assert portal.call(bridge.client.weight_version) == str(bridge.policy_version)
+    assert portal.call(client().weight_version) == str(bridge.policy_version)
 
-
-def test_the_probe_catches_a_sync_that_did_not_reach_vllm(run, portal):
-    bridge, trainer = run
+    # The probe catches a sync that did not reach vLLM.
     groups = portal.call(rollout_groups, bridge, trainer, 2, 99)
     for param in trainer.model.parameters():  # the trainer now writes memory vLLM does not read
         param.data = param.data.clone()
     with pytest.raises(ProbeMismatch, match="alignment probe failed"):
-        train_step(portal, trainer, groups)
+        train_step(portal, bridge, trainer, groups)
     assert bridge.state == "FAILED"
 
-
-def test_stop_removes_the_shared_directory_and_vllm(run, portal):
-    bridge, trainer = run
-    pgid = bridge.inference.pgid
+    # Stop removes the shared directory and vLLM; the trainer's weights outlive them.
+    pgid = process.pgid
     portal.call(bridge.stop)
     assert not bridge.shm_dir.exists()
     assert group_members(pgid) == []
     assert bridge.state == "STOPPED"
-    assert len(trainer.score([3, 4, 5, 6])) == 3  # the trainer's weights outlive the directory
+    assert len(trainer.score([3, 4, 5, 6])) == 3
 
 
 def outside_and_shared_rss(pid: int, shm_dir, model_dir) -> dict[str, int]:

@@ -1,0 +1,270 @@
+"""The step loop with stand-ins for every collaborator: its order of operations, its boundaries
+(pause, drain, `ctl sync`, `ctl checkpoint`, live settings, stop) and how a run ends. Milliseconds,
+no vLLM, no model; waits are on events (`anyio.wait_all_tasks_blocked`), never on the clock."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from grpod.bridges.base import StagedSync, SyncRecord
+from grpod.rollouts.group import RolloutGroup
+from tests.daemon.conftest import IdleSource, ListSource, StandInBridge, make_loop
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class FakeTrainer:
+    """The trainer's phases with no model: each part 'trains' by counting; lr is remembered."""
+
+    vocab_size = 64
+
+    def __init__(self, parts_per_batch: int = 1) -> None:
+        self.parts_per_batch = parts_per_batch
+        self.batches: list[list[str]] = []
+        self.applied = 0
+        self.lr = 1e-4
+        self.events: list[str] = []
+
+    def plan(self, groups):
+        self.batches.append([g.group_id for g in groups])
+        self.events.append("plan")
+        return {"groups": groups}
+
+    def parts(self, plan):
+        return [[i] for i in range(self.parts_per_batch)]
+
+    def prepare(self, plan, part):
+        self.events.append("prepare")
+        return type("Prepared", (), {"finite": True})()
+
+    def apply(self, prepared):
+        self.events.append("apply")
+        self.applied += 1
+
+    def finish(self, plan):
+        self.events.append("finish")
+        return {"loss": 0.5, "reward_mean": 0.25, "skipped": 0.0, "tokens": 10.0}
+
+    def set_learning_rate(self, lr):
+        self.lr = lr
+
+
+def groups(n: int, start: int = 0) -> list[RolloutGroup]:
+    out = []
+    for i in range(start, start + n):
+        tokens = [[1, 5 + i % 40, 7, 2], [1, 5 + i % 40, 9, 2]]
+        out.append(RolloutGroup(tokens, [[0, 0, 1, 1]] * 2, [0.0, 1.0], [[0.0, 0.0, -1.0, -1.0]] * 2, group_id=f"g{i}"))
+    return out
+
+
+def loop_with(loop_config, *overrides, trainer=None, bridge=None, source=None):
+    """A loop of 2 groups per step; without a `source`, the test feeds the buffer itself."""
+    cfg = loop_config("train.groups_per_step=2", "source.overlap=false", *overrides)
+    return make_loop(cfg, trainer or FakeTrainer(), bridge=bridge, source=source or IdleSource())
+
+
+async def test_each_step_trains_then_syncs_when_due_and_the_run_ends_steps_done(loop_config):
+    bridge = StandInBridge(sync_every=2)
+    loop = loop_with(loop_config, "train.steps=4", bridge=bridge, source=ListSource(groups(8)))
+    await loop.run()
+    assert loop.trainer.batches == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"], ["g6", "g7"]]
+    assert loop.trainer.events[:4] == ["plan", "prepare", "apply", "finish"]
+    assert bridge.syncs == [(1, False), (2, False)], "a sync after steps 2 and 4"
+    assert bridge.fenced_updates == 4, "every optimizer update goes through the bridge's fence"
+    assert loop.progress.step == loop.progress.trained_steps == 4 and loop.progress.stop_reason == "steps done"
+    records = loop.reporter.metrics.read()
+    # A step's sync is written before the step's own record (both at the step's number).
+    assert [(r["kind"], r["step"]) for r in records] == [
+        ("step", 1), ("sync", 2), ("step", 2), ("step", 3), ("sync", 4), ("step", 4)
+    ]
+    assert [r["policy_version"] for r in records if r["kind"] == "step"] == [0, 1, 1, 2]
+
+
+async def test_a_pause_holds_the_loop_at_the_boundary_until_resume(loop_config):
+    loop = loop_with(loop_config, "train.steps=2", "source.overlap=true")
+    await loop.desk.ctl_pause({})
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        for group in groups(4):
+            await loop.buffer.put(group)
+        await anyio.wait_all_tasks_blocked()
+        assert loop.progress.step == 0 and loop.trainer.batches == [], "paused: no step with data waiting"
+        await loop.desk.ctl_resume({})
+    assert loop.progress.step == 2
+
+
+async def test_a_ctl_sync_is_served_at_once_while_the_loop_waits_for_data(loop_config):
+    bridge = StandInBridge(sync_every=100)
+    loop = loop_with(loop_config, "train.steps=1", "source.overlap=true", bridge=bridge)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        await anyio.wait_all_tasks_blocked()
+        reply = await loop.desk.ctl_sync({})
+        assert reply["version"] == 1 and reply["forced"] and loop.progress.step == 0
+        for group in groups(2):
+            await loop.buffer.put(group)
+    assert bridge.syncs == [(1, True)] and loop.progress.step == 1
+
+
+async def test_a_ctl_sync_during_a_step_is_the_steps_sync_not_a_second_one(loop_config):
+    bridge = StandInBridge(sync_every=1)
+    trainer = FakeTrainer()
+    loop = loop_with(loop_config, "train.steps=1", bridge=bridge, trainer=trainer, source=ListSource(groups(2)))
+    replies = []
+    real_finish = trainer.finish
+
+    def finish_and_ask(plan):  # the operator asks while the step trains (in the trainer's thread)
+        anyio.from_thread.run_sync(tg.start_soon, ask)
+        return real_finish(plan)
+
+    async def ask():
+        replies.append(await loop.desk.ctl_sync({}))
+
+    trainer.finish = finish_and_ask
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+    assert bridge.syncs == [(1, True)] and replies[0]["version"] == 1
+
+
+async def test_a_ctl_checkpoint_records_the_step_the_buffer_and_the_cursor(loop_config):
+    loop = loop_with(loop_config, "train.steps=1", "source.overlap=true")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        await loop.buffer.put(groups(1)[0])
+        await anyio.wait_all_tasks_blocked()
+        info = await loop.desk.ctl_checkpoint({})
+        await loop.buffer.put(groups(1, start=1)[0])
+    (snapshot,) = loop.store.saved
+    assert info["path"] == "checkpoint-0" and snapshot.step == 0
+    assert [g.group_id for g in snapshot.buffered] == ["g0"], "the accepted, untrained group is kept"
+    assert snapshot.source_cursor == {"kind": "list", "left": 0}
+
+
+async def test_drain_trains_what_is_buffered_then_ends(loop_config):
+    loop = loop_with(loop_config, "train.steps=10", "source.overlap=true")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        for group in groups(3):
+            await loop.buffer.put(group)
+        await anyio.wait_all_tasks_blocked()
+        await loop.desk.ctl_drain({})
+    assert loop.trainer.batches == [["g0", "g1"], ["g2"]], "the last batch is what was left"
+    assert loop.progress.stop_reason == "drained" and len(loop.buffer) == 0
+
+
+async def test_a_stop_while_waiting_for_data_ends_the_loop_with_its_reason(loop_config):
+    loop = loop_with(loop_config, "train.steps=10", "source.overlap=true")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        await anyio.wait_all_tasks_blocked()
+        await loop.desk.ctl_stop({})
+    assert loop.progress.step == 0 and loop.progress.stop_reason == "ctl stop" and loop.progress.exit_code == 0
+
+
+async def test_a_live_setting_is_applied_before_the_next_step(loop_config):
+    trainer = FakeTrainer()
+    loop = loop_with(loop_config, "train.steps=1", "source.overlap=true", trainer=trainer)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        await anyio.wait_all_tasks_blocked()
+        await loop.desk.ctl_set({"key": "train.lr", "value": 5e-4})
+        await anyio.wait_all_tasks_blocked()
+        assert trainer.lr == 5e-4 and loop.cfg.train.lr == 5e-4, "applied at the idle loop's boundary"
+        for group in groups(2):
+            await loop.buffer.put(group)
+    assert loop.desk.config_changes[0]["key"] == "train.lr" and loop.desk.config_changes[0]["step"] == 0
+
+
+async def test_an_exhausted_source_ends_the_run_once_the_buffer_is_used(loop_config):
+    loop = loop_with(loop_config, "train.steps=10", "source.overlap=true", source=ListSource(groups(5)))
+    await loop.run()
+    assert loop.trainer.batches == [["g0", "g1"], ["g2", "g3"], ["g4"]]
+    assert loop.progress.stop_reason == "source exhausted"
+
+
+async def test_a_run_that_trained_nothing_fails(loop_config):
+    bad = groups(2)
+    for group in bad:
+        group.scores = [float("nan")] * 2
+    loop = loop_with(loop_config, "train.steps=1", source=ListSource(bad))
+    await loop.run()
+    assert loop.progress.exit_code == 1 and loop.progress.stop_reason.startswith("no step trained")
+    assert loop.trainer.batches == [], "nothing valid reached the trainer"
+
+
+class PipelinedBridge(StandInBridge):
+    """A copy-shipping mode: the trainer half returns, the engine half waits for `release`."""
+
+    pipelined = True
+
+    def __init__(self) -> None:
+        super().__init__(sync_every=1)
+        self.release = anyio.Event()
+        self.slot = anyio.Semaphore(1)  # one sync in flight, as the real bridge
+
+    async def stage_sync(self, forced: bool = False) -> StagedSync:
+        await self.slot.acquire()
+        return StagedSync(self.policy.version + 1, None, [[0.0]], {"save": 0.0}, 0.0, forced)
+
+    async def finish_sync(self, staged: StagedSync) -> SyncRecord:
+        try:
+            await self.release.wait()
+            self.policy.version = staged.version
+            self.syncs.append((staged.version, staged.forced))
+            return SyncRecord(staged.version, {}, 0.0, {"skipped": True})
+        finally:
+            self.slot.release()
+
+    async def settled(self) -> None:
+        async with self.slot:
+            pass
+
+
+async def test_a_pipelined_sync_finishes_while_the_next_step_trains(loop_config):
+    bridge = PipelinedBridge()
+    loop = loop_with(loop_config, "train.steps=2", "source.overlap=true", bridge=bridge)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        for group in groups(4):
+            await loop.buffer.put(group)
+        await anyio.wait_all_tasks_blocked()
+        # Step 2 trained while sync 1's engine half was in flight; its own sync waits for that one.
+        assert loop.progress.step == 2 and bridge.syncs == []
+        bridge.release.set()
+    assert bridge.syncs == [(1, False), (2, False)]
+    assert [r["kind"] for r in loop.reporter.metrics.read()].count("sync") == 2
+
+
+class FencingBridge(StandInBridge):
+    """`shared`: each optimizer update is a sync made inside the fence; no sync after the step."""
+
+    def __init__(self) -> None:
+        super().__init__(sync_every=1)
+        self.order: list[str] = []
+
+    def sync_due(self, step: int) -> bool:
+        return False
+
+    async def fence(self, update):
+        self.order.append("pause")
+        await update()
+        self.order.append("resume")
+        self.policy.version += 1
+        return SyncRecord(self.policy.version, {"optimizer_step": 0.0}, 0.0, {"ok": True})
+
+
+async def test_the_fence_is_a_line_of_the_loop_and_its_syncs_are_recorded(loop_config):
+    bridge, trainer = FencingBridge(), FakeTrainer(parts_per_batch=2)
+    loop = loop_with(loop_config, "train.steps=1", bridge=bridge, trainer=trainer, source=ListSource(groups(2)))
+    await loop.run()
+    assert trainer.events == ["plan", "prepare", "apply", "prepare", "apply", "finish"]
+    assert bridge.order == ["pause", "resume", "pause", "resume"] and bridge.policy.version == 2
+    records = loop.reporter.metrics.read()
+    assert [r["kind"] for r in records] == ["sync", "sync", "step"]
+    assert records[-1]["sync_s"] is not None
