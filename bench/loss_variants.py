@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from grpod.daemon.logs import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -53,7 +55,7 @@ def run_once(loss_type: str, epochs: int, seed: int, steps: int, model: Path, wo
         cwd=ROOT, check=True, timeout=3600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     wall = time.monotonic() - began
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     evals = [r for r in records if r["kind"] == "eval"]
     steps_done = [r for r in records if r["kind"] == "step"]
     clipped = [r.get("clipped_fraction") for r in steps_done if r.get("clipped_fraction") is not None]

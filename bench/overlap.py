@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from grpod.daemon.logs import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 
 def run(mode_overlap: bool, model: Path, steps: int, workdir: Path, extra: list[str]) -> list[dict]:
@@ -48,7 +50,7 @@ def run(mode_overlap: bool, model: Path, steps: int, workdir: Path, extra: list[
         [sys.executable, "-m", "grpod", "start", "--config", str(ROOT / "etc" / "grpod.toml"), *overrides, *extra],
         cwd=ROOT, check=True, timeout=1800,
     )  # fmt: skip
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind": "step"' in line]
+    return [r for r in read_metrics(run_dir) if r["kind"] == "step"]
 
 
 def steady(records: list[dict], skip: int) -> dict:

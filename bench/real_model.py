@@ -40,6 +40,8 @@ from pathlib import Path
 
 import psutil
 
+from grpod.daemon.logs import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "etc" / "examples" / "smollm2-dataset.toml"
 MODEL = ROOT / "models" / "smollm2-135m"
@@ -161,18 +163,9 @@ def run_once(seed: int, minutes: float, workdir: Path, extra: list[str]) -> dict
 
 
 def _records(run_dir: Path, kind: str) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
+    if not (run_dir / "metrics.jsonl").exists():
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("kind") == kind:
-            out.append(record)
-    return out
+    return [r for r in read_metrics(run_dir) if r.get("kind") == kind]
 
 
 def _mean(values) -> float | None:

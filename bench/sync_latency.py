@@ -26,8 +26,9 @@ import anyio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grpod.bridges import make_bridge  # noqa: E402
 from grpod.config import load_config  # noqa: E402
+from grpod.daemon.components import build_bridge, build_engines  # noqa: E402
+from grpod.daemon.step_loop import train_batch  # noqa: E402
 from grpod.rollouts.group import RolloutGroup  # noqa: E402
 from grpod.training.trainer import build_trainer  # noqa: E402
 
@@ -66,16 +67,19 @@ async def measure(mode: str, model: Path, syncs: int, workdir: Path) -> list[dic
             *MODES[mode],
         ],
     )
-    trainer = build_trainer(cfg, cfg.model.path)
-    bridge = make_bridge(cfg, cfg.run.dir, trainer)
+    trainer = build_trainer(cfg)
+    bridge = build_bridge(cfg, cfg.run.dir, build_engines(cfg, cfg.run.dir), trainer=trainer)
     rng = random.Random(0)
     records = []
     try:
         await bridge.start()
         for step in range(1, syncs + 1):
-            await anyio.to_thread.run_sync(trainer.train_step, synthetic_groups(rng, trainer.vocab_size, 2))
             began = time.perf_counter()
-            record = await bridge.after_step(step)
+            # `shared`: the update is fenced, its sync made inside train_batch; others sync after.
+            _, fenced = await train_batch(trainer, bridge, synthetic_groups(rng, trainer.vocab_size, 2))
+            if not fenced:
+                began = time.perf_counter()
+            record = fenced[0] if fenced else await bridge.after_step(step)
             wall = time.perf_counter() - began
             assert record is not None and record.probe["ok"], record
             records.append({"total_s": record.total_s, "wall_s": wall, **{f"{k}_s": v for k, v in record.phases.items()}})
@@ -105,7 +109,7 @@ def main() -> None:
             records = anyio.run(measure, mode, args.model, args.syncs, Path(tmp))
             results[mode] = {"summary": summarise(records), "records": records}
             print(f"{mode}: done ({len(records)} syncs)", file=sys.stderr)
-    print(f"| mode | syncs | total median (ms) | total min–max (ms) | phases: median ms |")
+    print("| mode | syncs | total median (ms) | total min–max (ms) | phases: median ms |")
     print("|---|---|---|---|---|")
     for mode, result in results.items():
         s = result["summary"]

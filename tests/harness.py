@@ -20,6 +20,7 @@ import psutil
 
 from grpod.daemon.control import ControlError, request
 from grpod.inference.release import group_members
+from grpod.daemon.logs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,10 +162,8 @@ class DaemonProcess:
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A daemon's metrics.jsonl records so far (none before its first write)."""
+    return read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
 
 
 def start_decoy(tmp_path: Path) -> subprocess.Popen:

@@ -193,6 +193,6 @@ def test_each_reward_functions_mean_reaches_metrics_and_status(daemon):
     second.extra = {"reward_means": {"correct": 0.25}}
     anyio.run(daemon.step, [first, second])
     daemon.metrics.close()
-    (record,) = [json.loads(line) for line in (daemon.run_dir / "metrics.jsonl").read_text().splitlines()]
+    (record,) = daemon.metrics.read()
     assert record["reward/correct"] == 0.375 and record["reward/format"] == 1.0
     assert daemon.status()["last_metrics"]["reward/correct"] == 0.375

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
 
-from grpod.daemon.logs import MetricsLog, WandbSink
+from grpod.daemon.logs import MetricsLog, WandbSink, read_metrics
 
 
 def _run_files(run_dir):
@@ -27,7 +26,7 @@ def test_step_and_eval_numbers_reach_an_offline_wandb_run_named_after_the_run(tm
         assert expected in data, expected
     assert b"step/group_ids" not in data and b"step/skipped" not in data, "only numbers are mirrored"
     # metrics.jsonl is still the record of everything
-    assert [json.loads(line)["kind"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == ["step", "eval"]
+    assert [r["kind"] for r in read_metrics(run_dir)] == ["step", "eval"]
 
 
 def test_a_resumed_daemon_logs_to_the_same_run_id(tmp_path, monkeypatch):
