@@ -16,7 +16,6 @@ from grpod.config import ConfigError, GrpodConfig, load_config, parse_assignment
 from grpod.daemon.desk import OperatorDesk
 
 
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpod", description="GRPO training daemon supervising vLLM")
     sub = parser.add_subparsers(dest="command", required=True)

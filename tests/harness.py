@@ -19,8 +19,8 @@ from typing import Any
 import psutil
 
 from grpod.daemon.control import ControlError, request
-from grpod.inference.release import group_members
 from grpod.daemon.logs import read_metrics
+from grpod.inference.release import group_members
 
 ROOT = Path(__file__).resolve().parents[1]
 

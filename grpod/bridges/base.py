@@ -45,7 +45,14 @@ import anyio
 import structlog
 
 from grpod.bridges.machine import StateMachine
-from grpod.bridges.probe import ProbeMismatch, ProbeResult, ProbeTolerance, run_probe, trainer_scores
+from grpod.bridges.probe import (
+    ProbeMismatch,
+    ProbeResult,
+    ProbeSchedule,
+    ProbeTolerance,
+    probe_engines,
+    trainer_scores,
+)
 from grpod.config import LORA_MODES, ModelConfig
 from grpod.inference.policy import Policy
 from grpod.inference.supervised import RestartBudgetSpent, SupervisedInference
@@ -154,12 +161,7 @@ class Bridge:
         # One sync at a time, from stage to finish (a semaphore: the finishing task is not
         # always the one that staged); recovery between syncs takes it too.
         self._sync_slot = anyio.Semaphore(1)
-        # The trainer's probe scores of the current policy version's weights, and that version.
-        self._reference: tuple[int, list[list[float]]] | None = None
-        # `bridge.probe_every`: syncs served without a probe since the last one, and whether an
-        # engine was (re)launched since (a launched engine is always probed).
-        self._unprobed_syncs = 0
-        self._launched_since_probe = True
+        self.probes = ProbeSchedule(cfg)
 
     def provide_trainer(self, trainer) -> None:
         self.trainer = trainer
@@ -207,7 +209,7 @@ class Bridge:
 
     async def _relaunch(self, engine: SupervisedInference, weights: Path, phases: dict[str, float] | None = None) -> None:
         """Stop the engine, wait until it released everything, launch it on `weights`."""
-        self._launched_since_probe = True
+        self.probes.launched()
         await engine.relaunch(weights, self.policy.version, phases, **self._launch_kwargs())
         await self._after_launch(engine)
 
@@ -230,34 +232,20 @@ class Bridge:
         self, reference: list[list[float]] | None, engines: list[SupervisedInference] | None = None
     ) -> ProbeResult:
         """Probe `engines` (default: all) against `reference` (trainer scores taken earlier),
-        else the trainer's weights now; open each engine that passes. Returns the last result."""
-        result: ProbeResult | None = None
-        trainer = await self._loaded_trainer()
-        for engine in engines or self.engines:
-            assert engine.client is not None
-            result = await run_probe(
-                engine.client,
-                trainer,
-                model=self.policy.served_name,
-                tolerance=ProbeTolerance.for_serving(self.model.dtype, self.cfg),
-                timeout_s=self.cfg.probe_timeout_s,
-                reference=reference,
+        else the trainer's weights now; open them once they pass."""
+        engines = engines or self.engines
+        try:
+            result = await probe_engines(
+                engines, await self._loaded_trainer(), model=self.policy.served_name,
+                tolerance=ProbeTolerance.for_serving(self.model.dtype, self.cfg), timeout_s=self.cfg.probe_timeout_s,
+                reference=reference, version=self.policy.version,
             )
-            if not result.ok:
-                message = (
-                    f"alignment probe failed on {engine.name}: vLLM's logprobs differ from the trainer's by up to "
-                    f"{result.max_abs_diff:.4g} (mean {result.mean_abs_diff:.4g}, p95 {result.p95_abs_diff:.4g}; "
-                    f"tolerance {result.tolerance.describe()}); vLLM is not serving the "
-                    f"trainer's weights (policy version {self.policy.version})"
-                )
-                self._fire("PROBE_FAIL", error=message)
-                raise ProbeMismatch(message)
-            reference = result.reference
-        assert result is not None
+        except ProbeMismatch as exc:
+            self._fire("PROBE_FAIL", error=str(exc))
+            raise
         self._fire("PROBE_OK")
-        self._launched_since_probe, self._unprobed_syncs = False, 0
-        self._reference = (self.policy.version, result.reference)
-        for engine in engines or self.engines:
+        self.probes.probed(self.policy.version, result.reference)
+        for engine in engines:
             engine.open()
         return result
 
@@ -329,7 +317,7 @@ class Bridge:
                 sync.reference = await anyio.to_thread.run_sync(trainer_scores, self.trainer)
                 phases["score"] = time.perf_counter() - t
             t = time.perf_counter()
-            if self._probe_due():
+            if self.probes.due():
                 probe = (await self._probe_and_serve(sync.reference)).as_dict()
                 phases["probe"] = time.perf_counter() - t
             else:
@@ -351,19 +339,13 @@ class Bridge:
             await self._apply(engine, staged, version, phases)
         engine.version = version
 
-    def _probe_due(self) -> bool:
-        """Every `bridge.probe_every`-th sync is probed, and always the first after a launch."""
-        return self._launched_since_probe or self._unprobed_syncs + 1 >= self.cfg.probe_every
-
     def _serve_unprobed(self, sync: StagedSync) -> dict[str, Any]:
-        self._unprobed_syncs += 1
-        self._fire("PROBE_SKIP")
-        # Recovery before the next probe compares a relaunched engine with this version's scores.
         assert sync.reference is not None
-        self._reference = (sync.version, sync.reference)
+        self.probes.skipped(sync.version, sync.reference)
+        self._fire("PROBE_SKIP")
         for engine in self.engines:
             engine.open()
-        return {"skipped": True, "syncs_since_probe": self._unprobed_syncs}
+        return {"skipped": True, "syncs_since_probe": self.probes.unprobed}
 
     async def settled(self) -> None:
         """Return once no sync is in flight (a staged one has finished). Bounded by the sync's
@@ -439,11 +421,12 @@ class Bridge:
                         restarts=engine.restarts, error=reason)
             await self._relaunch(engine, self.current_weights)
             self._fire("RECOVERED")
-            if self._reference is None or self._reference[0] != self.policy.version:
+            reference = self.probes.reference_for(self.policy.version)
+            if reference is None:
                 message = f"no probe reference recorded for policy version {self.policy.version}; {engine.name} stays closed"
                 self._fire("PROBE_FAIL", error=message)
                 raise BridgeFailed(message)
-            await self._probe_and_serve(self._reference[1], engines=[engine])
+            await self._probe_and_serve(reference, engines=[engine])
             log.info("inference_recovered", bridge=self.mode, engine=engine.name, seconds=round(time.perf_counter() - began, 3))
 
     async def stop(self) -> None:

@@ -51,7 +51,6 @@ from grpod.bridges.common import Event, lifecycle_rows, mode_states
 from grpod.inference.client import InferenceRequestError
 from grpod.inference.supervised import SupervisedInference
 
-
 # The lifecycle states every mode has, plus the one this mode's sync passes through.
 State = mode_states("SWAPPING")
 

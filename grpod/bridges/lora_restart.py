@@ -38,7 +38,6 @@ from grpod.bridges.adapters import Adapter, LoraBridge
 from grpod.bridges.common import Event, lifecycle_rows, mode_states
 from grpod.inference.supervised import SupervisedInference
 
-
 # The lifecycle states every mode has, plus the one this mode's sync passes through.
 State = mode_states("RESTARTING")
 

@@ -42,7 +42,6 @@ from grpod.bridges.common import Event, lifecycle_rows, mode_states
 from grpod.inference.supervised import SupervisedInference
 from grpod.weights.versions import VersionedDirs
 
-
 # The lifecycle states every mode has, plus the one this mode's sync passes through.
 State = mode_states("APPLYING")
 

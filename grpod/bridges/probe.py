@@ -129,3 +129,69 @@ async def run_probe(
     return ProbeResult(
         max(diffs), sum(diffs) / len(diffs), len(diffs), tolerance, [list(s) for s in own], p95_abs_diff=_p95(diffs)
     )
+
+
+async def probe_engines(
+    engines,
+    trainer,
+    *,
+    model: str,
+    tolerance: ProbeTolerance,
+    timeout_s: float,
+    reference: list[list[float]] | None,
+    version: int,
+) -> ProbeResult:
+    """Probe each engine (its `client`) against `reference`, else the trainer's weights now (then
+    the first engine's reference serves the others). Raises ProbeMismatch naming the first engine
+    that fails; returns the last result."""
+    result: ProbeResult | None = None
+    for engine in engines:
+        result = await run_probe(
+            engine.client, trainer, model=model, tolerance=tolerance, timeout_s=timeout_s, reference=reference
+        )
+        if not result.ok:
+            raise ProbeMismatch(
+                f"alignment probe failed on {engine.name}: vLLM's logprobs differ from the trainer's by up to "
+                f"{result.max_abs_diff:.4g} (mean {result.mean_abs_diff:.4g}, p95 {result.p95_abs_diff:.4g}; "
+                f"tolerance {result.tolerance.describe()}); vLLM is not serving the "
+                f"trainer's weights (policy version {version})"
+            )
+        reference = result.reference
+    assert result is not None, "no engine to probe"
+    return result
+
+
+class ProbeSchedule:
+    """Which syncs are probed, and the reference a relaunched engine is probed against.
+
+    `bridge.probe_every = N` probes every N-th sync; the first sync after any engine launch is
+    always probed (`launched`). Every sync, probed or not, records the trainer's scores of its
+    version (`record`): a relaunch between syncs (crash recovery) is probed against them, never
+    against the trainer's live weights, which may have moved on since.
+    """
+
+    def __init__(self, bridge_cfg) -> None:
+        self.cfg = bridge_cfg  # live: probe_every may change while running
+        self.unprobed = 0
+        self.launched_since_probe = True
+        self._reference: tuple[int, list[list[float]]] | None = None
+
+    def launched(self) -> None:
+        self.launched_since_probe = True
+
+    def due(self) -> bool:
+        return self.launched_since_probe or self.unprobed + 1 >= self.cfg.probe_every
+
+    def probed(self, version: int, reference: list[list[float]]) -> None:
+        self.launched_since_probe, self.unprobed = False, 0
+        self._reference = (version, reference)
+
+    def skipped(self, version: int, reference: list[list[float]]) -> None:
+        self.unprobed += 1
+        self._reference = (version, reference)
+
+    def reference_for(self, version: int) -> list[list[float]] | None:
+        """The trainer's scores recorded at `version`'s sync (None: none recorded)."""
+        if self._reference is None or self._reference[0] != version:
+            return None
+        return self._reference[1]

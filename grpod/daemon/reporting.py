@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from grpod.config import LORA_MODES, GrpodConfig
 from grpod.daemon.alarms import LogprobGapAlarm, SourceErrorAlarm
 from grpod.daemon.desk import OperatorDesk
@@ -27,8 +29,6 @@ from grpod.daemon.notify import Heartbeat, SystemdNotifier
 from grpod.daemon.progress import RunProgress
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.validation import RejectionCounter
-
-import structlog
 
 log = structlog.get_logger(__name__)
 

@@ -128,7 +128,9 @@ class Supervisor:
     async def _start(self) -> bool:
         """Build and start the components; a stop request cancels the start-up at once (a
         loading trainer finishes its thread, a launching engine is stopped). True once started."""
-        from grpod.daemon.components import start_parts  # the trainer stack imports torch
+        from grpod.daemon.components import (
+            start_parts,  # the trainer stack imports torch
+        )
 
         with anyio.CancelScope() as scope:
             async with anyio.create_task_group() as tg:

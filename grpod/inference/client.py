@@ -19,8 +19,14 @@ from typing import Any, Literal
 import aiohttp
 import structlog
 
+from grpod.inference.routes import (
+    GENERATE_MODEL_ROUTE,
+    LAUNCH_HEADER,
+    PAUSE_ROUTE,
+    RESUME_ROUTE,
+    SERVED_MODEL_NAME,
+)
 from grpod.inference.sampling import NEUTRAL_SAMPLING
-from grpod.inference.routes import GENERATE_MODEL_ROUTE, LAUNCH_HEADER, PAUSE_ROUTE, RESUME_ROUTE, SERVED_MODEL_NAME
 
 log = structlog.get_logger(__name__)
 

@@ -22,7 +22,11 @@ from typing import Any
 import anyio
 
 from grpod.inference.routes import SERVED_MODEL_NAME
-from grpod.inference.supervised import EngineLease, InferenceUnavailable, SupervisedInference
+from grpod.inference.supervised import (
+    EngineLease,
+    InferenceUnavailable,
+    SupervisedInference,
+)
 
 
 class Policy:

@@ -104,6 +104,163 @@ def is_loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve anywhere
 
 
+def server_argv(
+    cfg: InferenceConfig,
+    model: ModelConfig,
+    model_path: Path | str,
+    port: int,
+    gpu: bool,
+    *,
+    lora_modules: dict[str, str] | None = None,
+    enable_lora: bool = False,
+    max_lora_rank: int = 16,
+    lora_target_modules: list[str] | None = None,
+    worker_extension: str | None = None,
+) -> list[str]:
+    """The command line of grpod's vLLM server for one launch."""
+    lora = bool(enable_lora or lora_modules)
+    args = [
+        sys.executable, "-m", "grpod.inference.server",
+        "--model", str(model_path),
+        "--served-model-name", *served_model_names(model, lora=lora),
+        "--host", cfg.host,
+        "--port", str(port),
+        "--dtype", model.dtype,
+        "--max-model-len", str(model.max_seq_len),
+        # The trainer divides its logits by the sampling temperature; vLLM must report the
+        # same temperature-processed logprobs (its default is the raw, pre-temperature ones).
+        "--logprobs-mode", "processed_logprobs",
+        # vLLM's neutral sampling defaults, not the model's generation_config.json (see
+        # grpod.inference.sampling): the trainer replicates plain temperature sampling only.
+        "--generation-config", "vllm",
+        "--disable-access-log-for-endpoints", "/health",
+    ]  # fmt: skip
+    if gpu:
+        args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    else:
+        args += ["--kv-cache-memory-bytes", cfg.kv_cache_bytes]
+    if cfg.enforce_eager:
+        args.append("--enforce-eager")
+    if lora:
+        args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
+        if lora_target_modules:
+            # Only the modules the adapters adapt are wrapped. Without it vLLM wraps every
+            # module that supports LoRA, lm_head included for Llama-family models, and on CPU
+            # its LoRA logits path fails on prompt logprobs (SmolLM2: einsum size mismatch,
+            # engine dead at the first probe).
+            args += ["--lora-target-modules", *lora_target_modules]
+    if lora_modules:
+        args += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
+    if worker_extension:
+        args += ["--worker-extension-cls", worker_extension]
+    return args + list(cfg.extra_args)
+
+
+def served_model_names(model: ModelConfig, *, lora: bool = False) -> list[str]:
+    """`policy` first (what grpod's own requests name), then, serving full weights, the model
+    as `model.path` spells it and as an absolute path, so an environment configured with the
+    model's path reaches the policy. In LoRA modes those names would reach the base model
+    without the adapter, so only `policy` and the adapters' names are served there."""
+    names = [SERVED_MODEL_NAME]
+    if not lora:
+        for alias in (str(model.path), str(Path(model.path).resolve())):
+            if alias not in names:
+                names.append(alias)
+    return names
+
+
+def server_env(cfg: InferenceConfig) -> dict[str, str]:
+    """Variables added to grpod's environment for the server.
+
+    The API key travels in `VLLM_API_KEY` (read by vLLM and grpod's server alike) rather than
+    `--api-key`, so it does not show in the process list.
+    """
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if cfg.api_key:
+        env["VLLM_API_KEY"] = cfg.api_key
+    env.update(cfg.env)
+    return env
+
+
+# A log line longer than this is cut in error messages (vLLM logs its whole config on one line).
+LOG_LINE_CHARS = 300
+
+
+class LaunchLog:
+    """The server's log file, appended to by every launch; what one launch wrote is readable."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def open_for_launch(self, argv: list[str]):
+        """The file to hand the child as stdout/stderr, headed by the command line."""
+        f = self.path.open("ab")
+        self._offset = f.tell()
+        f.write(f"=== grpod launch {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {shlex.join(argv)}\n".encode())
+        f.flush()
+        return f
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> list[str]:
+        """The last `lines` lines the current launch wrote, each cut to LOG_LINE_CHARS."""
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return []
+        cut = (line if len(line) <= LOG_LINE_CHARS else line[:LOG_LINE_CHARS] + " [...]" for line in text.splitlines())
+        return list(deque(cut, maxlen=lines))
+
+    def excerpt(self) -> str:
+        return f"last lines of {self.path}:\n" + "\n".join(self.tail())
+
+
+class LaunchRecord:
+    """`<run>/vllm.launch.json`: the process group and scratch directory of the launch running
+    now, kept until its stop completes, so the next start of the same run can stop what a killed
+    predecessor left — only the processes in that group AND carrying that scratch directory in
+    their environment, so a recycled PID never makes it signal a stranger."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, pgid: int, scratch: Path) -> None:
+        self.path.write_text(json.dumps({"pgid": pgid, "scratch": str(scratch)}))
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    async def stop_left_behind(self, grace_s: float, kill_wait_s: float) -> None:
+        try:
+            record = json.loads(self.path.read_text())
+            pgid, scratch = int(record["pgid"]), str(record["scratch"])
+        except FileNotFoundError:
+            return
+        except (ValueError, KeyError, TypeError):
+            log.warning("launch_record_unreadable", path=str(self.path))
+            self.clear()
+            return
+        ours = [p for p in release.group_members(pgid) if release.process_env(p, "VLLM_RPC_BASE_PATH") == scratch]
+        if ours:
+            log.warning("inference_left_behind", pgid=pgid, processes=len(ours), scratch=scratch)
+            for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+                for proc in ours:
+                    try:
+                        proc.send_signal(sig)
+                    except psutil.NoSuchProcess:
+                        pass
+                _, alive = await anyio.to_thread.run_sync(lambda wait_s=wait_s: psutil.wait_procs(ours, timeout=wait_s))
+                if not alive:
+                    break
+        shutil.rmtree(scratch, ignore_errors=True)
+        self.clear()
+
+
 class InferenceProcess:
     """One vLLM server child in its own process group. Not reentrant: one launch at a time."""
 
@@ -114,8 +271,11 @@ class InferenceProcess:
         run_dir: Path,
         *,
         gpu: bool | None = None,
+        index: int = 0,
     ) -> None:
-        """`gpu`: size the KV cache for an NVIDIA GPU (None = detect with NVML)."""
+        """`gpu`: size the KV cache for an NVIDIA GPU (None = detect with NVML). `index`: which
+        engine of the run this is (its log and launch record are `vllm.log` / `vllm.launch.json`
+        for engine 0, `vllm-<index>.log` / `vllm-<index>.launch.json` after)."""
         if not is_loopback(cfg.host) and not cfg.api_key:
             raise UnsafeBindError(
                 f"inference.host = {cfg.host!r} is not a loopback address and inference.api_key is not set: "
@@ -130,13 +290,15 @@ class InferenceProcess:
         self._port: int | None = None
         self._model_path: Path | None = None
         self._scratch: Path | None = None
-        self._log_offset = 0
+        suffix = f"-{index}" if index else ""
+        self.log = LaunchLog(self.run_dir / f"vllm{suffix}.log")
+        self._record = LaunchRecord(self.run_dir / f"vllm{suffix}.launch.json")
         self._last_exit_code: int | None = None
         self._launch_token: str | None = None
 
     @property
     def log_path(self) -> Path:
-        return self.run_dir / "vllm.log"
+        return self.log.path
 
     @property
     def pid(self) -> int | None:
@@ -177,84 +339,17 @@ class InferenceProcess:
             self.base_url, timeout_s or self.cfg.request_timeout_s, self.cfg.api_key, launch_token=self._launch_token
         )
 
-    def build_args(
-        self,
-        model_path: Path | str,
-        *,
-        lora_modules: dict[str, str] | None = None,
-        enable_lora: bool = False,
-        max_lora_rank: int = 16,
-        lora_target_modules: list[str] | None = None,
-        worker_extension: str | None = None,
-    ) -> list[str]:
-        """The server's argv. `--port` is the resolved port once `start` picked it, else the
-        configured one."""
-        cfg = self.cfg
-        port = self._port if self._port is not None else cfg.port
-        lora = bool(enable_lora or lora_modules)
-        args = [
-            sys.executable, "-m", "grpod.inference.server",
-            "--model", str(model_path),
-            "--served-model-name", *self.served_model_names(lora=lora),
-            "--host", cfg.host,
-            "--port", str(port),
-            "--dtype", self.model.dtype,
-            "--max-model-len", str(self.model.max_seq_len),
-            # The trainer divides its logits by the sampling temperature; vLLM must report the
-            # same temperature-processed logprobs (its default is the raw, pre-temperature ones).
-            "--logprobs-mode", "processed_logprobs",
-            # vLLM's neutral sampling defaults, not the model's generation_config.json (see
-            # grpod.inference.sampling): the trainer replicates plain temperature sampling only.
-            "--generation-config", "vllm",
-            "--disable-access-log-for-endpoints", "/health",
-        ]  # fmt: skip
-        if self.gpu:
-            args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-        else:
-            args += ["--kv-cache-memory-bytes", cfg.kv_cache_bytes]
-        if cfg.enforce_eager:
-            args.append("--enforce-eager")
-        if lora:
-            args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
-            if lora_target_modules:
-                # Only the modules the adapters adapt are wrapped. Without it vLLM wraps every
-                # module that supports LoRA, lm_head included for Llama-family models, and on CPU
-                # its LoRA logits path fails on prompt logprobs (SmolLM2: einsum size mismatch,
-                # engine dead at the first probe).
-                args += ["--lora-target-modules", *lora_target_modules]
-        if lora_modules:
-            args += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
-        if worker_extension:
-            args += ["--worker-extension-cls", worker_extension]
-        return args + list(cfg.extra_args)
+    def build_args(self, model_path: Path | str, **launch_kw) -> list[str]:
+        """The server's argv (`server_argv`); `--port` is the resolved port once `start` picked
+        it, else the configured one."""
+        port = self._port if self._port is not None else self.cfg.port
+        return server_argv(self.cfg, self.model, model_path, port, self.gpu, **launch_kw)
 
     def served_model_names(self, *, lora: bool = False) -> list[str]:
-        """`policy` first (what grpod's own requests name), then, serving full weights, the model
-        as `model.path` spells it and as an absolute path, so an environment configured with the
-        model's path reaches the policy. In LoRA modes those names would reach the base model
-        without the adapter, so only `policy` and the adapters' names are served there."""
-        names = [SERVED_MODEL_NAME]
-        if not lora:
-            for alias in (str(self.model.path), str(Path(self.model.path).resolve())):
-                if alias not in names:
-                    names.append(alias)
-        return names
+        return served_model_names(self.model, lora=lora)
 
     def build_env(self) -> dict[str, str]:
-        """Variables added to grpod's environment for the server.
-
-        The API key travels in `VLLM_API_KEY` (read by vLLM and grpod's server alike) rather than
-        `--api-key`, so it does not show in the process list.
-        """
-        env = {
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-            "PYTHONUNBUFFERED": "1",
-        }
-        if self.cfg.api_key:
-            env["VLLM_API_KEY"] = self.cfg.api_key
-        env.update(self.cfg.env)
-        return env
+        return server_env(self.cfg)
 
     def _resolve_port(self) -> int:
         host = self.cfg.host
@@ -279,7 +374,7 @@ class InferenceProcess:
         """
         if self._popen is not None:
             raise InferenceStartError(f"vLLM is already launched (pid {self.pid}); stop() it first")
-        await self._stop_left_behind()
+        await self._record.stop_left_behind(self.cfg.stop_grace_s, self.cfg.release_timeout_s)
         self._port = self._resolve_port()
         self._model_path = Path(model_path)
         argv = self.build_args(model_path, **build_kw)
@@ -313,11 +408,7 @@ class InferenceProcess:
             LAUNCH_TOKEN_ENV: self._launch_token,
         }
         try:
-            with self.log_path.open("ab") as log_file:
-                self._log_offset = log_file.tell()
-                header = f"=== grpod launch {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {shlex.join(argv)}\n"
-                log_file.write(header.encode())
-                log_file.flush()
+            with self.log.open_for_launch(argv) as log_file:
                 self._popen = subprocess.Popen(
                     argv,
                     stdin=subprocess.DEVNULL,
@@ -330,37 +421,7 @@ class InferenceProcess:
             shutil.rmtree(scratch, ignore_errors=True)
             raise InferenceStartError(f"cannot launch vLLM with {argv[0]!r} (log {self.log_path}): {exc}") from exc
         self._scratch = scratch
-        self._launch_record.write_text(json.dumps({"pgid": self._popen.pid, "scratch": str(scratch)}))
-
-    @property
-    def _launch_record(self) -> Path:
-        return self.run_dir / "vllm.launch.json"
-
-    async def _stop_left_behind(self) -> None:
-        """Stop the vLLM a killed predecessor of this run launched, identified beyond doubt."""
-        try:
-            record = json.loads(self._launch_record.read_text())
-            pgid, scratch = int(record["pgid"]), str(record["scratch"])
-        except FileNotFoundError:
-            return
-        except (ValueError, KeyError, TypeError):
-            log.warning("launch_record_unreadable", path=str(self._launch_record))
-            self._launch_record.unlink(missing_ok=True)
-            return
-        ours = [p for p in release.group_members(pgid) if release.process_env(p, "VLLM_RPC_BASE_PATH") == scratch]
-        if ours:
-            log.warning("inference_left_behind", pgid=pgid, processes=len(ours), scratch=scratch)
-            for sig, wait_s in ((signal.SIGTERM, self.cfg.stop_grace_s), (signal.SIGKILL, self.cfg.release_timeout_s)):
-                for proc in ours:
-                    try:
-                        proc.send_signal(sig)
-                    except psutil.NoSuchProcess:
-                        pass
-                _, alive = await anyio.to_thread.run_sync(lambda: psutil.wait_procs(ours, timeout=wait_s))
-                if not alive:
-                    break
-        shutil.rmtree(scratch, ignore_errors=True)
-        self._launch_record.unlink(missing_ok=True)
+        self._record.write(self._popen.pid, scratch)
 
     async def _wait_healthy(self) -> None:
         timeout = self.cfg.start_timeout_s
@@ -399,36 +460,15 @@ class InferenceProcess:
         )
 
     def _port_holder(self) -> str | None:
-        """'pid N (command line)' of a process outside this launch's group listening on the
-        port, or None (none found, or not visible to this user)."""
-        try:
-            connections = psutil.net_connections(kind="tcp")
-        except (psutil.AccessDenied, OSError):
-            return None
-        for conn in connections:
-            if conn.status != psutil.CONN_LISTEN or not conn.laddr or conn.laddr.port != self._port or conn.pid is None:
-                continue
-            try:
-                proc = psutil.Process(conn.pid)
-                if self._popen is not None and os.getpgid(conn.pid) == self.pgid:
-                    continue
-                return f"pid {conn.pid} ({shlex.join(proc.cmdline())[:200]})"
-            except (psutil.Error, ProcessLookupError):
-                continue
-        return None
+        """'pid N (command line)' of a process outside this launch's group listening on the port."""
+        return release.port_holder(self._port, exclude_pgid=self.pgid if self._popen is not None else None)
 
     def _log_excerpt(self) -> str:
-        return f"last lines of {self.log_path}:\n" + "\n".join(self.log_tail())
+        return self.log.excerpt()
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> list[str]:
-        """The last `lines` lines this launch wrote to the log."""
-        try:
-            with self.log_path.open("rb") as f:
-                f.seek(self._log_offset)
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return []
-        return list(deque(text.splitlines(), maxlen=lines))
+        """The last `lines` lines this launch wrote to the log (long lines cut)."""
+        return self.log.tail(lines)
 
     async def wait_exit(self) -> int:
         """Wait until the server process exits (for a crash watch) and return its exit code.
@@ -509,7 +549,7 @@ class InferenceProcess:
         if self.gpu:
             await release.wait_gpu_memory_released(member_pids, cfg.release_timeout_s)
         removed = release.remove_shm_segments(segments)
-        self._launch_record.unlink(missing_ok=True)
+        self._record.clear()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None

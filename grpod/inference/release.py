@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import shlex
 import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -198,3 +199,23 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return proc.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return ["?"]
+
+
+def port_holder(port: int, *, exclude_pgid: int | None = None) -> str | None:
+    """'pid N (command line)' of a process listening on TCP `port` outside process group
+    `exclude_pgid`, or None (none found, or not visible to this user)."""
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, OSError):
+        return None
+    for conn in connections:
+        if conn.status != psutil.CONN_LISTEN or not conn.laddr or conn.laddr.port != port or conn.pid is None:
+            continue
+        try:
+            proc = psutil.Process(conn.pid)
+            if exclude_pgid is not None and os.getpgid(conn.pid) == exclude_pgid:
+                continue
+            return f"pid {conn.pid} ({shlex.join(proc.cmdline())[:200]})"
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return None

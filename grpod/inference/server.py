@@ -68,7 +68,10 @@ router = APIRouter()
 
 async def _serve_generate(body: dict[str, Any], raw_request: Request) -> JSONResponse:
     from pydantic import ValidationError
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
+    from vllm.entrypoints.openai.completion.protocol import (
+        CompletionRequest,
+        CompletionResponse,
+    )
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
     try:

@@ -42,7 +42,12 @@ from typing import Any
 import structlog
 import torch
 from tokenizers import AddedToken, pre_tokenizers
-from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers import (
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2Tokenizer,
+)
 
 from grpod.models.warmup import greedy_accuracy, sampled_group_stats, warmup
 from grpod.rollouts.arithmetic import ArithmeticTask

@@ -26,7 +26,13 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpod.rollouts.arithmetic import ArithmeticTask, Problem, answer_ids, prompt_ids, score
+from grpod.rollouts.arithmetic import (
+    ArithmeticTask,
+    Problem,
+    answer_ids,
+    prompt_ids,
+    score,
+)
 
 log = structlog.get_logger(__name__)
 

@@ -63,9 +63,9 @@ import structlog
 
 from grpod.config import AtroposSourceConfig
 from grpod.inference.policy import Policy
+from grpod.rollouts.atropos_wire import group_from_atropos
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.group import RolloutGroup
-from grpod.rollouts.atropos_wire import group_from_atropos
 from grpod.rollouts.source import MayGenerate, SourceStats
 from grpod.rollouts.validation import MalformedGroup, RejectionCounter, record_rejection
 

@@ -21,7 +21,12 @@ import structlog
 
 from grpod.config import BuiltinSourceConfig
 from grpod.inference.policy import Policy
-from grpod.rollouts.arithmetic import INSTRUCT_MIN_TOKENS, ArithmeticTask, Problem, prompt_style_for
+from grpod.rollouts.arithmetic import (
+    INSTRUCT_MIN_TOKENS,
+    ArithmeticTask,
+    Problem,
+    prompt_style_for,
+)
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.sampling_source import SamplingSource, SamplingStats

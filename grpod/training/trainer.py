@@ -45,22 +45,67 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from grpod.config import GrpodConfig, ModelConfig, TrainConfig
+from grpod.dtypes import TORCH_DTYPES
 from grpod.rollouts.group import RolloutGroup
 from grpod.training.advantages import compute_advantages
-from grpod.training.batching import MicroBatch, TrainingSequence, collate, plan_micro_batches, training_sequences
-from grpod.training.logprobs import token_entropy, token_entropy_with_grad, token_logprobs
-from grpod.training.loss import LossStats, LossTokens, StepNormalizer, aggregation_weights, policy_loss
+from grpod.training.batching import (
+    MicroBatch,
+    TrainingSequence,
+    collate,
+    plan_micro_batches,
+    training_sequences,
+)
+from grpod.training.logprobs import (
+    token_entropy,
+    token_entropy_with_grad,
+    token_logprobs,
+)
+from grpod.training.loss import (
+    LossStats,
+    LossTokens,
+    StepNormalizer,
+    aggregation_weights,
+    policy_loss,
+)
 from grpod.training.optim import build_optimizer, build_scheduler
 
 log = structlog.get_logger(__name__)
 
-from grpod.dtypes import TORCH_DTYPES
 # Files a HF model directory holds besides its weights and config, which vLLM and from_pretrained
 # need to load the tokenizer.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )
+
+
+def _wrap_lora(base: PreTrainedModel, lcfg, adapter_path: Path | None, seed: int):
+    """The base wrapped in a peft LoRA: the saved adapter at `adapter_path`, or a fresh one."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter_path is not None:
+        return PeftModel.from_pretrained(base, adapter_path, is_trainable=True)
+    peft_cfg = LoraConfig(
+        r=lcfg.rank, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+        target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM",
+    )
+    # Seeded adapter init without disturbing the process RNG streams (checkpointed elsewhere).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(base, peft_cfg)
+
+
+def _load_reference_model(path: Path, device: torch.device) -> PreTrainedModel:
+    """The frozen reference of kl_reference = "model": the initial policy at `model.path`."""
+    if not path.exists():
+        raise FileNotFoundError(
+            f"train.loss.kl_reference = 'model' needs the initial policy at model.path = "
+            f"{path}, which does not exist; set model.path or use kl_reference = 'inference'"
+        )
+    reference = _load_model(path, torch.float32, device).eval()
+    reference.requires_grad_(False)
+    log.info("reference_model_loaded", path=str(path))
+    return reference
 
 
 @dataclass
@@ -133,7 +178,7 @@ class Trainer:
 
         if train.lora:
             base = _load_model(self.model_path, TORCH_DTYPES[model.dtype], self.device)
-            self.model = self._wrap_lora(base, adapter_path)
+            self.model = _wrap_lora(base, train.lora_config, adapter_path, seed)
         else:
             if adapter_path is not None:
                 raise ValueError(f"adapter_path {adapter_path} given but train.lora = false")
@@ -164,35 +209,12 @@ class Trainer:
             trainable_params=sum(p.numel() for p in self.trainable), optimizer=train.optimizer,
         )
 
-    def _wrap_lora(self, base: PreTrainedModel, adapter_path: Path | None):
-        from peft import LoraConfig, PeftModel, get_peft_model
-
-        if adapter_path is not None:
-            return PeftModel.from_pretrained(base, adapter_path, is_trainable=True)
-        lcfg = self.train_cfg.lora_config
-        peft_cfg = LoraConfig(
-            r=lcfg.rank, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
-            target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM",
-        )
-        # Seeded adapter init without disturbing the process RNG streams (checkpointed elsewhere).
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            return get_peft_model(base, peft_cfg)
-
     def _needs_reference(self) -> bool:
         loss_cfg = self.train_cfg.loss
         return loss_cfg.kl_coef > 0 and loss_cfg.kl_reference == "model" and not self.train_cfg.lora
 
     def _load_reference(self) -> None:
-        path = self.model_cfg.path
-        if not path.exists():
-            raise FileNotFoundError(
-                f"train.loss.kl_reference = 'model' needs the initial policy at model.path = "
-                f"{path}, which does not exist; set model.path or use kl_reference = 'inference'"
-            )
-        self.reference_model = _load_model(path, torch.float32, self.device).eval()
-        self.reference_model.requires_grad_(False)
-        log.info("reference_model_loaded", path=str(path))
+        self.reference_model = _load_reference_model(self.model_cfg.path, self.device)
 
     def _forward_mode(self) -> None:
         """Train mode (gradient checkpointing only acts in it), with dropout zeroed at load time

@@ -28,7 +28,9 @@ class ReloadExtension:
 
 
 def _reprocess_embeddings(model) -> int:
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+    )
 
     done = 0
     seen: set[int] = set()

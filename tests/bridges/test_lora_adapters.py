@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from grpod.bridges.adapters import VLLM_MAX_LORA_RANKS, Adapter, LoraRankUnsupported, adapter_name, max_lora_rank
+from grpod.bridges.adapters import (
+    VLLM_MAX_LORA_RANKS,
+    Adapter,
+    LoraRankUnsupported,
+    adapter_name,
+    max_lora_rank,
+)
 from grpod.weights.versions import VersionedDirs
 
 

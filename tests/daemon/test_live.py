@@ -9,8 +9,8 @@ import structlog.testing
 
 from grpod.config import ConfigError, load_config
 from grpod.daemon.control import ControlError
-from grpod.daemon.live import RefusedChange, diff_file, plan_changes
 from grpod.daemon.desk import OperatorDesk
+from grpod.daemon.live import RefusedChange, diff_file, plan_changes
 from grpod.daemon.progress import RunProgress
 from grpod.models.tiny import build_model, save_model
 from grpod.run.checkpoint import load_json

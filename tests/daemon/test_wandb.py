@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from grpod.daemon.logs import MetricsLog, WandbSink, read_metrics
 
 

@@ -18,7 +18,6 @@ from grpod.config import InferenceConfig, ModelConfig
 from grpod.inference.process import InferenceProcess
 from grpod.models.tiny import build_model, save_model
 
-
 # Sampling defaults like those real instruct models publish in generation_config.json (SmolLM2,
 # Qwen2.5: top_k, repetition penalty, ...), made strong so that any leak into what vLLM samples
 # moves its logprobs far from the trainer's: every e2e test on this model runs under them.

@@ -16,7 +16,13 @@ from grpod.config import parse_config
 from grpod.rollouts.atropos import AtroposConfigError
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.validation import validate_batch
-from tests.atropos_env import ScoredGroupEnv, TrajectoryApiProcess, api_get, scored_group, wait_until
+from tests.atropos_env import (
+    ScoredGroupEnv,
+    TrajectoryApiProcess,
+    api_get,
+    scored_group,
+    wait_until,
+)
 from tests.rollouts.test_atropos import AtroposSource
 
 pytestmark = pytest.mark.e2e

@@ -29,7 +29,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.harness import ROOT, DaemonProcess, base_settings, group_processes, metrics, start_decoy, write_config
+from tests.harness import (
+    ROOT,
+    DaemonProcess,
+    base_settings,
+    group_processes,
+    metrics,
+    start_decoy,
+    write_config,
+)
 
 pytestmark = pytest.mark.e2e
 

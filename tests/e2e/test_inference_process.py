@@ -15,8 +15,16 @@ import anyio
 import pytest
 
 from grpod.config import InferenceConfig, ModelConfig
-from grpod.inference.client import ForeignServerError, InferenceClient, InferenceRequestError
-from grpod.inference.process import InferenceProcess, InferenceStartError, PortInUseError
+from grpod.inference.client import (
+    ForeignServerError,
+    InferenceClient,
+    InferenceRequestError,
+)
+from grpod.inference.process import (
+    InferenceProcess,
+    InferenceStartError,
+    PortInUseError,
+)
 from grpod.inference.release import group_members, port_is_free
 from tests.harness import start_decoy
 

@@ -24,7 +24,12 @@ import anyio
 import pytest
 import torch
 
-from grpod.bridges.probe import ProbeMismatch, ProbeTolerance, probe_sequences, run_probe
+from grpod.bridges.probe import (
+    ProbeMismatch,
+    ProbeTolerance,
+    probe_sequences,
+    run_probe,
+)
 from grpod.config import GrpodConfig
 from grpod.inference.release import group_members
 from grpod.models.tiny import build_model, save_model

@@ -5,7 +5,6 @@ must still fail it."""
 
 from __future__ import annotations
 
-
 import anyio
 import pytest
 

@@ -28,11 +28,11 @@ import torch
 from grpod.bridges.probe import ProbeMismatch, probe_sequences
 from grpod.bridges.shared import shared_dir
 from grpod.config import GrpodConfig
+from grpod.daemon.step_loop import train_batch
 from grpod.inference.process import InferenceProcess
 from grpod.inference.release import group_members
 from grpod.models.tiny import build_model, save_model
 from grpod.rollouts.group import RolloutGroup
-from grpod.daemon.step_loop import train_batch
 from grpod.training.trainer import build_trainer
 from grpod.weights.shared_layout import share_parameters
 from tests.e2e.conftest import bridge_for

@@ -21,9 +21,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpod.inference.release import free_port, group_members, remove_shm_segments, vllm_shm_segments
+from grpod.inference.release import (
+    free_port,
+    group_members,
+    remove_shm_segments,
+    vllm_shm_segments,
+)
 from grpod.models.warmup import greedy_answers
-from grpod.rollouts.arithmetic import ArithmeticTask, answer_ids, completion_answer, prompt_ids
+from grpod.rollouts.arithmetic import (
+    ArithmeticTask,
+    answer_ids,
+    completion_answer,
+    prompt_ids,
+)
 
 pytestmark = pytest.mark.e2e
 

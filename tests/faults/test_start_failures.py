@@ -11,7 +11,12 @@ import socket
 
 import pytest
 
-from tests.faults.injection import alive, first_line_matching, launched_pgids, run_to_exit
+from tests.faults.injection import (
+    alive,
+    first_line_matching,
+    launched_pgids,
+    run_to_exit,
+)
 from tests.harness import base_settings, write_config
 
 pytestmark = pytest.mark.faults

@@ -21,7 +21,14 @@ import time
 
 import pytest
 
-from tests.faults.injection import alive, first_line_matching, launched_pgids, log_events, run_to_exit, wait_until
+from tests.faults.injection import (
+    alive,
+    first_line_matching,
+    launched_pgids,
+    log_events,
+    run_to_exit,
+    wait_until,
+)
 from tests.harness import DaemonProcess, base_settings, group_processes, write_config
 
 pytestmark = pytest.mark.faults

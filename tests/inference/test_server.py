@@ -17,7 +17,11 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from grpod.inference.routes import GenerateRequestError, atropos_response, completion_request_body
+from grpod.inference.routes import (
+    GenerateRequestError,
+    atropos_response,
+    completion_request_body,
+)
 from grpod.inference.server import NAP_S, add_grpod_routes
 
 ATROPOS_REQUEST = {"prompt": {"prompt_token_ids": [3, 4, 5]}, "logprobs": 0, "n": 2, "max_tokens": 2, "seed": 1}

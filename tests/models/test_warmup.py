@@ -15,7 +15,12 @@ from grpod.models.warmup import (
     teacher_forcing_batch,
     warmup,
 )
-from grpod.rollouts.arithmetic import ArithmeticTask, answer_ids, make_problem, prompt_ids
+from grpod.rollouts.arithmetic import (
+    ArithmeticTask,
+    answer_ids,
+    make_problem,
+    prompt_ids,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)

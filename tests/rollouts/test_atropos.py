@@ -17,11 +17,18 @@ from structlog.testing import capture_logs
 
 from grpod.config import parse_config
 from grpod.rollouts.atropos import AtroposConfigError, check_batch_geometry
-from grpod.rollouts.source import make_source
-from grpod.rollouts.validation import RejectionCounter
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.group import RolloutGroup
-from tests.atropos_env import ScoredGroupEnv, TrajectoryApiProcess, api_get, free_port, scored_group, wait_until
+from grpod.rollouts.source import make_source
+from grpod.rollouts.validation import RejectionCounter
+from tests.atropos_env import (
+    ScoredGroupEnv,
+    TrajectoryApiProcess,
+    api_get,
+    free_port,
+    scored_group,
+    wait_until,
+)
 
 
 def _cfg(tmp_path, url="http://127.0.0.1:9", *, group_size=4, groups_per_step=2, poll_s=0.05, **extra):

@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpod.rollouts.atropos_wire import group_from_atropos
-from grpod.rollouts.validation import MalformedGroup, Rejection, RejectionReason, validate_group
+from grpod.rollouts.validation import (
+    MalformedGroup,
+    Rejection,
+    RejectionReason,
+    validate_group,
+)
+
 
 def atropos_item(**changes) -> dict:
     item = {

@@ -3,8 +3,8 @@
 import pytest
 
 from grpod.config import load_config
-from grpod.run.store import ResumeMismatch, RunSnapshot, RunStore
 from grpod.models.tiny import build_model, save_model
+from grpod.run.store import ResumeMismatch, RunSnapshot, RunStore
 from grpod.training.trainer import build_trainer
 
 

@@ -7,7 +7,12 @@ import torch
 from grpod.models.tiny import build_model
 from grpod.rollouts.group import RolloutGroup
 from grpod.training.advantages import AdvantageResult
-from grpod.training.batching import TrainingSequence, collate, plan_micro_batches, training_sequences
+from grpod.training.batching import (
+    TrainingSequence,
+    collate,
+    plan_micro_batches,
+    training_sequences,
+)
 
 
 @pytest.mark.parametrize("budget", [16, 64, 100, 512, 100_000])

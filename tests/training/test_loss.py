@@ -13,8 +13,8 @@ from grpod.training.loss import (
     aggregation_weights,
     clipped_surrogate,
     k3_kl,
-    masked_for_truncation,
     kl_penalty,
+    masked_for_truncation,
     mismatch_weights,
     policy_loss,
 )

@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from grpod.config import TrainConfig
-from grpod.training.optim import OptimizerUnavailable, build_optimizer, build_scheduler, lr_factor
+from grpod.training.optim import (
+    OptimizerUnavailable,
+    build_optimizer,
+    build_scheduler,
+    lr_factor,
+)
 
 
 def test_warmup_is_linear_then_constant():

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpod.weights import shared_ext as worker_ext
 from grpod.models.tiny import build_model
+from grpod.weights import shared_ext as worker_ext
 from grpod.weights.shared_layout import SharedLayoutError, share_parameters
 
 
