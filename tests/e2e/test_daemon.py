@@ -70,17 +70,13 @@ def test_daemon_trains_syncs_answers_and_stops_clean(tmp_path, warm_model_dir):
         assert f"grpod: vLLM serves the policy at {endpoint['base_url']}" in daemon.tail(200)
         assert any("SYNC" in t for t in status["bridge"]["transitions"])
 
+        # Pause and resume over the socket (that a paused loop trains nothing is proven without a
+        # clock in tests/daemon/test_step_loop.py).
         paused = daemon.ctl("pause")
         assert paused["ok"] and paused["result"]["paused"]
-        held = daemon.wait_for(lambda s: s["paused"], 60, "pause acknowledged")
-        step_at_pause = held["step"]
-        # At most the step that was running when pause arrived completes; then nothing moves.
-        time.sleep(5)
-        after = daemon.ctl("status")["result"]
-        assert after["step"] <= step_at_pause + 1
-        time.sleep(3)
-        assert daemon.ctl("status")["result"]["step"] == after["step"], "a paused daemon must not train"
-        assert daemon.ctl("resume")["ok"]
+        daemon.wait_for(lambda s: s["paused"], 60, "pause acknowledged")
+        resumed = daemon.ctl("resume")
+        assert resumed["ok"] and resumed["result"]["was_paused"]
 
         sync = daemon.ctl("sync")
         assert sync["ok"], sync
