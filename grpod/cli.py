@@ -107,6 +107,8 @@ def _render_status(result: dict) -> str:
         ("syncs / vLLM restarts", f"{bridge.get('syncs')} / {bridge.get('restarts')}"),
         ("vLLM", f"pid {vllm.get('pid')} running={vllm.get('running')} available={vllm.get('available')}"),
         ("vLLM URL", _endpoint_row(result.get("inference"))),
+        ("rates", _rates_row(result.get("rates"))),
+        ("start-up (s)", _startup_row(result.get("startup"))),
         ("queue depth", result.get("queue_depth")),
         ("rejected groups", result.get("rejected")),
         ("source", _render_source(result.get("source"))),
@@ -131,6 +133,23 @@ def _render_status(result: dict) -> str:
         lines.append("bridge transitions:")
         lines.extend(f"  {t}" for t in bridge["transitions"])
     return "\n".join(lines)
+
+
+def _rates_row(rates: dict | None) -> str | None:
+    """Steps/s and tokens/s over this process's training time."""
+    if not rates or rates.get("steps_per_s") is None:
+        return None
+    return (
+        f"{rates['steps_per_s']:.2f} steps/s, {rates['tokens_per_s']:.0f} trained tok/s, "
+        f"{rates['generated_tokens_per_s']:.0f} generated tok/s"
+    )
+
+
+def _startup_row(startup: dict | None) -> str | None:
+    """Each start-up phase's seconds, in the order they were recorded."""
+    if not startup:
+        return None
+    return ", ".join(f"{name.removesuffix('_s')} {seconds:.1f}" for name, seconds in startup.items())
 
 
 def _render_source(source: dict | None) -> str | None:

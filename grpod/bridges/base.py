@@ -108,6 +108,8 @@ class BridgeStats:
     # Cumulative: syncs no longer than each bound of SYNC_BUCKETS, and the sum of all latencies.
     bucket_counts: list[int] = field(default_factory=lambda: [0] * len(SYNC_BUCKETS))
     seconds_sum: float = 0.0
+    # Start-up: seconds until every engine was healthy, and of the first probe.
+    startup: dict[str, float] = field(default_factory=dict)
 
     def add(self, record: SyncRecord) -> None:
         self.syncs += 1
@@ -220,13 +222,20 @@ class Bridge:
     async def start(self, *, resumed_weights: Path | None = None) -> ProbeResult:
         """Launch every engine on the initial weights and probe them against the trainer.
         `resumed_weights`: the resumed checkpoint's copy of the policy, if any."""
+        began = time.perf_counter()
         self._fire("START")
         self.current_weights = await self._initial_weights(resumed_weights)
         async with anyio.create_task_group() as tg:
             for engine in self.engines:
                 tg.start_soon(self._launch, engine, self.current_weights)
         self._fire("READY")
-        return await self._probe_and_serve(None)
+        launched = time.perf_counter()
+        result = await self._probe_and_serve(None)
+        self.stats.startup = {
+            "engines_healthy_s": round(launched - began, 3),
+            "first_probe_s": round(time.perf_counter() - launched, 3),
+        }
+        return result
 
     async def _probe_and_serve(
         self, reference: list[list[float]] | None, engines: list[SupervisedInference] | None = None

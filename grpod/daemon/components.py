@@ -12,6 +12,7 @@ whatever was launched before the error propagates.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,9 +75,19 @@ async def start_parts(
     heartbeat: Heartbeat,
     reporter,
 ) -> RunParts:
+    began = time.perf_counter()
+    phases = progress.startup
+
+    def mark(phase: str, since: float) -> float:
+        now = time.perf_counter()
+        phases[phase] = round(now - since, 3)
+        return now
+
     store = RunStore(cfg, run_dir)
     restored = await anyio.to_thread.run_sync(store.resume_point)
+    t = mark("resume_point_s", began)
     await anyio.to_thread.run_sync(store.ensure_model)
+    mark("model_s", t)
     progress.restore_counts(restored.step, restored.extra)
     buffer.restore(restored.buffered)
     if restored.checkpoint is not None:
@@ -87,22 +98,33 @@ async def start_parts(
     loaded: dict[str, object] = {}
 
     async def load_trainer() -> None:
+        t = time.perf_counter()
         trainer = await anyio.to_thread.run_sync(store.load_trainer, restored)
+        t = mark("trainer_load_s", t)
         bridge.provide_trainer(trainer)
         loaded["trainer"] = trainer
         # In a worker thread: the dataset source reads and tokenizes its whole file here.
         loaded["source"] = await anyio.to_thread.run_sync(
             make_source, cfg, trainer.tokenizer, bridge.policy, restored.source_cursor, rejections
         )
+        mark("source_s", t)
 
+    async def start_engines() -> None:
+        await bridge.start(resumed_weights=restored.weights)
+        phases.update(bridge.stats.startup)
+
+    t = time.perf_counter()
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(load_trainer)
-            tg.start_soon(lambda: bridge.start(resumed_weights=restored.weights))
+            tg.start_soon(start_engines)
     except BaseException:
         with anyio.CancelScope(shield=True):
             await bridge.stop()
         raise
+    mark("concurrent_s", t)
+    mark("total_s", began)
+    log.info("startup", **phases)
     trainer, source = loaded["trainer"], loaded["source"]
     admission = BatchAdmission(cfg.train, vocab_size=trainer.vocab_size, max_seq_len=cfg.model.max_seq_len,
                                rejections=rejections)

@@ -35,6 +35,8 @@ class RunProgress:
     last_eval: dict[str, Any] = field(default_factory=dict)
     last_checkpoint: dict[str, Any] | None = None
     started_at: float = field(default_factory=time.time)
+    # Seconds each start-up phase took (`ctl status` "startup", the `startup` log event).
+    startup: dict[str, float] = field(default_factory=dict)
     # Training time of this process: from the first step's start; steps and tokens since then.
     training_since: float | None = None
     steps_this_run: int = 0

@@ -147,6 +147,7 @@ class Reporter:
             "trained_steps": p.trained_steps,
             "skipped_batches": p.skipped_batches,
             "rates": {k: None if v is None else round(v, 3) for k, v in p.rates().items()},
+            "startup": p.startup,
             "paused": self.desk.paused if self.desk else False,
             "draining": self.desk.draining if self.desk else False,
             "policy_version": bridge.policy.version if bridge else None,

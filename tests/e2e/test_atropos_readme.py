@@ -6,9 +6,10 @@ vLLM (`POST /generate`) and posts scored groups to run-api, from which grpod tra
 The example config is copied into the test's directory with only what must differ on a shared
 machine changed (run.dir, a free inference.port, the run-api URL, the model directory), so no
 tracked file is written; `--set train.steps=5` keeps the run short. Every process the test starts
-is stopped by its PID. The second test takes the environment's other route, `--env.route chat`
-(`/v1/chat/completions`, answers tokenized by atroposlib's `tokenize_for_trainer` through the
-transformers 5 shim), for two steps.
+is stopped by its PID. A second copy of the environment runs beside the first on the other route
+the README documents, `--env.route chat` (`/v1/chat/completions`, answers tokenized by
+atroposlib's `tokenize_for_trainer` through the transformers 5 shim): one grpod run trains on the
+groups of both (one vLLM start instead of two), and `rollouts.jsonl` tells them apart.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 EXAMPLE_DIR = ROOT / "etc" / "examples" / "atropos"
 STEPS = 5
-CHAT_STEPS = 2
 VLLM_START_S = 300.0
 TRAIN_S = 600.0
 
@@ -93,9 +93,9 @@ class EnvironmentProcess:
         self._out.close()
 
 
-def run_readme_path(tmp_path: Path, model_dir: Path, *, steps: int, env_args: list[str] = ()) -> dict[str, Any]:
-    """run-api, then grpod on the example config, then the example environment, as the README
-    says; returns once grpod has exited 0 after `steps` steps, with what it recorded."""
+def run_readme_path(tmp_path: Path, model_dir: Path, *, steps: int, routes: list[str]) -> dict[str, Any]:
+    """run-api, then grpod on the example config, then the example environment (one per route), as
+    the README says; returns once grpod has exited 0 after `steps` steps, with what it recorded."""
     started = time.monotonic()
     run_dir = tmp_path / "run"
     port = free_port()
@@ -109,8 +109,10 @@ def run_readme_path(tmp_path: Path, model_dir: Path, *, steps: int, env_args: li
                 "model.path": str(model_dir),
             },
         )
-        daemon = DaemonProcess(config, run_dir, extra_args=["--set", f"train.steps={steps}"])
-        env = None
+        daemon = DaemonProcess(
+            config, run_dir, extra_args=["--set", f"train.steps={steps}", "--set", "run.record_rollouts=true"]
+        )
+        envs: list[EnvironmentProcess] = []
         try:
             announced = wait_for_line(daemon, r"vLLM serves the policy at (\S+) \(model names: ([^)]*)\)", VLLM_START_S)
             base_url, names = announced.group(1), announced.group(2).split(", ")
@@ -124,35 +126,39 @@ def run_readme_path(tmp_path: Path, model_dir: Path, *, steps: int, env_args: li
             assert status.returncode == 0, status.stderr
             assert re.search(rf"vLLM URL\s+{re.escape(base_url)} \(models: policy, ", status.stdout), status.stdout
 
-            env = EnvironmentProcess(
-                [
-                    "--openai.base_url", base_url,
-                    "--openai.model_name", str(model_dir),
-                    "--env.tokenizer_name", str(model_dir),
-                    "--env.rollout_server_url", api.url,
-                    *env_args,
-                ],
-                tmp_path / "arith_env.out",
-            )
+            for route in routes:
+                envs.append(EnvironmentProcess(
+                    [
+                        "--openai.base_url", base_url,
+                        "--openai.model_name", str(model_dir),
+                        "--env.tokenizer_name", str(model_dir),
+                        "--env.rollout_server_url", api.url,
+                        "--env.route", route,
+                    ],
+                    tmp_path / f"arith_env-{route}.out",
+                ))  # fmt: skip
+            said = lambda: "\n".join(f"--- environment ({e.log.name}):\n{e.tail()}" for e in envs)  # noqa: E731
             try:
                 code = daemon.wait_exit(TRAIN_S)
             except AssertionError:
-                raise AssertionError(f"grpod did not finish; the environment said:\n{env.tail()}") from None
-            assert code == 0, f"{daemon.tail()}\n--- environment:\n{env.tail()}"
+                raise AssertionError(f"grpod did not finish; the environments said:\n{said()}") from None
+            assert code == 0, f"{daemon.tail()}\n{said()}"
         finally:
-            if env is not None:
+            for env in envs:
                 env.stop()
             daemon.close()
     for pgid in daemon.vllm_pgids:
         assert group_processes(pgid) == [], f"vLLM process group {pgid} left behind"
     steps_recorded = [r for r in metrics(run_dir) if r["kind"] == "step"]
     events = [json.loads(line) for line in (run_dir / "grpod.log").read_text().splitlines() if line.strip()]
-    env_log = (tmp_path / "arith_env.out").read_text(errors="replace")
+    env_logs = "".join((tmp_path / f"arith_env-{route}.out").read_text(errors="replace") for route in routes)
+    groups = [json.loads(line)["group"] for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     return {
         "trained": [r for r in steps_recorded if not r.get("skipped")],
         "skipped": [r for r in steps_recorded if r.get("skipped")],
         "batches": [e for e in events if e.get("event") == "atropos_batch_received"],
-        "groups_not_sent": env_log.count("Scores are the same in a group, skipping"),
+        "groups": groups,
+        "groups_not_sent": env_logs.count("Scores are the same in a group, skipping"),
         "wall_s": time.monotonic() - started,
     }
 
@@ -164,21 +170,15 @@ def report(name: str, run: dict[str, Any]) -> None:
     )
 
 
-def test_the_readme_atropos_path_trains_on_the_example_environment(tmp_path, smollm2_dir):
-    run = run_readme_path(tmp_path, smollm2_dir, steps=STEPS)
-    report("README Atropos path (route generate)", run)
+def test_the_readme_atropos_path_trains_on_the_example_environment_on_both_routes(tmp_path, smollm2_dir):
+    run = run_readme_path(tmp_path, smollm2_dir, steps=STEPS, routes=["generate", "chat"])
+    report("README Atropos path (routes generate and chat)", run)
     assert len(run["trained"]) >= STEPS and run["skipped"] == []
-    # Every group came from the environment through /generate, with vLLM's logprobs.
-    assert all(r["is_uncorrected_tokens"] == 0 for r in run["trained"]), [r["is_uncorrected_tokens"] for r in run["trained"]]
     assert len(run["batches"]) >= STEPS and all(b["accepted"] == b["groups"] == 2 for b in run["batches"])
-
-
-def test_the_chat_route_delivers_groups_built_by_tokenize_for_trainer(tmp_path, smollm2_dir):
-    """`--env.route chat`: /v1/chat/completions under the model's path, the answers tokenized by
-    atroposlib's `tokenize_for_trainer` through the shim; without it nothing would arrive."""
-    run = run_readme_path(tmp_path, smollm2_dir, steps=CHAT_STEPS, env_args=["--env.route", "chat"])
-    report("README Atropos path (route chat)", run)
-    assert len(run["trained"]) >= CHAT_STEPS and run["skipped"] == []
-    # No inference logprobs on this route: every trained token has IS weight 1.
-    assert all(r["is_uncorrected_tokens"] > 0 for r in run["trained"])
-    assert len(run["batches"]) >= CHAT_STEPS and all(b["accepted"] == b["groups"] == 2 for b in run["batches"])
+    # Route generate: /generate answers carry vLLM's logprobs, which the groups bring along.
+    with_logprobs = [g for g in run["groups"] if g.get("inference_logprobs") is not None]
+    # Route chat: /v1/chat/completions, answers tokenized by `tokenize_for_trainer` through the
+    # shim (without it nothing would arrive); no logprobs, so those tokens train with IS weight 1.
+    without = [g for g in run["groups"] if g.get("inference_logprobs") is None]
+    assert with_logprobs and without, (len(with_logprobs), len(without))
+    assert sum(r["is_uncorrected_tokens"] for r in run["trained"]) > 0

@@ -1,10 +1,11 @@
 """The walking skeleton end to end: a real `grpod start` supervising a real vLLM (CPU build).
 
-One daemon run exercises the control socket (status, pause, resume, sync, checkpoint, and
-`grpod ctl stop` as the unit's ExecStop runs it) and scheduled and forced in-place syncs (the
-restart path is tested in `tests/e2e/test_none_bridge.py` and for `lora_restart`); a second run
-resumes from the first run's checkpoint, reloads in place and is stopped by SIGTERM. After each: no process of any vLLM group it started remains, the decoy
-survives, and the final checkpoint loads with `from_pretrained`.
+One test, two daemon runs on one run directory. The first exercises the control socket (status,
+pause, resume, sync, checkpoint, and `grpod ctl stop` as the unit's ExecStop runs it) and
+scheduled and forced in-place syncs (the restart path is tested in `tests/e2e/test_none_bridge.py`
+and for `lora_restart`); the second resumes from the first run's final checkpoint, reloads in
+place and is stopped by SIGTERM. After each: no process of any vLLM group it started remains, the
+decoy survives, and the final checkpoint loads with `from_pretrained`.
 
 The second run is started the way `systemd/grpod.service` starts it (`Type=notify`, a watchdog):
 the test is systemd's side of the notify socket. It checks READY=1, WATCHDOG=1 pings, their
@@ -48,9 +49,10 @@ def _final_checkpoint(run_dir):
     return steps[-1]
 
 
-def test_daemon_trains_syncs_answers_and_stops_clean(tmp_path, warm_model_dir):
+def first_run(tmp_path, warm_model_dir, run_dir) -> tuple[DaemonProcess, int]:
+    """A daemon operated over its socket, then stopped as the unit's ExecStop does; returns it and
+    the step of its final checkpoint."""
     decoy = start_decoy(tmp_path)
-    run_dir = tmp_path / "run"
     settings = base_settings(run_dir, warm_model_dir) | {
         "train.steps": 100,
         "bridge.mode": "none",
@@ -128,6 +130,7 @@ def test_daemon_trains_syncs_answers_and_stops_clean(tmp_path, warm_model_dir):
         not torch.equal(a, b) for a, b in zip(model.state_dict().values(), original.state_dict().values(), strict=True)
     )
     assert changed, "training changed the weights"
+    return daemon, trained[-1]
 
 
 WATCHDOG_USEC = 1_000_000  # grpod pings every 0.5 s
@@ -187,21 +190,13 @@ def _withheld(notify: NotifySocket, since: float, until: float) -> bool:
     return not [t for t in notify.times("WATCHDOG") if since < t <= until]
 
 
-def test_resume_in_place_sync_and_sigterm(tmp_path, warm_model_dir):
+def test_daemon_operated_stopped_then_resumed_as_a_notify_service_until_sigterm(tmp_path, warm_model_dir):
     run_dir = tmp_path / "run"
+    first, stopped_at = first_run(tmp_path, warm_model_dir, run_dir)
+    assert _final_checkpoint(run_dir).name == f"step-{stopped_at:06d}"
     settings = base_settings(run_dir, warm_model_dir) | {
-        "train.steps": 2,
         "bridge.mode": "none",
         "bridge.reload": "in_place",
-    }
-    first = DaemonProcess(write_config(tmp_path / "a.toml", settings), run_dir)
-    try:
-        assert first.wait_exit(400) == 0, first.tail()
-    finally:
-        first.close()
-    assert _final_checkpoint(run_dir).name == "step-000002"
-
-    settings |= {
         # The run ends by SIGTERM; steps must outlast the test however fast the policy trains.
         "train.steps": 1_000_000,
         "notify.stall_after_s": STALL_AFTER_S,
@@ -214,9 +209,12 @@ def test_resume_in_place_sync_and_sigterm(tmp_path, warm_model_dir):
     second = DaemonProcess(config_b, run_dir, env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(WATCHDOG_USEC)})
     frozen: int | None = None
     try:
-        # In-place syncs after every step continue the resumed run's policy version (2).
-        status = second.wait_for(lambda s: (s["policy_version"] or 0) >= 4, 400, "two more syncs after resume")
-        assert status["step"] >= 4
+        # In-place syncs after every step continue the resumed run's policy version.
+        resumed_version = second.wait_for(lambda s: s["policy_version"] is not None, 400, "resumed")["policy_version"]
+        status = second.wait_for(
+            lambda s: (s["policy_version"] or 0) >= resumed_version + 2, 400, "two more syncs after resume"
+        )
+        assert status["step"] >= stopped_at + 2
         deadline = time.monotonic() + 10
         while len(notify.times("WATCHDOG")) < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -268,7 +266,7 @@ def test_resume_in_place_sync_and_sigterm(tmp_path, warm_model_dir):
     for pgid in first.vllm_pgids | second.vllm_pgids:
         assert group_processes(pgid) == []
     steps = [r["step"] for r in metrics(run_dir) if r["kind"] == "step"]
-    assert steps[:2] == [1, 2] and steps[2] == 3, "the resumed run continues at step 3"
+    assert steps[: stopped_at + 1] == list(range(1, stopped_at + 2)), "the resumed run continues at the next step"
     assert len(steps) == len(set(steps)), "no step trained twice"
     log = (run_dir / "grpod.log").read_text()
     assert '"event": "resumed"' in log

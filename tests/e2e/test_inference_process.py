@@ -233,33 +233,22 @@ async def test_fixed_port_in_use_is_refused(tmp_path, tiny_model_dir):
     assert proc.pid is None
 
 
-async def test_stop_leaves_no_process_no_port_and_spares_the_decoy(tmp_path, tiny_model_dir):
+async def test_a_dead_engine_ends_the_server_and_stop_leaves_no_process_no_port_and_spares_the_decoy(
+    tmp_path, tiny_model_dir
+):
+    """One launch: the process group holds EngineCore and Worker; a SIGKILLed engine makes
+    /health fail and the API server exit; stop then leaves no process of the group, the port
+    free, and a decoy named like vLLM untouched. (A healthy server's stop: every bridge test ends
+    with one, and so does the session server.)"""
     decoy = start_decoy(tmp_path)
     proc = InferenceProcess(InferenceConfig(start_timeout_s=300), ModelConfig(path=tiny_model_dir), tmp_path / "run")
     try:
         await proc.start(tiny_model_dir)
         pgid, port = proc.pgid, proc.port
-        names = {" ".join(p.cmdline())[:40] for p in group_members(pgid)}
+        members = group_members(pgid)
+        names = {" ".join(p.cmdline())[:40] for p in members}
         assert any("VLLM::EngineCore" in n for n in names) and any("VLLM::Worker" in n for n in names), names
-        async with proc.client() as client:
-            assert await client.health()
-        await proc.stop()
-        assert group_members(pgid) == []
-        assert port_is_free("127.0.0.1", port)
-        assert not proc.running and proc.exit_code is not None
-        assert decoy.poll() is None, "stop() touched a process outside its own group"
-    finally:
-        await proc.stop()
-        decoy.kill()
-        decoy.wait(timeout=10)
-
-
-async def test_dead_engine_fails_health_and_ends_the_server(tmp_path, tiny_model_dir):
-    proc = InferenceProcess(InferenceConfig(start_timeout_s=300), ModelConfig(path=tiny_model_dir), tmp_path / "run")
-    try:
-        await proc.start(tiny_model_dir)
-        pgid = proc.pgid
-        (engine,) = [p for p in group_members(pgid) if "VLLM::EngineCore" in " ".join(p.cmdline())]
+        (engine,) = [p for p in members if "VLLM::EngineCore" in " ".join(p.cmdline())]
         engine.send_signal(signal.SIGKILL)  # a member of the group this test's InferenceProcess created
         async with InferenceClient(proc.base_url, 5.0) as client:
             with anyio.fail_after(60):
@@ -272,5 +261,10 @@ async def test_dead_engine_fails_health_and_ends_the_server(tmp_path, tiny_model
         assert not proc.running
         await proc.stop()
         assert group_members(pgid) == []
+        assert port_is_free("127.0.0.1", port)
+        assert not proc.running and proc.exit_code is not None
+        assert decoy.poll() is None, "stop() touched a process outside its own group"
     finally:
         await proc.stop()
+        decoy.kill()
+        decoy.wait(timeout=10)

@@ -1,0 +1,22 @@
+"""`grpod ctl status` as a table: what an operator reads of the rates and the start-up phases."""
+
+from grpod.cli import _render_status
+from grpod.daemon.desk import OperatorDesk
+
+
+def test_status_shows_rates_over_training_time_and_each_startup_phase():
+    table = _render_status({
+        "rates": {"steps_per_s": 2.5, "tokens_per_s": 1234.4, "generated_tokens_per_s": 321.0},
+        "startup": {"resume_point_s": 0.01, "trainer_load_s": 7.2, "engines_healthy_s": 31.0, "first_probe_s": 0.4},
+    })
+    assert "2.50 steps/s, 1234 trained tok/s, 321 generated tok/s" in table
+    assert "resume_point 0.0, trainer_load 7.2, engines_healthy 31.0, first_probe 0.4" in table
+    before_first_step = _render_status({"rates": {"steps_per_s": None}})
+    assert "steps/s" not in before_first_step
+
+
+def test_the_ctl_subcommand_accepts_exactly_the_desks_commands():
+    from grpod.cli import _parser
+
+    ctl = next(a for a in _parser()._subparsers._group_actions[0].choices["ctl"]._actions if a.dest == "cmd")
+    assert tuple(ctl.choices) == OperatorDesk.commands()
