@@ -76,6 +76,21 @@ class InferenceConfig(_Section):
     extra_args: list[str] = []
     env: dict[str, str] = {}
     max_restarts: int = Field(3, ge=0)
+    # Engines on this node, each its own vLLM process group, port (inference.port + i when fixed),
+    # log (vllm-<i>.log) and restart budget; requests go to the available one with the fewest
+    # outstanding. Each engine's cores (CPU: VLLM_CPU_OMP_THREADS_BIND) or GPU
+    # (CUDA_VISIBLE_DEVICES) come from cpu_binds / gpu_ids, else engine i takes core / GPU i.
+    engines: int = Field(1, ge=1)
+    cpu_binds: list[str] = []
+    gpu_ids: list[str] = []
+
+    @model_validator(mode="after")
+    def _one_binding_per_engine(self) -> InferenceConfig:
+        for key in ("cpu_binds", "gpu_ids"):
+            given = getattr(self, key)
+            if given and len(given) != self.engines:
+                raise ValueError(f"inference.{key} has {len(given)} entries for inference.engines = {self.engines}")
+        return self
 
 
 # Reward functions every dataset source knows by name (`grpod/rollouts/rewards.py` has them).

@@ -12,6 +12,7 @@ whatever was launched before the error propagates.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +21,12 @@ import anyio
 import structlog
 
 from grpod.bridges import bridge_class
-from grpod.config import LORA_MODES, GrpodConfig
+from grpod.config import LORA_MODES, GrpodConfig, InferenceConfig
 from grpod.daemon.desk import OperatorDesk
 from grpod.daemon.notify import Heartbeat
 from grpod.daemon.progress import RunProgress
 from grpod.daemon.step_loop import StepLoop
+from grpod.inference import release
 from grpod.inference.process import InferenceProcess
 from grpod.inference.supervised import SupervisedInference
 from grpod.rollouts.admission import BatchAdmission
@@ -45,10 +47,28 @@ class RunParts:
     loop: StepLoop
 
 
+def engine_env(cfg: InferenceConfig, index: int, gpu: bool) -> dict[str, str]:
+    """Engine `index`'s own cores or GPU. One engine keeps vLLM's own choice; several are spread
+    (engine i on core i, or GPU i, modulo what the machine has) unless listed in the config."""
+    if gpu:
+        if cfg.gpu_ids:
+            return {"CUDA_VISIBLE_DEVICES": cfg.gpu_ids[index]}
+        return {"CUDA_VISIBLE_DEVICES": str(index % max(release.nvidia_gpu_count(), 1))} if cfg.engines > 1 else {}
+    if cfg.cpu_binds:
+        return {"VLLM_CPU_OMP_THREADS_BIND": cfg.cpu_binds[index]}
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))} if cfg.engines > 1 else {}
+
+
 def build_engines(cfg: GrpodConfig, run_dir: Path) -> list[SupervisedInference]:
-    """The inference engines of this node (one today; a pool is a list of these)."""
-    process = InferenceProcess(cfg.inference, cfg.model, run_dir)
-    return [SupervisedInference(process, cfg.inference, name="engine-0")]
+    """The inference engines of this node (`inference.engines` of them)."""
+    gpu = release.nvidia_gpu_count() > 0
+    engines = []
+    for index in range(cfg.inference.engines):
+        process = InferenceProcess(
+            cfg.inference, cfg.model, run_dir, gpu=gpu, index=index, env=engine_env(cfg.inference, index, gpu)
+        )
+        engines.append(SupervisedInference(process, cfg.inference, name=f"engine-{index}"))
+    return engines
 
 
 def build_bridge(cfg: GrpodConfig, run_dir: Path, engines: list[SupervisedInference], *, trainer=None, policy_version: int = 0):

@@ -86,6 +86,6 @@ class Policy:
             "base_url": f"{process.base_url}/v1",
             "generate_url": f"{process.base_url}/generate",
             "model_names": process.served_model_names(lora=self.lora),
-            "fixed_port": process.cfg.port != 0,
+            "fixed_port": process.fixed_port != 0,
             "engines": [f"{e.process.base_url}" for e in running],
         }

@@ -272,10 +272,13 @@ class InferenceProcess:
         *,
         gpu: bool | None = None,
         index: int = 0,
+        env: dict[str, str] | None = None,
     ) -> None:
         """`gpu`: size the KV cache for an NVIDIA GPU (None = detect with NVML). `index`: which
         engine of the run this is (its log and launch record are `vllm.log` / `vllm.launch.json`
-        for engine 0, `vllm-<index>.log` / `vllm-<index>.launch.json` after)."""
+        for engine 0, `vllm-<index>.log` / `vllm-<index>.launch.json` after) and, with a fixed
+        `inference.port`, its port (`port + index`). `env`: variables for this engine only (its
+        CPU cores or GPU), added after `inference.env`."""
         if not is_loopback(cfg.host) and not cfg.api_key:
             raise UnsafeBindError(
                 f"inference.host = {cfg.host!r} is not a loopback address and inference.api_key is not set: "
@@ -290,6 +293,8 @@ class InferenceProcess:
         self._port: int | None = None
         self._model_path: Path | None = None
         self._scratch: Path | None = None
+        self.fixed_port = cfg.port + index if cfg.port else 0
+        self.engine_env = dict(env or {})
         suffix = f"-{index}" if index else ""
         self.log = LaunchLog(self.run_dir / f"vllm{suffix}.log")
         self._record = LaunchRecord(self.run_dir / f"vllm{suffix}.launch.json")
@@ -342,29 +347,29 @@ class InferenceProcess:
     def build_args(self, model_path: Path | str, **launch_kw) -> list[str]:
         """The server's argv (`server_argv`); `--port` is the resolved port once `start` picked
         it, else the configured one."""
-        port = self._port if self._port is not None else self.cfg.port
+        port = self._port if self._port is not None else self.fixed_port
         return server_argv(self.cfg, self.model, model_path, port, self.gpu, **launch_kw)
 
     def served_model_names(self, *, lora: bool = False) -> list[str]:
         return served_model_names(self.model, lora=lora)
 
     def build_env(self) -> dict[str, str]:
-        return server_env(self.cfg)
+        return server_env(self.cfg) | self.engine_env
 
     def _resolve_port(self) -> int:
         host = self.cfg.host
-        if self.cfg.port == 0:
+        if self.fixed_port == 0:
             # A relaunch (restart modes, crash recovery) keeps the port the first launch picked
             # while it is free, so environments keep their URL.
             if self._port is not None and release.port_is_free(host, self._port):
                 return self._port
             return release.free_port(host)
-        if not release.port_is_free(host, self.cfg.port):
+        if not release.port_is_free(host, self.fixed_port):
             raise PortInUseError(
-                f"inference.port {self.cfg.port} on {host} is already in use by another process; "
+                f"inference.port {self.fixed_port} on {host} is already in use by another process; "
                 "stop it, choose another inference.port, or set inference.port = 0 for a free one"
             )
-        return self.cfg.port
+        return self.fixed_port
 
     async def start(self, model_path: Path | str, **build_kw) -> None:
         """Launch the server on `model_path` and return once `/health` answers 200.
