@@ -1,8 +1,9 @@
 """Case 3: the daemon SIGKILLed mid-step, then mid-checkpoint; case 8: a control-socket flood.
 
 All runs replay the same recorded rollouts (source.kind = "replay"), so a straight run with no
-fault is the reference every other run must match. One lineage of three daemons on one run
-directory takes the faults in turn:
+fault is the reference every other run must match; it is trained in this process, with the
+daemon's own trainer path (`train_batch`) on the same config, groups and order (a replay needs no
+vLLM). One lineage of three daemons on one run directory takes the faults in turn:
 
     daemon 1  trains, checkpoints after every step    SIGKILL while a step trains
     daemon 2  resumes from the last complete checkpoint  SIGKILL while a checkpoint is written
@@ -84,18 +85,49 @@ def replay_file(tmp_path_factory, fault_model_dir):
     return path
 
 
+@dataclass
+class Reference:
+    lineage: dict[int, list[str]]
+    losses: dict[int, float]
+    weights: dict[str, torch.Tensor]
+
+
+class _NoFence:
+    """`bridge.fence` of a mode that ships a copy: the update runs as is."""
+
+    async def fence(self, update):
+        await update()
+
+
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, fault_model_dir, replay_file):
-    """The straight run: same config and data, no fault, no flood."""
+def reference_run(tmp_path_factory, fault_model_dir, replay_file) -> Reference:
+    """The straight run: the daemons' config and data, no fault, no flood, trained here with the
+    step loop's trainer path: the replay's groups in order, `train.groups_per_step` per step."""
+    import anyio
+
+    from grpod.config import load_config
+    from grpod.daemon.step_loop import train_batch
+    from grpod.rollouts.group import RolloutGroup
+    from grpod.training.trainer import build_trainer
+
     tmp = tmp_path_factory.mktemp("reference")
-    run_dir = tmp / "run"
-    daemon = DaemonProcess(write_config(tmp / "grpod.toml", _settings(run_dir, fault_model_dir, replay_file)), run_dir)
+    cfg = load_config(write_config(tmp / "grpod.toml", _settings(tmp / "run", fault_model_dir, replay_file)))
+    groups = [RolloutGroup.from_json(json.loads(line)["group"]) for line in replay_file.read_text().splitlines()]
+    threads = torch.get_num_threads()
+    trainer = build_trainer(cfg)  # train.threads = 1, as in the daemons
+    per_step = cfg.train.groups_per_step
+    reference = Reference({}, {}, {})
     try:
-        assert daemon.wait_exit(500) == 0, daemon.tail()
+        for step in range(1, STEPS + 1):
+            batch = groups[(step - 1) * per_step : step * per_step]
+            metrics, _ = anyio.run(train_batch, trainer, _NoFence(), batch)
+            reference.lineage[step] = [g.group_id for g in batch]
+            reference.losses[step] = metrics["loss"]
+        trainer.save_weights(tmp / "final")  # as a checkpoint saves them
+        reference.weights = load_file(tmp / "final" / "model.safetensors")
     finally:
-        daemon.close()
-    assert sorted(lineage(run_dir)) == list(range(1, STEPS + 1)), daemon.tail()
-    return run_dir
+        torch.set_num_threads(threads)
+    return reference
 
 
 # ---- the flood -----------------------------------------------------------------------------
@@ -311,7 +343,7 @@ def test_daemon_sigkill_mid_step_and_mid_checkpoint_then_resume_under_control_fl
         for daemon in daemons:
             daemon.close()
 
-    reference = lineage(reference_run)
+    reference = reference_run.lineage
     got = lineage(run_dir)
     trained = [gid for step in sorted(got) for gid in got[step]]
     lost = sorted(set(gid for gids in reference.values() for gid in gids) - set(trained))
@@ -320,7 +352,7 @@ def test_daemon_sigkill_mid_step_and_mid_checkpoint_then_resume_under_control_fl
     step_row.data_lost = ckpt_row.data_lost = lost_text
     step_row.notes = f"killed training step {ckpt_1 + 1}; resumed from step {ckpt_1}, {len(buffered_1)} buffered groups"
     ckpt_row.notes = f"killed writing {tmp_name[:16]}; resumed from step {ckpt_2}, {len(buffered_2)} buffered groups"
-    ref_loss, run_loss = losses(reference_run), losses(run_dir)
+    ref_loss, run_loss = reference_run.losses, losses(run_dir)
     flood_steps = [step for step in range(ckpt_2 + 1, STEPS + 1) if step in run_loss]
     flood_diff = max((abs(run_loss[s] - ref_loss[s]) for s in flood_steps), default=float("nan"))
     if flood is not None and flood.latencies_s:
@@ -353,7 +385,7 @@ def test_daemon_sigkill_mid_step_and_mid_checkpoint_then_resume_under_control_fl
             f"step {step}: loss {run_loss[step]} vs reference {ref_loss[step]}"
         )
     # Exact resume: the twice-killed lineage ends bitwise where the straight run ends.
-    ours, theirs = _final_weights(run_dir), _final_weights(reference_run)
+    ours, theirs = _final_weights(run_dir), reference_run.weights
     assert ours.keys() == theirs.keys()
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), f"{name} differs from the straight run after two resumes"

@@ -1,8 +1,8 @@
 """Cases 1 and 2: vLLM dies under a running daemon, which relaunches it and finishes the run.
 
 One daemon run (builtin source, `none` bridge reloading in place every `SYNC_EVERY` steps)
-takes both faults, one after the other; the tests below run in order on it. The two kills are
-timed so that each of the bridge's two ways of meeting a dead vLLM is exercised:
+takes both faults, one after the other, in one test (three rows of the fault table). The two
+kills are timed so that each of the bridge's two ways of meeting a dead vLLM is exercised:
 
 1. SIGKILL of vLLM's Worker (EngineCore's child, holds the weights) while vLLM generates, just
    after a sync (the next one is steps away): the bridge's health watch finds it.
@@ -43,7 +43,7 @@ from tests.harness import DaemonProcess, base_settings, metrics, write_config
 
 pytestmark = pytest.mark.faults
 
-STEPS = 64
+STEPS = 24
 SYNC_EVERY = 4
 GROUP_SIZE = 4
 GROUPS_PER_STEP = 2
@@ -77,9 +77,9 @@ class CrashRun:
     pgids: list[int] = field(default_factory=list)  # vLLM process groups, in launch order
 
 
-@pytest.fixture(scope="module")
-def crash_run(tmp_path_factory, fault_model_dir):
-    tmp = tmp_path_factory.mktemp("vllm-crash")
+@pytest.fixture()
+def crash_run(tmp_path, fault_model_dir):
+    tmp = tmp_path
     run_dir = tmp / "run"
     daemon = DaemonProcess(write_config(tmp / "grpod.toml", _settings(run_dir, fault_model_dir)), run_dir)
     try:
@@ -154,8 +154,7 @@ def _check_recovery(run: CrashRun, restarts: int, row, killed_at: float, drops_b
     return drops
 
 
-@pytest.mark.timeout(600)
-def test_worker_sigkill_while_generating(crash_run, fault_case):
+def worker_sigkill_while_generating(crash_run, fault_case) -> None:
     row = fault_case("1 SIGKILL vLLM Worker while generating")
     daemon = crash_run.daemon
     status = status_until(daemon, lambda s: s["state"] == "running" and s["step"] >= 1, 400, "step 1 trained")
@@ -174,8 +173,7 @@ def test_worker_sigkill_while_generating(crash_run, fault_case):
     assert drops, "the generation running at the kill is dropped and counted"
 
 
-@pytest.mark.timeout(600)
-def test_api_server_sigkill_mid_step(crash_run, fault_case):
+def api_server_sigkill_mid_step(crash_run, fault_case) -> None:
     row = fault_case("2 SIGKILL vLLM API server (group leader) mid-step")
     daemon = crash_run.daemon
     assert len(crash_run.pgids) == 2, "case 1 ran first on this daemon"
@@ -191,8 +189,7 @@ def test_api_server_sigkill_mid_step(crash_run, fault_case):
     _check_recovery(crash_run, 2, row, killed_at, drops_before)
 
 
-@pytest.mark.timeout(600)
-def test_run_completes_after_both_crashes(crash_run, fault_case):
+def run_completes_after_both_crashes(crash_run, fault_case) -> None:
     row = fault_case("1+2 the crashed-into run completes")
     run_dir = crash_run.run_dir
     code, last = follow_to_exit(crash_run.daemon, 300)
@@ -232,3 +229,10 @@ def test_run_completes_after_both_crashes(crash_run, fault_case):
     assert not twice and not partial, problems
     assert len(unaccounted) <= CONCURRENCY, f"groups neither trained, buffered nor dropped: {sorted(unaccounted)}"
     assert alive(crash_run.daemon.vllm_pgids | set(crash_run.pgids)) == [], "no process of any vLLM group remains"
+
+
+@pytest.mark.timeout(1200)
+def test_vllm_killed_twice_mid_run_is_relaunched_and_the_run_completes(crash_run, fault_case):
+    worker_sigkill_while_generating(crash_run, fault_case)
+    api_server_sigkill_mid_step(crash_run, fault_case)
+    run_completes_after_both_crashes(crash_run, fault_case)
