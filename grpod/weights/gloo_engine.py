@@ -134,7 +134,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         """Nothing to do: `update_weights` finalised the reload (see the module docstring)."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            typed = self.parse_update_info(update_info)
+        except BaseException:
+            # Rank 0 is already sending: closing this end makes its send fail now rather than at
+            # its timeout.
+            self.shutdown()
+            raise
+        self.receive_weights(typed)
         # The base class synchronises unconditionally, which raises on a CPU-only torch.
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()

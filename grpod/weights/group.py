@@ -5,10 +5,12 @@ own rank. The group is vLLM's `stateless_init_torch_distributed_process_group`, 
 touches torch's global process group (a trainer under torchrun keeps its own).
 
 Guarantees:
-- Forming the group and every collective are bounded by `timeout_s`; a wait that runs out raises
-  `WeightTransferTimeout` naming the group, the rank and what was being waited for. Any other
-  collective failure (a peer that died: gloo says "Connection closed by peer" at once) raises
-  `WeightTransferError` with the same context.
+- Forming the group and every collective are bounded by `timeout_s` (gloo's own per-operation
+  timeout, fixed when the group is formed); a wait that runs out raises `WeightTransferTimeout`
+  naming the group, the rank and what was being waited for. Any other collective failure raises
+  `WeightTransferError` with the same context. Measured: a receiver whose sender died sees
+  "Connection closed by peer" at once; a sender whose receiver died sometimes sees it at once,
+  sometimes only at the timeout ("Timed out waiting ... for send operation to complete").
 - Rank 0 always forms the group on a socket it bound and listens on itself (`listen_socket=`).
   Under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) torch's rendezvous would otherwise make
   rank 0 a store *client* of a store nobody serves, and the group would hang until its timeout
@@ -41,9 +43,12 @@ class WeightTransferCancelled(WeightTransferError):
     already failed."""
 
 
-# A wait polls in slices this long, so a cancel is noticed promptly: gloo gives no other way to
-# interrupt a pending collective (pg.abort() and pg.shutdown() do not; measured on torch 2.13), and
-# a wait that times out leaves its work running (a later wait on it still completes it).
+# A wait polls in slices this long, so that a cancel is noticed: gloo gives no other way to
+# interrupt a pending collective (pg.abort() and pg.shutdown() do not), and a wait whose slice
+# runs out leaves its work running (a later wait on it still completes it). Measured on torch
+# 2.13, one exception: a send to a receiver that died can block a slice's wait until gloo's own
+# timeout (the group's `timeout_s`), so a cancel is not always noticed within a slice; callers
+# that must not wait that long abandon the waiting thread (`WeightGroup` does).
 WAIT_SLICE_S = 0.2
 
 
@@ -131,18 +136,48 @@ class GlooGroup:
                     raise _error(f"{self!r}: {what}", self.timeout_s, exc) from exc
 
     def close(self) -> None:
-        """Shut the group down; peers still waiting on it fail (a dead peer's error, or timeout)."""
-        pg, self._pg = self._pg, None
-        if pg is not None:
-            pg.shutdown()
+        """Drop this end of the group without blocking the caller. Peers still waiting on it are
+        not told: they fail by their timeout, or at once when this process exits.
+
+        Measured on torch 2.13: `abort()` makes this side's pending waits fail at once, but
+        neither `abort()` nor `shutdown()` ends an operation stuck on a silent or dead peer, and
+        the group's destructor (and `shutdown()`) wait for it until gloo's timeout. So the last
+        reference goes to a short-lived thread, which ends by that timeout at the latest: a
+        caller on an event loop never waits on it. Not a daemon thread: a process that exits
+        meanwhile waits for it (at most `timeout_s`), where a daemon thread inside the
+        destructor would end the process with SIGABRT ("terminate called without an active
+        exception", measured).
+        """
+        if self._pg is None:
+            return
+        holder, self._pg = [self._pg], None  # the only reference from here on
+        holder[0].abort()
+        threading.Thread(target=_release, args=(holder,), name="grpod-gloo-release").start()
 
     @property
     def closed(self) -> bool:
         return self._pg is None
 
 
+def _release(holder: list) -> None:
+    holder.clear()  # the group's destructor runs here, waiting out a stuck operation
+
+
 def _error(what: str, timeout_s: float, exc: BaseException) -> WeightTransferError:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if "timed out" in text.lower() or "timeout" in text.lower():
-        return WeightTransferTimeout(f"{what} did not complete within {timeout_s:g} s ({text})")
-    return WeightTransferError(f"{what} failed: {text}")
+    """A typed error for a failure of torch/gloo, classified by its root cause.
+
+    The cause can hide behind a later exception: when rank 0's store times out waiting for the
+    engines, vLLM's `create_tcp_store` (vllm/distributed/utils.py) closes the listening fd that
+    the failed TCPStore already closed, and raises `OSError: Bad file descriptor` in place of
+    torch's "Timed out ... waiting for clients". So the whole chain is read.
+    """
+    texts = []
+    seen: BaseException | None = exc
+    while seen is not None and len(texts) < 8:
+        text = str(seen).strip()
+        texts.append(text.splitlines()[0] if text else type(seen).__name__)
+        seen = seen.__cause__ or seen.__context__
+    if any("timed out" in t.lower() or "timeout" in t.lower() for t in texts):
+        root = next(t for t in texts if "timed out" in t.lower() or "timeout" in t.lower())
+        return WeightTransferTimeout(f"{what} did not complete within {timeout_s:g} s ({root})")
+    return WeightTransferError(f"{what} failed: {' <- '.join(texts)}")

@@ -68,6 +68,9 @@ ENGINE_EXTENSION = "grpod.weights.gloo_engine.GlooTransferExtension"
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 TensorMeta = tuple[str, torch.dtype, tuple[int, ...]]
+# After the engines' side of a sync failed, rank 0's broadcast gets this long to notice the cancel
+# (a few wait slices) before its thread is abandoned.
+RANK0_GRACE_S = 2.0
 # HTTP answers for calls that only switch state (start, finish, shutdown) come back in milliseconds.
 CONTROL_TIMEOUT_S = 60.0
 
@@ -132,20 +135,26 @@ class EngineWeightClient(InferenceClient):
 
 
 class EngineFanoutError(WeightTransferError):
-    """A route failed on some engines; `failures` maps each failed engine's URL to its error."""
+    """A route failed on some engines. `failures` maps each failed engine's URL to its error;
+    `abandoned` lists the engines whose call was still running when the first failure came (their
+    engine finishes it on its own, bounded by its timeout)."""
 
-    def __init__(self, route: str, failures: dict[str, BaseException], engines: int) -> None:
+    def __init__(self, route: str, failures: dict[str, BaseException], abandoned: list[str], engines: int) -> None:
         self.route = route
         self.failures = failures
+        self.abandoned = abandoned
         detail = "; ".join(f"{url}: {exc}" for url, exc in failures.items())
+        if abandoned:
+            detail += f" (not waited for: {', '.join(abandoned)})"
         super().__init__(f"{route} failed on {len(failures)} of {engines} engines: {detail}")
 
 
 class EngineFanout:
     """Calls one route on every engine concurrently (use as `async with`: it opens the clients).
 
-    Every engine's call runs to its end even when another's fails: the engines' side of a group
-    must all be told the same thing, and a failure is reported with each engine's own reason.
+    The first failure ends the call: the engines of one group are told the same thing or the
+    group is lost, and an engine that is still blocked in a collective (joining, receiving) would
+    only end by its own timeout, which the caller must not wait for.
     """
 
     def __init__(self, clients: Sequence[EngineWeightClient]) -> None:
@@ -168,21 +177,26 @@ class EngineFanout:
 
     async def call(self, route: str, calls: Sequence[Any]) -> list[Any]:
         """Await `calls[i]` (a coroutine for engine i) concurrently; the results in engine order,
-        or `EngineFanoutError` once all have ended."""
+        or `EngineFanoutError` at the first failure (those failing together are all named)."""
         results: list[Any] = [None] * len(calls)
         failures: dict[str, BaseException] = {}
+        running = set(range(len(calls)))
 
-        async def one(i: int, call) -> None:
+        async def one(i: int, call, group) -> None:
             try:
                 results[i] = await call
             except Exception as exc:
                 failures[self.clients[i].base_url] = exc
+                group.cancel_scope.cancel()
+            finally:
+                running.discard(i)
 
         async with anyio.create_task_group() as group:
             for i, call in enumerate(calls):
-                group.start_soon(one, i, call)
+                group.start_soon(one, i, call, group)
         if failures:
-            raise EngineFanoutError(route, failures, len(calls))
+            abandoned = [self.clients[i].base_url for i in sorted(running)]
+            raise EngineFanoutError(route, failures, abandoned, len(calls))
         return results
 
     async def world_sizes(self) -> list[int]:
@@ -608,7 +622,7 @@ class WeightGroup:
                 "forming the weight-transfer group",
                 partial(self.fanout.init_weight_transfer_engine, infos, timeout_s=http_timeout),
                 lambda cancel: self.sender.join(),
-                interruptible=False,
+                grace_s=0.0,
             )
         except BaseException as exc:
             self.broken = f"forming the group failed: {type(exc).__name__}"
@@ -644,7 +658,7 @@ class WeightGroup:
                 f"weight update to version {weight_version}",
                 partial(self.fanout.update_weights, update_info, timeout_s=http_timeout),
                 partial(self.sender.broadcast, named_tensors, update_info),
-                interruptible=True,
+                grace_s=RANK0_GRACE_S,
             )
             timings.update_s = time.perf_counter() - updating
             finishing = time.perf_counter()
@@ -668,15 +682,16 @@ class WeightGroup:
         )
         return timings
 
-    async def _rendezvous(self, what: str, engines_call, rank0_call, *, interruptible: bool):
+    async def _rendezvous(self, what: str, engines_call, rank0_call, *, grace_s: float):
         """The engines' HTTP call and rank 0's blocking call (in a thread, given a cancel event),
         concurrently; rank 0's result.
 
-        Whichever side fails first makes the other give up: the HTTP wait at once; rank 0, when
-        `interruptible` (a broadcast: its waits poll the cancel event), within a wait slice, and
-        otherwise (a join, blocked in torch) by abandoning its thread, which ends by its own
-        timeout. A cancelled caller sets the cancel event too. One `WeightTransferError` reports
-        both sides, after rank 0's end of the group was closed.
+        Whichever side fails first makes the other give up: the HTTP wait at once; rank 0's
+        thread is told (the cancel event; a broadcast polls it between wait slices) and given
+        `grace_s` to return, then abandoned: it ends by its own timeout, its end of the group
+        already closed (a join blocked in torch, or a send stuck on an engine that died, cannot be
+        interrupted sooner). A cancelled caller abandons it at once. One `WeightTransferError`
+        reports both sides.
         """
         cancel = threading.Event()
         rank0_done = anyio.Event()
@@ -688,21 +703,18 @@ class WeightGroup:
             nonlocal engines_error
             try:
                 await engines_call()
-                await rank0_done.wait()  # stay to relay a cancellation to rank 0's thread
             except Exception as exc:
                 engines_error = exc
                 cancel.set()
-                if not interruptible:
-                    rank0_scope.cancel()
-            except BaseException:
-                cancel.set()
-                raise
+                with anyio.move_on_after(grace_s):
+                    await rank0_done.wait()
+                rank0_scope.cancel()
 
         async with anyio.create_task_group() as group:
             group.start_soon(engines)
             with anyio.CancelScope() as rank0_scope:
                 try:
-                    result = await anyio.to_thread.run_sync(partial(rank0_call, cancel), abandon_on_cancel=not interruptible)
+                    result = await anyio.to_thread.run_sync(partial(rank0_call, cancel), abandon_on_cancel=True)
                 except anyio.get_cancelled_exc_class():
                     cancel.set()
                     raise
