@@ -31,13 +31,15 @@ group's engines must then be relaunched.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import anyio
 import structlog
@@ -247,43 +249,12 @@ class BroadcastStats:
     total_s: float = 0.0
 
 
-class WeightSender(Protocol):
-    """Rank 0 of a weight-transfer group. Constructing one binds its listening socket."""
+class WeightSender(ABC):
+    """Rank 0 of a weight-transfer group. Constructing one binds and listens on its socket, so
+    the port is taken before any engine is told it, and forming the group never depends on
+    torch's rendezvous choosing rank 0's role (the torchrun trap, `grpod.weights.group`)."""
 
     transport: str
-    host: str
-    port: int
-    world_size: int
-
-    def engine_init_info(self, rank_offset: int) -> dict[str, Any]:
-        """The `init_info` of `/init_weight_transfer_engine` for the engine whose first worker has
-        group rank `rank_offset`."""
-
-    def update_info(self, metadata: Sequence[TensorMeta]) -> dict[str, Any]:
-        """The `update_info` of `/update_weights` for tensors described by (name, dtype, shape)."""
-
-    def join(self) -> None:
-        """Form the group as rank 0 (blocking; concurrently with the engines' init)."""
-
-    def broadcast(self, named_tensors: NamedTensors, update_info: dict[str, Any], cancel: threading.Event | None = None) -> BroadcastStats:
-        """Send the tensors `update_info` announced, in its order (blocking)."""
-
-    def close(self) -> None:
-        """Release the socket and the group (idempotent)."""
-
-
-class TransportUnavailable(WeightTransferError):
-    """The transport cannot run in this process (NCCL without CUDA)."""
-
-
-def tensor_metadata(named_tensors: NamedTensors) -> list[TensorMeta]:
-    return [(name, t.dtype, tuple(t.shape)) for name, t in named_tensors]
-
-
-class GlooWeightSender:
-    """Rank 0 of a gloo weight-transfer group (CPU tensors; any device is copied to CPU)."""
-
-    transport = "gloo"
 
     def __init__(
         self,
@@ -302,13 +273,64 @@ class GlooWeightSender:
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self.inflight_chunks = inflight_chunks
-        self._socket = listen_on(host, port)
+        self._socket: socket.socket | None = listen_on(host, port)
         self.port: int = self._socket.getsockname()[1]
-        self.group: GlooGroup | None = None
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"GlooWeightSender(tcp://{self.host}:{self.port}, world_size {self.world_size})"
+        return f"{type(self).__name__}(tcp://{self.host}:{self.port}, world_size {self.world_size})"
+
+    def _take_socket(self) -> socket.socket:
+        """The listening socket, handed to the group's store (once)."""
+        if self._socket is None:
+            raise WeightTransferError(f"{self!r}: join() once per sender; its socket went to the first group (or it is closed)")
+        sock, self._socket = self._socket, None
+        return sock
+
+    @abstractmethod
+    def engine_init_info(self, rank_offset: int) -> dict[str, Any]:
+        """The `init_info` of `/init_weight_transfer_engine` for the engine whose first worker has
+        group rank `rank_offset`."""
+
+    @abstractmethod
+    def update_info(self, metadata: Sequence[TensorMeta]) -> dict[str, Any]:
+        """The `update_info` of `/update_weights` for tensors described by (name, dtype, shape)."""
+
+    @abstractmethod
+    def join(self) -> None:
+        """Form the group as rank 0 (blocking; concurrently with the engines' init)."""
+
+    @abstractmethod
+    def broadcast(
+        self, named_tensors: NamedTensors, update_info: dict[str, Any], cancel: threading.Event | None = None
+    ) -> BroadcastStats:
+        """Send the tensors `update_info` announced, in its order (blocking)."""
+
+    def close(self) -> None:
+        """Release the socket and the group (idempotent; never blocks)."""
+        self._closed = True
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+        self._close_group()
+
+    @abstractmethod
+    def _close_group(self) -> None: ...
+
+
+class TransportUnavailable(WeightTransferError):
+    """The transport cannot run in this process (NCCL without CUDA)."""
+
+
+def tensor_metadata(named_tensors: NamedTensors) -> list[TensorMeta]:
+    return [(name, t.dtype, tuple(t.shape)) for name, t in named_tensors]
+
+
+class GlooWeightSender(WeightSender):
+    """Rank 0 of a gloo weight-transfer group (CPU tensors; any device is copied to CPU)."""
+
+    transport = "gloo"
+    group: GlooGroup | None = None
 
     def engine_init_info(self, rank_offset: int) -> dict[str, Any]:
         return asdict(
@@ -326,11 +348,8 @@ class GlooWeightSender:
         return asdict(GlooUpdateInfo.plan(metadata, self.chunk_bytes))
 
     def join(self) -> None:
-        if self._socket is None:
-            raise WeightTransferError(f"{self!r}: join() once per sender; its socket went to the first group")
-        sock, self._socket = self._socket, None
         group = GlooGroup.join(
-            self.host, self.port, rank=0, world_size=self.world_size, timeout_s=self.timeout_s, listen_socket=sock
+            self.host, self.port, rank=0, world_size=self.world_size, timeout_s=self.timeout_s, listen_socket=self._take_socket()
         )
         if self._closed:  # closed while this join was blocked (an abandoned group formation)
             group.close()
@@ -386,11 +405,7 @@ class GlooWeightSender:
         stats.total_s = time.perf_counter() - began
         return stats
 
-    def close(self) -> None:
-        self._closed = True
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+    def _close_group(self) -> None:
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -420,7 +435,7 @@ def _check_against_plan(named_tensors: NamedTensors, plan: GlooUpdateInfo) -> No
             )
 
 
-class NcclWeightSender:
+class NcclWeightSender(WeightSender):
     """Rank 0 of an NCCL weight-transfer group, for vLLM's built-in `nccl` backend (engines
     launched with `--weight-transfer-config '{"backend": "nccl"}'`). CUDA only; not run on the CPU
     machines this was written on.
@@ -434,30 +449,7 @@ class NcclWeightSender:
     """
 
     transport = "nccl"
-
-    def __init__(
-        self,
-        host: str,
-        world_size: int,
-        *,
-        port: int = 0,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        inflight_chunks: int = DEFAULT_INFLIGHT_CHUNKS,
-    ) -> None:
-        if world_size < 2:
-            raise ValueError(f"a weight-transfer group needs the trainer and at least one worker, got world_size {world_size}")
-        self.host = host
-        self.world_size = world_size
-        self.chunk_bytes = chunk_bytes
-        self.timeout_s = timeout_s
-        self.inflight_chunks = inflight_chunks
-        self._socket = listen_on(host, port)
-        self.port: int = self._socket.getsockname()[1]
-        self.communicator = None
-
-    def __repr__(self) -> str:
-        return f"NcclWeightSender(tcp://{self.host}:{self.port}, world_size {self.world_size})"
+    communicator = None
 
     def engine_init_info(self, rank_offset: int) -> dict[str, Any]:
         from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
@@ -491,20 +483,17 @@ class NcclWeightSender:
                 "transport 'nccl' needs CUDA on the trainer and the engines; this process has no CUDA "
                 "device: use transport = 'gloo'"
             )
-        if self._socket is None:
-            raise WeightTransferError(f"{self!r}: join() once per sender")
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
         from vllm.utils.nccl import unpinned_nccl_env
 
-        sock, self._socket = self._socket, None
         store_group = StatelessProcessGroup.create(
             host=self.host,
             port=self.port,
             rank=0,
             world_size=self.world_size,
             store_timeout=int(self.timeout_s),
-            listen_socket=sock,
+            listen_socket=self._take_socket(),
         )
         with unpinned_nccl_env():
             self.communicator = PyNcclCommunicator(store_group, device=torch.accelerator.current_device_index())
@@ -555,10 +544,7 @@ class NcclWeightSender:
         total = sum(t.numel() * t.element_size() for _, t in named_tensors)
         return BroadcastStats(chunks=chunks, tensors=len(named_tensors), bytes=total, total_s=time.perf_counter() - began)
 
-    def close(self) -> None:
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+    def _close_group(self) -> None:
         if self.communicator is not None:
             self.communicator.destroy()
             self.communicator = None

@@ -78,7 +78,10 @@ def model_like_tensors() -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def test_every_tensor_arrives_intact_in_planned_chunks():
+def test_every_tensor_arrives_intact_in_planned_chunks(monkeypatch):
+    # Rank 0 under torchrun: torch's rendezvous would make it a store client of a store nobody
+    # serves (measured: both ranks time out); the sender's own listening socket avoids that.
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     tensors = model_like_tensors()
     with_sender = GlooWeightSender("127.0.0.1", 2, chunk_bytes=20_000, timeout_s=60, inflight_chunks=2)
     update_info = with_sender.update_info(tensor_metadata(tensors))
