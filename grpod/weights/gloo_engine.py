@@ -34,6 +34,13 @@ after a failed update the engine serves a mix of two versions, which the caller 
 unusable until a complete update (and the alignment probe) has passed. The failure is recorded in
 `grpod_weight_transfer_status()`.
 
+Tied output heads (SmolLM2, small Qwen2.5, Llama 3.2 1B/3B): on CPU the head computes from a
+copy of the embedding packed when the model was loaded, and the layerwise reload, which this
+update is, leaves that copy stale (measured on the tiny model with tied embeddings: prompt
+logprobs 2.03 away from the trainer's after a gloo update). After every reload this engine re-packs
+the embedding layers, as grpod's `ReloadExtension` does after vLLM's `reload_weights` (the same
+function serves both).
+
 The base class's `update_weights` ends with `torch.accelerator.synchronize()`, which raises on a
 CPU-only torch; this engine synchronises only when an accelerator exists.
 
@@ -56,6 +63,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
 from grpod.inference.reload_ext import ReloadExtension
+from grpod.inference.reload_ext import _reprocess_embeddings as repack_embeddings
 from grpod.weights.group import GlooGroup, WeightTransferError
 from grpod.weights.wire import GLOO_BACKEND, ChunkEntry, GlooInitInfo, GlooUpdateInfo
 
@@ -176,6 +184,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise WeightTransferError(f"weight update failed after {record.chunks_loaded} chunks: {record.error}") from exc
         finalized = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
+        repack_embeddings(self.model)
         record.finalize_s = time.perf_counter() - finalized
         record.total_s = time.perf_counter() - began
         record.ok = True
@@ -246,6 +255,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 info.load_numel = 0
                 info.loaded_weights.clear()
         finalize_layerwise_reload(self.model, self.model_config)
+        repack_embeddings(self.model)
 
     # -- introspection -------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from grpod.bridges.probe import probe_sequences
 from grpod.config import InferenceConfig, ModelConfig
 from grpod.inference.client import InferenceRequestError
 from grpod.inference.process import InferenceProcess
+from grpod.models.tiny import build_model, save_model
 from grpod.weights.transfer import (
     ENGINE_EXTENSION,
     EngineWeightClient,
@@ -81,8 +82,19 @@ class EnginePool:
 
 
 @pytest.fixture(scope="module")
-def engines(portal, tiny_model_dir, tmp_path_factory):
-    pool = EnginePool(portal, tiny_model_dir, tmp_path_factory.mktemp("gloo-engines"))
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny model with tied embeddings: on CPU, vLLM's output head then computes from a copy
+    of the embedding packed at load time, which the layerwise reload alone leaves stale
+    (`grpod.inference.reload_ext`); an untied model would not show it."""
+    out = tmp_path_factory.mktemp("tiny-tied")
+    model, tokenizer = build_model(seed=0, tie_word_embeddings=True)
+    save_model(model, tokenizer, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(portal, model_dir, tmp_path_factory):
+    pool = EnginePool(portal, model_dir, tmp_path_factory.mktemp("gloo-engines"))
     try:
         yield pool
     finally:
@@ -90,8 +102,8 @@ def engines(portal, tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def probe_ids(tiny_model_dir) -> list[list[int]]:
-    return probe_sequences(AutoTokenizer.from_pretrained(tiny_model_dir))
+def probe_ids(model_dir) -> list[list[int]]:
+    return probe_sequences(AutoTokenizer.from_pretrained(model_dir))
 
 
 def perturbed_model(model_dir: Path, seed: int) -> Qwen2ForCausalLM:
@@ -158,19 +170,19 @@ def sync_and_check(portal, processes, model, probe_ids, version: str) -> None:
         assert state["group"] is None, "the group's exit must shut the engine's side down"
 
 
-def test_one_engine(portal, engines, tiny_model_dir, probe_ids):
+def test_one_engine(portal, engines, model_dir, probe_ids):
     (engine,) = engines.get(0)
-    sync_and_check(portal, [engine], perturbed_model(tiny_model_dir, seed=1), probe_ids, version="one-1")
+    sync_and_check(portal, [engine], perturbed_model(model_dir, seed=1), probe_ids, version="one-1")
 
 
-def test_two_engines_one_group(portal, engines, tiny_model_dir, probe_ids):
+def test_two_engines_one_group(portal, engines, model_dir, probe_ids):
     pair = engines.get(0, 1)
-    sync_and_check(portal, pair, perturbed_model(tiny_model_dir, seed=2), probe_ids, version="two-1")
+    sync_and_check(portal, pair, perturbed_model(model_dir, seed=2), probe_ids, version="two-1")
 
 
-def test_sender_killed_mid_update_engine_survives(portal, engines, tiny_model_dir, probe_ids, tmp_path):
+def test_sender_killed_mid_update_engine_survives(portal, engines, model_dir, probe_ids, tmp_path):
     (engine,) = engines.get(0)
-    dying = perturbed_model(tiny_model_dir, seed=3)
+    dying = perturbed_model(model_dir, seed=3)
     tensors = tmp_path / "tensors.pt"
     torch.save([(n, t.clone()) for n, t in iter_state(dying)], tensors)
     send_chunks = 3
@@ -243,10 +255,10 @@ def test_sender_killed_mid_update_engine_survives(portal, engines, tiny_model_di
     print(f"after the failed update: partial layers restored {last['partial_layers_restored']}, error {last['error']}")
 
     # A new trainer re-forms the group and a complete update makes the engine right again.
-    sync_and_check(portal, [engine], perturbed_model(tiny_model_dir, seed=4), probe_ids, version="after-death")
+    sync_and_check(portal, [engine], perturbed_model(model_dir, seed=4), probe_ids, version="after-death")
 
 
-def test_update_without_group_is_refused_and_harmless(portal, engines, tiny_model_dir, probe_ids):
+def test_update_without_group_is_refused_and_harmless(portal, engines, model_dir, probe_ids):
     """A /start_weight_update before any init is refused by the engine and changes nothing."""
     (engine,) = engines.get(0)
     before = portal.call(served_scores, engine, probe_ids)
