@@ -1,0 +1,168 @@
+"""Rank 0's `GlooWeightSender` against the engine's receive loop in a peer process (no vLLM server):
+every tensor arrives intact, and each way a transfer can go wrong ends in a typed error, not a hang.
+
+The peer (`gloo_peer.py`) runs `GlooWeightTransferEngine`'s own join and receive loop with a
+recording stand-in for the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpod.weights.group import WeightTransferCancelled, WeightTransferError, WeightTransferTimeout
+from grpod.weights.transfer import GlooWeightSender, tensor_metadata
+from grpod.weights.wire import dtype_name
+
+ROOT = Path(__file__).resolve().parents[2]
+PEER = Path(__file__).with_name("gloo_peer.py")
+
+
+class Peer:
+    """The peer process, rank 1 of a group of two."""
+
+    def __init__(self, mode: str, sender: GlooWeightSender, update_info: dict) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        )
+        self.proc.stdin.write(json.dumps({"init_info": sender.engine_init_info(1), "update_info": update_info}) + "\n")
+        self.proc.stdin.flush()
+
+    def message(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            assert line, f"the peer exited with code {self.proc.wait()}"
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # our own child, by its PID
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+def joined(mode: str, sender: GlooWeightSender, update_info: dict) -> Peer:
+    peer = Peer(mode, sender, update_info)
+    try:
+        assert peer.message() == {"ready": True}
+        sender.join()
+        assert peer.message() == {"joined": True}
+    except BaseException:
+        peer.close()
+        raise
+    return peer
+
+
+def model_like_tensors() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        ("embed.weight", torch.randn(50, 64, generator=gen)),
+        ("layer.0.q.weight", torch.randn(64, 64, generator=gen)),
+        ("layer.0.q.bias", torch.randn(64, generator=gen)),
+        ("layer.0.mlp.weight", torch.randn(64, 256, generator=gen).t()),  # not contiguous
+        ("layer.0.norm.weight", torch.randn(64, generator=gen).to(torch.bfloat16)),
+        ("head.weight", torch.randn(200, 64, generator=gen)),  # larger than a chunk
+    ]
+
+
+def test_every_tensor_arrives_intact_in_planned_chunks(monkeypatch):
+    # Rank 0 under torchrun: torch's rendezvous would make it a store client of a store nobody
+    # serves (measured: both ranks time out); the sender's own listening socket avoids that.
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    tensors = model_like_tensors()
+    with_sender = GlooWeightSender("127.0.0.1", 2, chunk_bytes=20_000, timeout_s=60, inflight_chunks=2)
+    update_info = with_sender.update_info(tensor_metadata(tensors))
+    assert len(update_info["chunk_counts"]) > 2
+    peer = joined("receive", with_sender, update_info)
+    try:
+        stats = with_sender.broadcast(tensors, update_info)
+        received = peer.message()
+    finally:
+        peer.close()
+        with_sender.close()
+    assert stats.chunks == len(update_info["chunk_counts"]) and stats.tensors == len(tensors)
+    assert stats.bytes == sum(t.numel() * t.element_size() for _, t in tensors)
+    for name, tensor in tensors:
+        dtype, shape, total = received[name]
+        assert (dtype, shape) == (dtype_name(tensor.dtype), list(tensor.shape))
+        assert total == pytest.approx(float(tensor.double().sum()), rel=1e-12, abs=1e-9)
+
+
+def test_tensors_that_differ_from_the_announced_update_are_refused_before_sending():
+    tensors = model_like_tensors()
+    sender = GlooWeightSender("127.0.0.1", 2, chunk_bytes=20_000, timeout_s=5)
+    try:
+        update_info = sender.update_info(tensor_metadata(tensors))
+        sender.group = object()  # never reached: the check comes first
+        swapped = [tensors[1], tensors[0], *tensors[2:]]
+        with pytest.raises(ValueError, match="tensor 0 is 'layer.0.q.weight'"):
+            sender.broadcast(swapped, update_info)
+        with pytest.raises(ValueError, match="5 tensors to send"):
+            sender.broadcast(tensors[:5], update_info)
+    finally:
+        sender.group = None
+        sender.close()
+
+
+def test_peer_dying_mid_update_fails_the_broadcast():
+    """Measured: gloo's sending side notices a receiver that died sometimes at once, sometimes
+    only at its timeout (waiting "for send operation to complete"); a receiver whose sender died
+    always at once. `WeightGroup` does not wait for it: the dead engine's HTTP call fails first."""
+    # 8 tensors of 8 MiB: more than the socket buffers hold, so rank 0 is still sending when the
+    # peer dies in its first load.
+    tensors = [(f"t{i}", torch.full((8 << 20,), i, dtype=torch.uint8)) for i in range(8)]
+    sender = GlooWeightSender("127.0.0.1", 2, chunk_bytes=8 << 20, timeout_s=5)
+    update_info = sender.update_info(tensor_metadata(tensors))
+    peer = joined("die", sender, update_info)
+    try:
+        # At once ("Connection reset") or by the timeout, depending on where gloo's send was.
+        with pytest.raises(WeightTransferError, match=r"sending chunk \d+/4"):
+            sender.broadcast(tensors, update_info)
+        assert peer.proc.wait() == 17
+    finally:
+        peer.close()
+        sender.close()
+
+
+def test_a_peer_that_never_receives_cancel_then_timeout():
+    """A broadcast the peer never receives: given up on `cancel` (set by the fan-out when the
+    engines' side failed) long before its timeout; without `cancel`, a timeout naming the wait."""
+    # Larger than the socket buffers: its send cannot complete while the peer does not receive.
+    tensors = [("big", torch.zeros(64 << 20, dtype=torch.uint8))]
+    sender = GlooWeightSender("127.0.0.1", 2, chunk_bytes=1 << 20, timeout_s=3)
+    update_info = sender.update_info(tensor_metadata(tensors))
+    peer = joined("idle", sender, update_info)
+    cancel = threading.Event()
+    timer = threading.Timer(0.5, cancel.set)
+    timer.start()
+    try:
+        with pytest.raises(WeightTransferCancelled, match="another party of the transfer failed"):
+            sender.broadcast(tensors, update_info, cancel)
+        with pytest.raises(WeightTransferTimeout, match=r"rank 0 of 2\): sending chunk 1/1 .* within 3 s"):
+            sender.broadcast(tensors, update_info)
+    finally:
+        timer.cancel()
+        peer.close()
+        sender.close()
+
+
+def test_rank_zero_join_times_out_when_no_engine_comes():
+    sender = GlooWeightSender("127.0.0.1", 2, timeout_s=2)
+    try:
+        with pytest.raises(WeightTransferTimeout, match=r"rank 0 of 2\): forming the group .*waiting for clients"):
+            sender.join()
+    finally:
+        sender.close()
