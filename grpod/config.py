@@ -442,14 +442,34 @@ class LoraRestartBridgeConfig(_BridgeCommon):
     keep_adapters: int = Field(3, ge=1)
 
 
+class BroadcastBridgeConfig(_BridgeCommon):
+    """bridge.mode = "broadcast": trainer rank 0 sends the weights to every engine at once through
+    vLLM's weight-transfer API (`grpod/bridges/broadcast.py`, `grpod/weights/transfer.py`)."""
+
+    mode: Literal["broadcast"] = "broadcast"
+    # "nccl" on GPU (vLLM's engine), "gloo" on CPU (grpod's engine, registered by its worker
+    # extension); "auto" picks by where vLLM runs.
+    transport: Literal["auto", "gloo", "nccl"] = "auto"
+    # Where rank 0 listens for the engines' workers: 127.0.0.1 for engines on this machine, a
+    # routable address of the trainer for engines on other nodes; 0 = a free port.
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    chunk_bytes: int = Field(64 * 1024 * 1024, ge=1)
+    # Chunks the engines receive ahead of the one they load (double buffering).
+    inflight_chunks: int = Field(2, ge=1)
+    # Bounds forming the group and every collective wait, on both sides.
+    timeout_s: float = Field(120.0, gt=0)
+
+
 BridgeConfig = Annotated[
     Annotated[NoneBridgeConfig, Tag("none")]
     | Annotated[SharedBridgeConfig, Tag("shared")]
     | Annotated[LoraOnlyBridgeConfig, Tag("lora_only")]
-    | Annotated[LoraRestartBridgeConfig, Tag("lora_restart")],
+    | Annotated[LoraRestartBridgeConfig, Tag("lora_restart")]
+    | Annotated[BroadcastBridgeConfig, Tag("broadcast")],
     _tag("none", "mode"),
 ]
-BRIDGE_MODES = ("none", "shared", "lora_only", "lora_restart")
+BRIDGE_MODES = ("none", "shared", "lora_only", "lora_restart", "broadcast")
 LORA_MODES = ("lora_only", "lora_restart")
 
 

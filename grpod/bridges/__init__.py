@@ -9,6 +9,7 @@ BRIDGES = {
     "lora_only": ("grpod.bridges.lora_only", "LoraOnlyBridge"),
     "lora_restart": ("grpod.bridges.lora_restart", "LoraRestartBridge"),
     "shared": ("grpod.bridges.shared", "SharedBridge"),
+    "broadcast": ("grpod.bridges.broadcast", "BroadcastBridge"),
 }
 
 

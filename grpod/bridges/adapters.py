@@ -130,6 +130,10 @@ class LoraBridge(Bridge):
     async def _save(self, version: int) -> Path:
         return (await self._write_adapter(version)).path
 
+    def _current_copy(self):
+        assert self.adapter is not None
+        return self.adapter.path
+
     def _prune_adapters(self) -> None:
         assert self.adapter is not None
         self.adapters.prune(self.adapter.version, self.cfg.keep_adapters)

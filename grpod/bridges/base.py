@@ -94,7 +94,7 @@ class StagedSync:
     reads the trainer again, so the trainer may step while the engines apply it."""
 
     version: int
-    staged: Path
+    staged: Any  # where the mode's apply reads the weights: a directory, or tensors in memory
     reference: list[list[float]] | None
     phases: dict[str, float]
     began: float
@@ -240,9 +240,9 @@ class Bridge:
     async def _probe_and_serve(
         self, reference: list[list[float]] | None, engines: list[SupervisedInference] | None = None
     ) -> ProbeResult:
-        """Probe `engines` (default: all) against `reference` (trainer scores taken earlier),
-        else the trainer's weights now; open them once they pass."""
-        engines = engines or self.engines
+        """Probe `engines` (default: the members) against `reference` (trainer scores taken
+        earlier), else the trainer's weights now; open them once they pass."""
+        engines = engines or self.members()
         try:
             result = await probe_engines(
                 engines, await self._loaded_trainer(), model=self.policy.served_name,
@@ -310,8 +310,7 @@ class Bridge:
             phases, new_version = sync.phases, sync.version
             try:
                 t = time.perf_counter()
-                for engine in self.engines:
-                    await self._apply_recovering(engine, sync.staged, new_version, phases)
+                await self._apply_engines(sync.staged, new_version, phases)
                 await self._applied(sync.staged, new_version)
                 phases["apply"] = time.perf_counter() - t
                 self.policy.publish(new_version, self._served_name())
@@ -338,6 +337,16 @@ class Bridge:
         finally:
             self._sync_slot.release()
 
+    def members(self) -> list[SupervisedInference]:
+        """The engines a sync updates: all but those being relaunched (they rejoin caught up)."""
+        return [engine for engine in self.engines if not engine.recovering]
+
+    async def _apply_engines(self, staged: Any, version: int, phases: dict[str, float]) -> None:
+        """Make every member engine serve `staged` as `version`, one after the other (a mode
+        that updates them all at once overrides this)."""
+        for engine in self.members():
+            await self._apply_recovering(engine, staged, version, phases)
+
     async def _apply_recovering(self, engine: SupervisedInference, staged: Path, version: int, phases: dict[str, float]) -> None:
         try:
             await self._apply(engine, staged, version, phases)
@@ -352,7 +361,7 @@ class Bridge:
         assert sync.reference is not None
         self.probes.skipped(sync.version, sync.reference)
         self._fire("PROBE_SKIP")
-        for engine in self.engines:
+        for engine in self.members():
             engine.open()
         return {"skipped": True, "syncs_since_probe": self.probes.unprobed}
 
@@ -376,8 +385,19 @@ class Bridge:
         """Make `engine` serve `staged` as `version` (including cache reset and version bump)."""
         raise NotImplementedError
 
-    async def _applied(self, staged: Path, version: int) -> None:
+    async def _applied(self, staged: Any, version: int) -> None:
         """After every engine applied `version`: what the mode keeps of it (and what it prunes)."""
+
+    async def _catch_up(self, engine: SupervisedInference) -> None:
+        """After a relaunch between syncs: bring `engine` to the current version if a sync landed
+        while it launched (it was launched on the weights current when the relaunch began)."""
+        if engine.version != self.policy.version:
+            await self._apply(engine, self._current_copy(), self.policy.version, {})
+            engine.version = self.policy.version
+
+    def _current_copy(self) -> Any:
+        """What `_apply` reads to serve the current version (copy modes: the newest weights)."""
+        return self.current_weights
 
     # ---- losing an engine -------------------------------------------------------------------
     async def _relaunch_mid_sync(self, engine: SupervisedInference, cause: Exception, version: int, phases: dict[str, float]) -> None:
@@ -415,7 +435,11 @@ class Bridge:
 
     async def recover(self, engine: SupervisedInference, reason: str) -> None:
         """Relaunch a lost engine on the current version's weights and probe it against that
-        version's recorded scores (a sync that ran meanwhile may already have recovered it)."""
+        version's recorded scores (a sync that ran meanwhile may already have recovered it).
+        The only engine: the bridge is RECOVERING meanwhile. One of a pool: `_recover_member`."""
+        if len(self.engines) > 1:
+            await self._recover_member(engine, reason)
+            return
         async with self._sync_slot:
             if self.machine.state != self.State["SERVING"] or await engine.healthy():
                 return
@@ -429,14 +453,50 @@ class Bridge:
             log.warning("inference_lost", bridge=self.mode, engine=engine.name, pid=engine.process.pid,
                         restarts=engine.restarts, error=reason)
             await self._relaunch(engine, self.current_weights)
+            await self._catch_up(engine)
             self._fire("RECOVERED")
-            reference = self.probes.reference_for(self.policy.version)
-            if reference is None:
-                message = f"no probe reference recorded for policy version {self.policy.version}; {engine.name} stays closed"
-                self._fire("PROBE_FAIL", error=message)
-                raise BridgeFailed(message)
-            await self._probe_and_serve(reference, engines=[engine])
+            await self._probe_and_serve(self._reference_now(engine), engines=[engine])
             log.info("inference_recovered", bridge=self.mode, engine=engine.name, seconds=round(time.perf_counter() - began, 3))
+
+    async def _recover_member(self, engine: SupervisedInference, reason: str) -> None:
+        """One engine of a pool is lost: the others keep serving and syncing while it is
+        relaunched (the sync slot is taken only to decide and, at the end, to catch it up to the
+        current version and probe it); it rejoins the syncs only after a passing probe."""
+        async with self._sync_slot:
+            if self.machine.state != self.State["SERVING"] or await engine.healthy():
+                return
+            try:
+                engine.spend_restart(reason)
+            except RestartBudgetSpent as exc:
+                self._fire("FAIL", error=str(exc))
+                raise BridgeFailed(str(exc)) from None
+            engine.close()
+            engine.recovering = True
+        began = time.perf_counter()
+        log.warning("inference_lost", bridge=self.mode, engine=engine.name, pid=engine.process.pid,
+                    restarts=engine.restarts, error=reason, serving=[e.name for e in self.members()])
+        await self._relaunch(engine, self.current_weights)
+        async with self._sync_slot:
+            await self._catch_up(engine)
+            result = await probe_engines(
+                [engine], await self._loaded_trainer(), model=self.policy.served_name,
+                tolerance=ProbeTolerance.for_serving(self.model.dtype, self.cfg), timeout_s=self.cfg.probe_timeout_s,
+                reference=self._reference_now(engine), version=self.policy.version,
+            )
+            engine.recovering = False
+            engine.open()
+        log.info("inference_recovered", bridge=self.mode, engine=engine.name, rejoined_at=self.policy.version,
+                 seconds=round(time.perf_counter() - began, 3), probe=result.as_dict())
+
+    def _reference_now(self, engine: SupervisedInference) -> list[list[float]]:
+        """The trainer's scores recorded at the current version's sync (a relaunched engine is
+        probed against them, never against the trainer's live weights)."""
+        reference = self.probes.reference_for(self.policy.version)
+        if reference is None:
+            message = f"no probe reference recorded for policy version {self.policy.version}; {engine.name} stays closed"
+            self._fire("FAIL", error=message)
+            raise BridgeFailed(message)
+        return reference
 
     async def stop(self) -> None:
         if self.machine.can_fire(self.Event["STOP"]):

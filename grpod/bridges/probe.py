@@ -22,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import anyio
+import structlog
+
+log = structlog.get_logger(__name__)
 
 PROBE_TEXTS = (
     "<|im_start|>user\n17+25<|im_end|>\n<|im_start|>assistant\n42<|im_end|>",
@@ -149,6 +152,9 @@ async def probe_engines(
         result = await run_probe(
             engine.client, trainer, model=model, tolerance=tolerance, timeout_s=timeout_s, reference=reference
         )
+        log.info("engine_probed", engine=engine.name, version=version, ok=result.ok, **{
+            k: v for k, v in result.as_dict().items() if k.endswith("_diff")
+        })
         if not result.ok:
             raise ProbeMismatch(
                 f"alignment probe failed on {engine.name}: vLLM's logprobs differ from the trainer's by up to "

@@ -116,8 +116,10 @@ def server_argv(
     max_lora_rank: int = 16,
     lora_target_modules: list[str] | None = None,
     worker_extension: str | None = None,
+    extra_args: list[str] | None = None,
 ) -> list[str]:
-    """The command line of grpod's vLLM server for one launch."""
+    """The command line of grpod's vLLM server for one launch (`extra_args`: a bridge mode's own,
+    before the user's `inference.extra_args`)."""
     lora = bool(enable_lora or lora_modules)
     args = [
         sys.executable, "-m", "grpod.inference.server",
@@ -153,7 +155,7 @@ def server_argv(
         args += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
     if worker_extension:
         args += ["--worker-extension-cls", worker_extension]
-    return args + list(cfg.extra_args)
+    return args + list(extra_args or []) + list(cfg.extra_args)
 
 
 def served_model_names(model: ModelConfig, *, lora: bool = False) -> list[str]:

@@ -80,6 +80,8 @@ class SupervisedInference:
         self.version: int | None = None
         self.weights: Path | None = None
         self.outstanding = 0
+        # Out of the pool's syncs while being relaunched; rejoins after a passing probe.
+        self.recovering = False
         self.restarts = 0
         self.launches = 0
         self._stack: AsyncExitStack | None = None
@@ -236,4 +238,5 @@ class SupervisedInference:
             "weights": str(self.weights) if self.weights else None,
             "restarts": self.restarts,
             "outstanding": self.outstanding,
+            "recovering": self.recovering,
         }

@@ -84,9 +84,8 @@ class BuiltinSource(SamplingSource):
         sampled = await self.sample(prompt, index=index)
         if sampled is None:
             return None
-        completions, version = sampled
-        scores = [self.task.score(problem, completion.text) for completion in completions]
-        return self.group(prompt, completions, scores, version, f"builtin-{index}")
+        scores = [self.task.score(problem, completion.text) for completion in sampled.completions]
+        return self.group(prompt, sampled, scores, f"builtin-{index}")
 
     async def evaluate(self, size: int, max_tokens: int) -> dict:
         if self.task.prompt_style == "instruct":

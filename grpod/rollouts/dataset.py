@@ -285,15 +285,14 @@ class DatasetSource(SamplingSource):
         sampled = await self.sample(item.prompt_ids, row=item.row + 1)
         if sampled is None:
             return None
-        completions, version = sampled
         try:
-            scored = await self.score(item, completions)
+            scored = await self.score(item, sampled.completions)
         except RewardFailure as failure:
             self.stats.failed(failure.reason, f"reward {failure.function}: {failure.detail}")
             log.warning("reward_failed", reason=failure.reason, function=failure.function, error=failure.detail[:300],
                         path=str(self.dcfg.path), row=item.row + 1)
             return None
-        return self.group(item.prompt_ids, completions, scored.scores, version, f"dataset-{epoch}-{item.row}",
+        return self.group(item.prompt_ids, sampled, scored.scores, f"dataset-{epoch}-{item.row}",
                           extra={EXTRA_KEY: scored.means})
 
     async def evaluate(self, size: int, max_tokens: int) -> dict:

@@ -36,16 +36,24 @@ class SamplingStats(SourceStats):
     dynamic_let_through: int = 0
 
 
+@dataclass(frozen=True)
+class Sampled:
+    completions: list[Completion]
+    version: int  # the policy version they were sampled under
+    engine: str  # the engine that sampled them
+
+
 class SamplingSource:
     kind = "sampling"
 
     async def generate_group(self) -> RolloutGroup | None:
         raise NotImplementedError
 
-    async def sample(self, prompt: list[int], **context: Any) -> tuple[list[Completion], int] | None:
-        """`group_size` completions of `prompt` and the policy version they were sampled under
-        (the older one if a sync landed meanwhile), or None: the failure is counted and logged
-        with `context`, and the next request waits GENERATION_RETRY_S."""
+    async def sample(self, prompt: list[int], **context: Any) -> Sampled | None:
+        """`group_size` completions of `prompt`, the policy version they were sampled under (the
+        older one if a sync landed meanwhile) and the engine that sampled them, or None: the
+        failure is counted and logged with `context`, and the next request waits
+        GENERATION_RETRY_S."""
         started = anyio.current_time()
         try:
             async with self.policy.engine(self.engine_wait_s) as lease:
@@ -57,25 +65,26 @@ class SamplingSource:
                     top_p=self.src.top_p,
                     model=lease.model,
                 )
-                version = lease.sampled_version()
+                sampled = Sampled(completions, lease.sampled_version(), lease.engine.name)
         except Exception as exc:  # noqa: BLE001 — a failed generation drops its group, never the run
             self.stats.failed(type(exc).__name__, f"generation: {type(exc).__name__}: {exc}")
             log.warning("generation_failed", **context, error=str(exc)[:300])
             await anyio.sleep(GENERATION_RETRY_S)
             return None
         self.stats.generation_s += anyio.current_time() - started
-        return completions, version
+        return sampled
 
     def group(
         self,
         prompt: list[int],
-        completions: list[Completion],
+        sampled: Sampled,
         scores: list[float],
-        version: int,
         group_id: str,
         extra: dict[str, Any] | None = None,
     ) -> RolloutGroup:
-        """The group record of `completions` of `prompt` (counted as generated)."""
+        """The group record of `sampled` completions of `prompt` (counted as generated); its
+        `extra` names the engine that sampled it."""
+        completions = sampled.completions
         self.stats.generated += 1
         self.stats.succeeded()
         return RolloutGroup(
@@ -86,10 +95,10 @@ class SamplingSource:
             truncated=[c.finish_reason == "length" for c in completions],
             temperature=self.src.temperature,
             top_p=self.src.top_p,
-            policy_version=version,
+            policy_version=sampled.version,
             source=self.kind,
             group_id=group_id,
-            extra=extra or {},
+            extra={"engine": sampled.engine, **(extra or {})},
         )
 
     async def fill(self, buffer: RolloutBuffer, count: int) -> None:

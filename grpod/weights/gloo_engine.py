@@ -62,8 +62,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
-from grpod.inference.reload_ext import ReloadExtension
-from grpod.inference.reload_ext import _reprocess_embeddings as repack_embeddings
+from grpod.weights.reload_ext import ReloadExtension
+from grpod.weights.reload_ext import _reprocess_embeddings as repack_embeddings
 from grpod.weights.group import GlooGroup, WeightTransferError
 from grpod.weights.wire import GLOO_BACKEND, ChunkEntry, GlooInitInfo, GlooUpdateInfo
 

@@ -355,3 +355,66 @@ def test_a_broken_unprobed_sync_is_caught_by_the_next_probe(tmp_path):
 
     bridge, first = anyio.run(main)
     assert first.probe["skipped"] and bridge.state == "FAILED"
+
+
+class SlowProcess(ScriptedProcess):
+    """A launch that waits for `go` once armed: a relaunch still loading while the trainer syncs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go: anyio.Event | None = None
+
+    async def start(self, weights, **kwargs) -> None:
+        if self.go is not None:
+            await self.go.wait()
+        await super().start(weights, **kwargs)
+
+
+def _pool(tmp_path, engines: int = 2) -> NoneBridge:
+    cfg = GrpodConfig.model_validate(
+        {
+            "run": {"dir": str(tmp_path / "run")},
+            "model": {"path": str(tmp_path / "model"), "init_if_missing": False},
+            "inference": {"max_restarts": 3, "health_interval_s": 0.01, "health_failures": 1, "engines": engines},
+        }
+    )
+    processes = [SlowProcess() for _ in range(engines)]
+    pool = [SupervisedInference(p, cfg.inference, name=f"engine-{i}") for i, p in enumerate(processes)]
+    bridge = NoneBridge(cfg.bridge, engines=pool, trainer=Trainer(), model=cfg.model, run_dir=tmp_path / "run")
+    bridge.processes = processes
+    return bridge
+
+
+def test_one_engine_of_a_pool_is_relaunched_while_the_others_sync_then_rejoins_caught_up(tmp_path):
+    """Issue #15: one engine dying never pauses training. Its relaunch runs outside the sync
+    slot; syncs meanwhile update the others; it rejoins at the current version, after a probe."""
+
+    async def main():
+        bridge = _pool(tmp_path)
+        await bridge.start()
+        first, second = bridge.engines
+        slow = bridge.processes[1]
+        slow.go = anyio.Event()
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bridge.watch)
+                slow.current.kill()
+                while not second.recovering:
+                    await anyio.sleep(0.01)
+                assert not second.available and first.available and bridge.state == "SERVING"
+                bridge.trainer.weights = 2.0
+                record = await bridge.sync_now()  # the pool syncs without the relaunching engine
+                assert record.version == 1 and first.version == 1 and bridge.processes[0].current.weights == 2.0
+                slow.go.set()
+                while not second.available:
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+        return bridge
+
+    bridge = anyio.run(main)
+    first, second = bridge.engines
+    assert second.version == 1 and not second.recovering and second.restarts == 1 and first.restarts == 0
+    relaunched = bridge.processes[1].current
+    assert relaunched.weights == 2.0, "caught up to the version synced while it was down"
+    assert "score" in relaunched.calls, "probed before it rejoined"
+    assert "LOST" not in [t.event for t in bridge.machine.history], "the bridge itself never stopped serving"

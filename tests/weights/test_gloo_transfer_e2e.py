@@ -86,7 +86,7 @@ class EnginePool:
 def model_dir(tmp_path_factory) -> Path:
     """The tiny model with tied embeddings: on CPU, vLLM's output head then computes from a copy
     of the embedding packed at load time, which the layerwise reload alone leaves stale
-    (`grpod.inference.reload_ext`); an untied model would not show it."""
+    (`grpod.weights.reload_ext`); an untied model would not show it."""
     out = tmp_path_factory.mktemp("tiny-tied")
     model, tokenizer = build_model(seed=0, tie_word_embeddings=True)
     save_model(model, tokenizer, out)
