@@ -16,7 +16,7 @@ Guarantees:
   cannot be recycled by the kernel, so a signal to the group can never reach a stranger.
 - Each launch gets a scratch directory as its TMPDIR and ZMQ socket base, where vLLM leaves its
   IPC sockets and `vllm_dist_*` rendezvous files; `stop` removes it with the group's vLLM-named
-  /dev/shm segments (only those its processes map).
+  /dev/shm segments (only those its processes map: seen once it is healthy, and again at stop).
 - A launch is recorded in `<run>/vllm.launch.json` (pgid, scratch directory) until its stop
   completes. If a previous grpod of the same run directory was killed (SIGKILL, OOM) and left
   its vLLM running, the next `start` stops that group first — only the processes that are in
@@ -295,6 +295,7 @@ class InferenceProcess:
         self._port: int | None = None
         self._model_path: Path | None = None
         self._scratch: Path | None = None
+        self._segments: set[Path] = set()
         self.fixed_port = cfg.port + index if cfg.port else 0
         self.engine_env = dict(env or {})
         suffix = f"-{index}" if index else ""
@@ -396,6 +397,9 @@ class InferenceProcess:
             await self.stop()
             raise
         log.info("inference_healthy", pid=self.pid, port=self._port, elapsed_s=round(time.monotonic() - started, 2))
+        # The /dev/shm segments vLLM's processes map once started: removed at stop even when the
+        # processes are gone by then (a crash, a SIGKILL) and can no longer be asked.
+        self._segments = await anyio.to_thread.run_sync(release.vllm_shm_segments, release.group_members(self.pgid))
 
     def _launch(self, argv: list[str]) -> None:
         """Spawn the server in a new session (its own process group), output appended to the log."""
@@ -403,14 +407,19 @@ class InferenceProcess:
         # Short on purpose: ZMQ IPC socket paths must fit in 107 bytes.
         scratch = Path(tempfile.mkdtemp(prefix="grpod-vllm-"))
         self._launch_token = secrets.token_hex(16)
+        # Keep torch.compile's cache where it would be without the TMPDIR below. torch also keeps
+        # its precompiled C++ header under the temp dir whatever TORCHINDUCTOR_CACHE_DIR says
+        # (torch/_inductor/codecache.py, _HEADER_DIR): linked back to the lasting cache, vLLM's
+        # CPU build does not compile it again at every launch (~8-10 CPU-s measured per launch).
+        inductor_name = f"torchinductor_{getpass.getuser()}"
+        inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), inductor_name))
+        Path(inductor_cache).mkdir(parents=True, exist_ok=True)
+        (scratch / inductor_name).symlink_to(inductor_cache, target_is_directory=True)
         env = {
             **os.environ,
             "TMPDIR": str(scratch),
             "VLLM_RPC_BASE_PATH": str(scratch),
-            # Keep torch.compile's cache where it would be without the TMPDIR above.
-            "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
-                "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
-            ),
+            "TORCHINDUCTOR_CACHE_DIR": inductor_cache,
             **self.build_env(),
             LAUNCH_TOKEN_ENV: self._launch_token,
         }
@@ -533,7 +542,8 @@ class InferenceProcess:
         started = time.monotonic()
         members = release.group_members(pgid)
         member_pids = {p.pid for p in members}
-        segments = await anyio.to_thread.run_sync(release.vllm_shm_segments, members)
+        segments = await anyio.to_thread.run_sync(release.vllm_shm_segments, members) | self._segments
+        self._segments = set()
         killed = False
         if members:
             log.info("inference_stopping", pgid=pgid, processes=len(members))
