@@ -255,6 +255,7 @@ class StepLoop:
         await self.bridge.settled()  # the checkpoint's policy version is the trainer's weights'
         self.heartbeat.busy()
         began = time.perf_counter()
+        accepted = self.buffer.accepted  # what the snapshot holds: groups accepted up to now
         snapshot = RunSnapshot(
             step=self.progress.step,
             policy_version=self.bridge.policy.version,
@@ -269,7 +270,9 @@ class StepLoop:
         path = await anyio.to_thread.run_sync(self.store.save, self.trainer, snapshot)
         self.heartbeat.progress()
         info = {"path": str(path), "step": snapshot.step, "seconds": round(time.perf_counter() - began, 3)}
-        self.progress.last_checkpoint = {"path": str(path), "step": snapshot.step, "time": time.time()}
+        self.progress.last_checkpoint = {
+            "path": str(path), "step": snapshot.step, "time": time.time(), "accepted": accepted,
+        }
         return info
 
     async def evaluate(self, when: str) -> None:

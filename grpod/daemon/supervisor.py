@@ -176,7 +176,10 @@ class Supervisor:
         parts = self.parts
         if parts is not None and parts.bridge.available and self.progress.exit_code == 0:
             await parts.loop.evaluate("end")
-        if parts is not None and self.cfg.checkpoint.at_shutdown and self.progress.step > 0:
+        # A checkpoint of this very state exists: nothing trained and no group accepted since.
+        last = self.progress.last_checkpoint
+        already = last is not None and (last["step"], last["accepted"]) == (self.progress.step, self.buffer.accepted)
+        if parts is not None and self.cfg.checkpoint.at_shutdown and self.progress.step > 0 and not already:
             with anyio.CancelScope(shield=True):
                 await parts.loop.checkpoint()
         await self._stop_inference()

@@ -95,8 +95,9 @@ class BuiltinSource(SamplingSource):
         )
 
 
-# Evaluation requests in flight at once.
-EVAL_CONCURRENCY = 8
+# Evaluation requests in flight at once: vLLM batches them (8 left a held-out pass of 156 problems
+# at 1.1-2.8 s against 0.1-0.2 s for one batched HF generate, measured).
+EVAL_CONCURRENCY = 64
 
 
 async def evaluate_greedy(
