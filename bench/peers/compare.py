@@ -95,7 +95,8 @@ Measurements (per run; the table shows median [min-max] over seeds).
   psutil every `--interval` s (each process's own time, the last value seen per process), and
   cross-checked with the kernel's RUSAGE_CHILDREN delta (every descendant that was waited for);
   the table shows the larger. CPU-s per step: the sampled tree CPU between the first and last step
-  records, per step.
+  records, per step. The JSON also splits the sampled CPU by process (vLLM's API server, engine
+  and worker, grpod's daemon, the TRL runner), over the run and from the first to the last step.
 - peak RSS: the largest sum of RSS over the tree (a page shared by several processes, e.g. the
   libraries vLLM's three processes map, is counted once per process: an upper bound), and the
   largest sum of anonymous RSS (RSS less file-backed and shared-memory pages: closer to what
@@ -192,6 +193,8 @@ class TreeSampler(threading.Thread):
         self.cpu: dict[tuple[int, float], float] = {}
         self.seen: dict[tuple[int, float], psutil.Process] = {}
         self.series: list[tuple[float, float, int, int]] = []  # (time, tree cpu s, tree rss, processes)
+        self.labels: dict[tuple[int, float], str] = {}
+        self.by_label: list[tuple[float, dict[str, float]]] = []  # (time, {process label: cpu s})
         self.peak_rss = 0
         self.peak_anon = 0  # RSS less file-backed and shared-memory pages (psutil's `shared`)
         self._system_start = self._system_busy()
@@ -218,13 +221,20 @@ class TreeSampler(threading.Thread):
                     memory = proc.memory_info()
                     rss += memory.rss
                     anon += memory.rss - memory.shared
-                self.seen.setdefault(key, proc)
+                if key not in self.seen:
+                    self.seen[key] = proc
+                    self.labels[key] = _label(proc)
             except psutil.Error:
                 continue
         total = sum(self.cpu.values())
         self.peak_rss = max(self.peak_rss, rss)
         self.peak_anon = max(self.peak_anon, anon)
-        self.series.append((time.time(), total, rss, len(procs)))
+        now = time.time()
+        self.series.append((now, total, rss, len(procs)))
+        labelled: dict[str, float] = {}
+        for key, cpu in self.cpu.items():
+            labelled[self.labels[key]] = labelled.get(self.labels[key], 0.0) + cpu
+        self.by_label.append((now, labelled))
         self.other_cpu_s = max(0.0, self._system_busy() - self._system_start - total)
 
     def run(self) -> None:
@@ -244,6 +254,15 @@ class TreeSampler(threading.Thread):
                 return c0 + (c1 - c0) * (when - t0) / max(t1 - t0, 1e-9)
         return None
 
+    def cpu_by_label(self, start: float | None = None, end: float | None = None) -> dict[str, float]:
+        """CPU seconds per process label over [start, end] (the nearest samples; whole run: None)."""
+        if not self.by_label:
+            return {}
+        first = self.by_label[0][1] if start is None else min(self.by_label, key=lambda x: abs(x[0] - start))[1]
+        last = self.by_label[-1][1] if end is None else min(self.by_label, key=lambda x: abs(x[0] - end))[1]
+        base = {} if start is None else first
+        return {k: round(v - base.get(k, 0.0), 2) for k, v in sorted(last.items(), key=lambda kv: -kv[1])}
+
     def alive_descendants(self) -> list[psutil.Process]:
         alive = []
         for (pid, started), proc in self.seen.items():
@@ -251,6 +270,22 @@ class TreeSampler(threading.Thread):
                 if proc.is_running() and proc.create_time() == started and pid != self.pid:
                     alive.append(proc)
         return alive
+
+
+def _label(proc: psutil.Process) -> str:
+    """A process's role: its title (vLLM names its engine and worker `VLLM::...`), or for Python
+    the module / script it runs."""
+    try:
+        name, argv = proc.name(), proc.cmdline()
+    except psutil.Error:
+        return "?"
+    if not name.startswith("python") or len(argv) < 2:
+        return name
+    if argv[1] == "-m" and len(argv) > 2:
+        return argv[2]
+    if argv[1] == "-c":
+        return "python -c " + (argv[2][:40] if len(argv) > 2 else "")
+    return Path(argv[1]).name
 
 
 def _children_cpu() -> float:
@@ -293,6 +328,8 @@ class Run:
     cpu_s_sampled: float = 0.0
     cpu_s_rusage: float = 0.0
     cpu_s_per_step: float | None = None
+    cpu_by_process: dict[str, float] = field(default_factory=dict)
+    cpu_by_process_steps: dict[str, float] = field(default_factory=dict)  # first to last step
     peak_rss_mb: float = 0.0
     peak_anon_mb: float = 0.0
     other_load_cores: float = 0.0
@@ -339,6 +376,7 @@ class Run:
             "generated_tokens": sum(s["tokens"] for s in self.steps), "tokens_per_s": _round(self.tokens_per_s()),
             "cpu_s": round(self.cpu_s, 1), "cpu_s_sampled": round(self.cpu_s_sampled, 1),
             "cpu_s_rusage": round(self.cpu_s_rusage, 1), "cpu_s_per_step": _round(self.cpu_s_per_step, 3),
+            "cpu_by_process": self.cpu_by_process, "cpu_by_process_first_to_last_step": self.cpu_by_process_steps,
             "peak_rss_mb": round(self.peak_rss_mb), "peak_anon_mb": round(self.peak_anon_mb), "other_load_cores": round(self.other_load_cores, 2),
             "load_before": self.load_before, "phases": {k: round(v, 2) for k, v in self.phases.items()},
             "evals": [{**e, "time": round(e["time"] - self.launch, 2)} for e in self.evals],
@@ -442,6 +480,8 @@ def run_once(side: str, seed: int, task: Task, base_sets: list[str], workdir: Pa
         c0, c1 = sampler.cpu_at(span[0]["time"]), sampler.cpu_at(span[1]["time"])
         if c0 is not None and c1 is not None:
             run.cpu_s_per_step = (c1 - c0) / (span[1]["step"] - span[0]["step"])
+        run.cpu_by_process_steps = sampler.cpu_by_label(span[0]["time"], span[1]["time"])
+    run.cpu_by_process = sampler.cpu_by_label()
     if run.exit_code != 0:
         print(f"peers: {side} seed {seed} exited {run.exit_code}; see {run_dir / 'console.log'}", file=sys.stderr)
     return run
