@@ -221,9 +221,10 @@ class TreeSampler(threading.Thread):
                     memory = proc.memory_info()
                     rss += memory.rss
                     anon += memory.rss - memory.shared
-                if key not in self.seen:
-                    self.seen[key] = proc
-                    self.labels[key] = _label(proc)
+                self.seen.setdefault(key, proc)
+                # vLLM's engine and worker start as `python -B -c ...spawn_main` and take their
+                # `VLLM::...` title later: the latest label wins.
+                self.labels[key] = _label(proc)
             except psutil.Error:
                 continue
         total = sum(self.cpu.values())
@@ -279,6 +280,8 @@ def _label(proc: psutil.Process) -> str:
         name, argv = proc.name(), proc.cmdline()
     except psutil.Error:
         return "?"
+    if argv and argv[0].startswith("VLLM::"):
+        return argv[0].split()[0]
     if not name.startswith("python") or len(argv) < 2:
         return name
     if argv[1] == "-m" and len(argv) > 2:
