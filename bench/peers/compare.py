@@ -223,8 +223,8 @@ class TreeSampler(threading.Thread):
                     anon += memory.rss - memory.shared
                 self.seen.setdefault(key, proc)
                 # vLLM's engine and worker start as `python -B -c ...spawn_main` and take their
-                # `VLLM::...` title later: the latest label wins.
-                self.labels[key] = _label(proc)
+                # `VLLM::...` title later: the latest readable label wins.
+                self.labels[key] = _label(proc) or self.labels.get(key, "?")
             except psutil.Error:
                 continue
         total = sum(self.cpu.values())
@@ -262,7 +262,8 @@ class TreeSampler(threading.Thread):
         first = self.by_label[0][1] if start is None else min(self.by_label, key=lambda x: abs(x[0] - start))[1]
         last = self.by_label[-1][1] if end is None else min(self.by_label, key=lambda x: abs(x[0] - end))[1]
         base = {} if start is None else first
-        return {k: round(v - base.get(k, 0.0), 2) for k, v in sorted(last.items(), key=lambda kv: -kv[1])}
+        spent = {k: round(v - base.get(k, 0.0), 2) for k, v in last.items()}
+        return {k: v for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.01}
 
     def alive_descendants(self) -> list[psutil.Process]:
         alive = []
@@ -273,14 +274,16 @@ class TreeSampler(threading.Thread):
         return alive
 
 
-def _label(proc: psutil.Process) -> str:
+def _label(proc: psutil.Process) -> str | None:
     """A process's role: its title (vLLM names its engine and worker `VLLM::...`), or for Python
-    the module / script it runs."""
+    the module / script it runs; None when its command line cannot be read (it is exiting)."""
     try:
         name, argv = proc.name(), proc.cmdline()
     except psutil.Error:
-        return "?"
-    if argv and argv[0].startswith("VLLM::"):
+        return None
+    if not argv:
+        return None
+    if argv[0].startswith("VLLM::"):
         return argv[0].split()[0]
     if not name.startswith("python") or len(argv) < 2:
         return name
