@@ -194,7 +194,7 @@ class TreeSampler(threading.Thread):
         self.seen: dict[tuple[int, float], psutil.Process] = {}
         self.series: list[tuple[float, float, int, int]] = []  # (time, tree cpu s, tree rss, processes)
         self.labels: dict[tuple[int, float], str] = {}
-        self.by_label: list[tuple[float, dict[str, float]]] = []  # (time, {process label: cpu s})
+        self.by_process: list[tuple[float, dict[tuple[int, float], float]]] = []  # (time, {process: cpu s})
         self.peak_rss = 0
         self.peak_anon = 0  # RSS less file-backed and shared-memory pages (psutil's `shared`)
         self._system_start = self._system_busy()
@@ -232,10 +232,7 @@ class TreeSampler(threading.Thread):
         self.peak_anon = max(self.peak_anon, anon)
         now = time.time()
         self.series.append((now, total, rss, len(procs)))
-        labelled: dict[str, float] = {}
-        for key, cpu in self.cpu.items():
-            labelled[self.labels[key]] = labelled.get(self.labels[key], 0.0) + cpu
-        self.by_label.append((now, labelled))
+        self.by_process.append((now, dict(self.cpu)))
         self.other_cpu_s = max(0.0, self._system_busy() - self._system_start - total)
 
     def run(self) -> None:
@@ -257,13 +254,16 @@ class TreeSampler(threading.Thread):
 
     def cpu_by_label(self, start: float | None = None, end: float | None = None) -> dict[str, float]:
         """CPU seconds per process label over [start, end] (the nearest samples; whole run: None)."""
-        if not self.by_label:
+        if not self.by_process:
             return {}
-        first = self.by_label[0][1] if start is None else min(self.by_label, key=lambda x: abs(x[0] - start))[1]
-        last = self.by_label[-1][1] if end is None else min(self.by_label, key=lambda x: abs(x[0] - end))[1]
-        base = {} if start is None else first
-        spent = {k: round(v - base.get(k, 0.0), 2) for k, v in last.items()}
-        return {k: v for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.01}
+        nearest = lambda when: min(self.by_process, key=lambda sample: abs(sample[0] - when))[1]  # noqa: E731
+        base = {} if start is None else nearest(start)
+        last = self.by_process[-1][1] if end is None else nearest(end)
+        spent: dict[str, float] = {}
+        for key, cpu in last.items():
+            label = self.labels.get(key, "?")
+            spent[label] = spent.get(label, 0.0) + cpu - base.get(key, 0.0)
+        return {k: round(v, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.01}
 
     def alive_descendants(self) -> list[psutil.Process]:
         alive = []
