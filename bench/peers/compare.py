@@ -68,10 +68,14 @@ Differences that remain (by design of the two systems, or not expressible in TRL
   sampling against vLLM's logprobs (tis_mode token_truncate, cap 2) and a weight sync every
   bridge.sync_every = 2 steps. TRL samples from the current weights every step: ratio exactly 1,
   no correction needed. `--grpod-sync` removes the overlap (syncs still every 2 steps).
-- Zero-variance groups: grpod drops them from the step (token mean over the kept groups; a step
-  with none kept is skipped, the schedule still advances); TRL keeps them with advantage 0 (they
-  add tokens to the token-mean denominator, so its gradient is smaller by the kept-token share;
-  AdamW makes that nearly scale-free, grad clipping at 1.0 binds less often).
+- Zero-variance groups: grpod drops them from the step (token mean over the kept groups; a batch
+  with none kept is skipped: no optimizer step, but it counts as a step, since train.steps counts
+  batches, and the schedule advances); TRL keeps them with advantage 0 (they add tokens to the
+  token-mean denominator, so its gradient is smaller by the kept-token share: AdamW makes that
+  nearly scale-free, grad clipping at 1.0 binds less often) and takes an optimizer step even when
+  every advantage is 0 (after a first update, AdamW's momentum still moves the weights).
+- train.advantages.scale = "batch" (not the default) would map to TRL's "batch", which divides by
+  the std of the raw rewards; grpod divides by the std of the group-centred residuals.
 - Advantage epsilon: grpod (r - mean) / (std + 1e-6), TRL (std + 1e-4).
 - Prompt order: TRL takes grpod's stream exactly; grpod's 8 concurrent requests may put groups in
   a step in a slightly different order, and groups dropped as stale are replaced by later ones.
