@@ -57,5 +57,17 @@ bench: setup model
 	$(PY) bench/sync_latency.py
 	$(PY) bench/overlap.py
 
+# grpod vs TRL's GRPOTrainer on one workload (bench/peers/compare.py; the `bench` extra installs TRL).
+# make bench-peers PEERS_ARGS="--task real --quick --seeds 0" (real needs `make model-smollm2`).
+BENCH_STAMP := $(VENV)/.grpod-bench-installed
+PEERS_ARGS ?=
+.PHONY: bench-peers
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install -q -e ".[bench]"
+	touch $(BENCH_STAMP)
+
+bench-peers: $(BENCH_STAMP) model
+	$(PY) bench/peers/compare.py $(PEERS_ARGS)
+
 clean:
 	rm -rf $(VENV) runs .cache
