@@ -34,9 +34,10 @@ if str(ROOT) not in sys.path:  # the grpod of this checkout, whatever the venv's
 
 from grpod.config import GrpodConfig, load_config  # noqa: E402
 from grpod.rollouts.arithmetic import Problem, instruct_question  # noqa: E402
-from grpod.rollouts.builtin import BuiltinSource  # noqa: E402
-from grpod.rollouts.dataset import DatasetSource, read_rows  # noqa: E402
+from grpod.rollouts.dataset import read_rows  # noqa: E402
 from grpod.rollouts.rewards import checked_rewards  # noqa: E402
+from grpod.rollouts.source import make_source  # noqa: E402
+from grpod.rollouts.validation import RejectionCounter  # noqa: E402
 
 # Keys TRL itself passes to reward functions or reads from a dataset row; a dataset column with one
 # of these names could not reach the reward unchanged.
@@ -65,12 +66,12 @@ class Workload:
         self.tokenizer = tokenizer
         kind = cfg.source.kind
         if kind == "builtin":
-            self.source = BuiltinSource(cfg, tokenizer, bridge=None)
+            self.source = make_source(cfg, tokenizer, None, None, RejectionCounter())
             self.eval_max_tokens = cfg.eval.max_tokens
             if self.source.task.prompt_style == "instruct":
                 self.eval_max_tokens = max(cfg.eval.max_tokens, self.source.max_tokens)
         elif kind == "dataset":
-            self.source = DatasetSource(cfg, tokenizer, bridge=None)
+            self.source = make_source(cfg, tokenizer, None, None, RejectionCounter())
             self.eval_max_tokens = max(cfg.eval.max_tokens, self.source.max_tokens)
             clash = [name for name in self.source.items[0].columns if name in TRL_RESERVED]
             if clash:
