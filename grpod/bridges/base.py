@@ -353,9 +353,23 @@ class Bridge:
         except Exception as exc:  # noqa: BLE001 — a dead engine is recovered, anything else fails the sync
             if await engine.healthy():
                 raise
+            if self._leave_sync(engine, exc, version):
+                return
             await self._relaunch_mid_sync(engine, exc, version, phases)
             await self._apply(engine, staged, version, phases)
         engine.version = version
+
+    def _leave_sync(self, engine: SupervisedInference, cause: Exception, version: int) -> bool:
+        """An engine of a pool died during a sync: it leaves the sync (closed, out of the pool)
+        and its watch relaunches it, to rejoin caught up after a probe; the others sync on. True
+        when it left; the only engine is relaunched by the sync itself instead."""
+        if len(self.engines) == 1:
+            return False
+        engine.close()
+        engine.recovering = True
+        log.warning("engine_left_sync", bridge=self.mode, engine=engine.name, version=version,
+                    error=f"{type(cause).__name__}: {cause}"[:300], serving=[e.name for e in self.members()])
+        return True
 
     def _serve_unprobed(self, sync: StagedSync) -> dict[str, Any]:
         assert sync.reference is not None

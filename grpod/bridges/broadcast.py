@@ -18,8 +18,9 @@ A sync, every `bridge.sync_every` steps:
 
 An update that fails leaves engines that may serve a mix of two versions (vLLM's trap: see
 `grpod.weights.gloo_engine`), so no engine reopens until a complete update and a passing probe:
-a dead engine is relaunched (restart budget), the group formed again and the whole update sent
-once more; a second failure is FAILED. An engine relaunched between syncs is launched on the
+a dead engine leaves the pool (its watch relaunches it; the only engine is relaunched by the sync
+itself, with the restart budget), the group is formed again over the engines left and the whole
+update sent once more; a second failure is FAILED. An engine relaunched between syncs is launched on the
 run's initial weights and brought to the current version by an update of its own (the last
 synced copy is kept for that), then probed against that version's scores — the trainer is not
 read. The weights vLLM loads at launch are `model.path`, or on resume the checkpoint's, published
@@ -163,7 +164,7 @@ class BroadcastBridge(Bridge):
             # then a new group, and the whole update once more.
             await self._close_group()
             for engine in self.members():
-                if not await engine.healthy():
+                if not await engine.healthy() and not self._leave_sync(engine, exc, version):
                     await self._relaunch_mid_sync(engine, exc, version, phases)
             log.warning("broadcast_retried", version=version, error=str(exc)[:300])
             await self._update(self.members(), staged, version, phases, epoch_group=True)

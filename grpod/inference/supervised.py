@@ -213,7 +213,9 @@ class SupervisedInference:
                 failures = 0
                 while failures < self.cfg.health_failures:
                     await anyio.sleep(self.cfg.health_interval_s)
-                    if not self._gate.is_set():
+                    # A closed gate: its owner is changing the engine and meets failures itself;
+                    # an engine that left a sync (recovering) is watched all the same.
+                    if not self._gate.is_set() and not self.recovering:
                         failures = 0
                     elif await self.healthy():
                         failures = 0

@@ -418,3 +418,26 @@ def test_one_engine_of_a_pool_is_relaunched_while_the_others_sync_then_rejoins_c
     assert relaunched.weights == 2.0, "caught up to the version synced while it was down"
     assert "score" in relaunched.calls, "probed before it rejoined"
     assert "LOST" not in [t.event for t in bridge.machine.history], "the bridge itself never stopped serving"
+
+
+def test_an_engine_of_a_pool_dying_mid_sync_leaves_it_and_its_watch_brings_it_back(tmp_path):
+    async def main():
+        bridge = _pool(tmp_path)
+        await bridge.start()
+        first, second = bridge.engines
+        bridge.processes[1].current.die_at = "pause"
+        bridge.trainer.weights = 2.0
+        record = await bridge.sync_now()  # engine-1 dies at the fence: the sync goes on without it
+        assert record.version == 1 and first.version == 1 and second.recovering and not second.available
+        assert bridge.state == "SERVING" and "RETRY" not in [t.event for t in bridge.machine.history]
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bridge.watch)
+                while not second.available:
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+        return bridge
+
+    bridge = anyio.run(main)
+    first, second = bridge.engines
+    assert second.version == 1 and second.restarts == 1 and bridge.processes[1].current.weights == 2.0

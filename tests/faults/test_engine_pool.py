@@ -1,0 +1,81 @@
+"""Case 13: one of two engines SIGKILLed mid-step, under `bridge.mode = "broadcast"` (issue #15).
+
+One daemon, two local engines; the weights reach both at once through vLLM's weight-transfer API.
+While steps train, engine 1's API server (its process group's leader) is SIGKILLed. What must
+hold: training goes on (steps are trained while engine 1 is down, its pidfd watch having taken it
+out of the pool), engine 1 is relaunched on the run's initial weights, brought to the current
+version by an update of its own and probed before it serves again, the next sync forms a new
+weight-transfer group over both engines, and the run completes with every step trained exactly
+once and no process of any engine group left.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from grpod.daemon.logs import read_metrics
+from tests.faults.injection import alive, failure_reason, log_events, sigkill, status_until, vllm_api_server
+from tests.harness import DaemonProcess, base_settings, write_config
+
+pytestmark = pytest.mark.faults
+
+STEPS = 40
+
+
+def _engine(status, name: str) -> dict:
+    return next(e for e in status["bridge"]["engines"] if e["name"] == name)
+
+
+@pytest.mark.timeout(1200)
+def test_one_of_two_engines_killed_mid_step_training_goes_on_and_it_rejoins(tmp_path, fault_model_dir, fault_case):
+    row = fault_case("13 SIGKILL one of 2 engines mid-step (broadcast)")
+    run_dir = tmp_path / "run"
+    settings = base_settings(run_dir, fault_model_dir) | {
+        "train.steps": STEPS,
+        "bridge.mode": "broadcast",
+        "bridge.sync_every": 2,
+        "inference.engines": 2,
+        "inference.start_timeout_s": 400.0,
+        "inference.stop_grace_s": 2.0,
+        "source.concurrency": 4,
+        "run.record_rollouts": True,
+    }
+    daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", settings), run_dir)
+    try:
+        running = status_until(daemon, lambda s: s["state"] == "running" and s["step"] >= 2, 600, "two steps trained")
+        killed_pgid = _engine(running, "engine-1")["pid"]
+        busy = status_until(daemon, lambda s: s["heartbeat"]["busy_for_s"] is not None, 120, "a step training", poll_s=0.005)
+        killed_at = sigkill(vllm_api_server(killed_pgid))
+        down = status_until(daemon, lambda s: _engine(s, "engine-1")["recovering"], 60, "engine 1 out of the pool")
+        back = status_until(
+            daemon, lambda s: not _engine(s, "engine-1")["recovering"] and _engine(s, "engine-1")["available"], 400,
+            "engine 1 rejoined",
+        )
+        row.recovery_s = time.monotonic() - killed_at
+        trained_while_down = back["step"] - down["step"]
+        code = daemon.wait_exit(600)
+    finally:
+        daemon.close()
+
+    records = [r for r in read_metrics(run_dir) if r["kind"] == "step"]
+    steps = [r["step"] for r in records]
+    recovered = log_events(run_dir, "inference_recovered")
+    caught_up = log_events(run_dir, "engine_caught_up")
+    epochs = log_events(run_dir, "weight_group_epoch")
+    row.data_lost = "none" if steps == list(range(1, STEPS + 1)) else f"steps {steps}"
+    row.notes = (
+        f"killed at step {busy['step']}; {trained_while_down} steps trained while it was down; rejoined at version "
+        f"{recovered[0]['rejoined_at'] if recovered else '?'}; weight groups formed {len(epochs)}"
+    )
+    assert code == 0, f"exit {code}: {failure_reason(run_dir)}\n{daemon.tail()}"
+    assert steps == list(range(1, STEPS + 1)), "every step trained exactly once"
+    assert trained_while_down >= 1, "training went on while the engine was relaunched"
+    assert [e["engine"] for e in recovered] == ["engine-1"] and recovered[0]["probe"]["ok"]
+    assert [e["engine"] for e in caught_up] == ["engine-1"], "brought to the current version before the probe"
+    assert len(epochs) >= 2 and epochs[-1]["engines"] == ["engine-0", "engine-1"], "a new group over both engines"
+    assert back["bridge"]["restarts"] == 1 and back["bridge"]["state"] == "SERVING"
+    syncs = [r for r in read_metrics(run_dir) if r["kind"] == "sync"]
+    assert syncs and all(s["probe"].get("ok", True) for s in syncs)
+    assert alive(daemon.vllm_pgids | {killed_pgid}) == [], "no process of any engine group remains"
