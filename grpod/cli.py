@@ -162,7 +162,9 @@ def _engine_lines(engines: list[dict], last_sync: dict | None) -> list[str]:
             agents.setdefault(e["agent"]["url"], []).append(e["agent"])
     for url, seen in agents.items():
         last = seen[-1]
-        reach = "reachable" if last["reachable"] else f"UNREACHABLE ({(last.get('error') or '')[:120]})"
+        reach = {True: "reachable", None: "not asked yet"}.get(
+            last["reachable"], f"UNREACHABLE ({(last.get('error') or '')[:120]})"
+        )
         lines.append(f"agent {url}: {len(seen)} engines, {reach}, last answer {last.get('last_answer_age_s')} s ago")
     if last_sync:
         phases = ", ".join(f"{name} {seconds:.3f}" for name, seconds in last_sync.get("phases", {}).items())

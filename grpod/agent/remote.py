@@ -195,10 +195,12 @@ class RemoteInference(InferenceEngine):
 
     def describe(self) -> dict[str, Any]:
         age = round(time.monotonic() - self.agent_seen, 1) if self.agent_seen is not None else None
+        contacted = self.agent_seen is not None or self.agent_error is not None
         return {
             **super().describe(),
             "launch": self.process.launch,
-            "agent": {"url": self.agent_url, "engine": self.agent_engine, "reachable": self.agent_error is None,
+            "agent": {"url": self.agent_url, "engine": self.agent_engine,
+                      "reachable": self.agent_error is None if contacted else None,  # None: not asked yet
                       "last_answer_age_s": age, "error": self.agent_error},
         }  # fmt: skip
 

@@ -132,3 +132,4 @@ def test_cluster_agents_become_remote_engines_beside_the_local_ones(tmp_path):
     ]  # fmt: skip
     assert [e.node for e in engines] == ["local"] + ["http://10.0.0.2:7900"] * 2 + ["http://10.0.0.3:7900"] * 2
     assert all(not e.process.running and e.describe()["base_url"] is None for e in engines)
+    assert engines[1].describe()["agent"]["reachable"] is None, "not asked yet"
