@@ -21,6 +21,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -80,7 +81,7 @@ class HostedEngine:
         agent's own relaunch when it runs on the same weights and arguments."""
         async with self._lock:
             if self._adoptable(request) and await self.engine.healthy():
-                self.handed = True
+                self.request, self.handed = request, True
                 log.info("engine_handed_over", engine=self.name, launch=self.launch_id, pid=self.engine.process.pid)
                 return self._answer(request_host, adopted=True, phases={})
             t = time.perf_counter()
@@ -125,10 +126,14 @@ class HostedEngine:
             and current.weights == request.weights and current.launch_kwargs() == request.launch_kwargs()
         )  # fmt: skip
 
-    async def _end_launch(self) -> None:
+    def _launch_ends(self) -> None:
+        """Wake the `ended` long-polls of the current launch; nothing is handed over any more."""
         self._ended.set()
         self._ended = anyio.Event()
         self.handed = False
+
+    async def _end_launch(self) -> None:
+        self._launch_ends()
         try:
             await self.engine.shutdown()
         except Exception as exc:  # a release that timed out: the group may live on
@@ -148,14 +153,13 @@ class HostedEngine:
             except RestartBudgetSpent as exc:
                 self.error = str(exc)
                 log.error("engine_given_up", engine=self.name, error=str(exc))
-                await self._end_launch()
+                with contextlib.suppress(EngineFailed):  # its error is in /status
+                    await self._end_launch()
                 return
             log.warning("engine_lost", engine=self.name, pid=self.engine.process.pid, reason=reason,
                         restarts=self.engine.restarts)
             began = time.perf_counter()
-            self._ended.set()
-            self._ended = anyio.Event()
-            self.handed = False
+            self._launch_ends()
             try:
                 await self.engine.relaunch(request.weights, request.version, **request.launch_kwargs())
             except Exception as exc:  # noqa: BLE001 — reported in /status; the leader decides
