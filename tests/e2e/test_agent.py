@@ -11,7 +11,8 @@ name theirs (`GLOO_SOCKET_IFNAME`), as a multi-homed node would.
 
 The run: the leader has no engine of its own (`inference.engines = 0`) and one on the agent.
 It trains `STEPS` steps syncing after every step, every sync probed. After step `CRASH_AT` the
-test pauses the run at a step boundary (`ctl pause`, then `ctl sync`, which answers there) and
+test pauses the run (`ctl pause`, then `ctl sync`, which answers once a whole sync is done, after
+which the paused loop waits at the step boundary) and
 SIGKILLs the engine's vLLM API server (a crash): the agent relaunches it on the weights it was
 launched with, the leader hears the loss through the agent, takes over that launch (or asks for
 one, whichever reaches the agent first: one vLLM start either way), brings it to the current
@@ -185,8 +186,9 @@ def test_an_agents_engine_serves_the_leaders_broadcast_run_through_a_crash(tmp_p
             daemon = DaemonProcess(write_config(tmp_path / "leader.toml", leader_settings), run_dir, env=leader_env,
                                    prefix=leader_node.prefix)
             daemon.wait_for(lambda s: (s.get("step") or 0) >= CRASH_AT, 700, f"step {CRASH_AT} served by the agent's engine")
-            # Hold the loop at a step boundary with no sync in flight (a forced sync answers there),
-            # so that the crash is met between syncs, by the watch through the agent.
+            # Hold the loop at a step boundary with no sync in flight (`ctl sync` answers once a whole
+            # sync is done, the step's own or one at the boundary; the paused loop then waits), so
+            # that the crash is met between syncs, by the watch through the agent.
             assert daemon.ctl("pause")["ok"]
             assert daemon.ctl("sync")["ok"]
             status = daemon.ctl("status")["result"]
@@ -221,7 +223,7 @@ def test_an_agents_engine_serves_the_leaders_broadcast_run_through_a_crash(tmp_p
     steps = [r for r in records if r["kind"] == "step" and not r.get("skipped")]
     syncs = [r for r in records if r["kind"] == "sync"]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1)) and STEPS - crashed_at >= 3
-    # Every sync probed, versions in order; the forced one held the loop at the boundary.
+    # Every sync probed, versions in order, one of them the operator's (`ctl sync`).
     assert [s["version"] for s in syncs] == list(range(1, len(syncs) + 1)), syncs
     assert [s["forced"] for s in syncs].count(True) == 1
     assert all(s["probe"]["ok"] and "broadcast" in s["phases"] for s in syncs), syncs
