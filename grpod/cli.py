@@ -1,4 +1,4 @@
-"""`grpod` command line: start, ctl, init-model, check-config, plot.
+"""`grpod` command line: start, agent, ctl, init-model, check-config, plot.
 
 Exit status: 0 success; 1 the run failed (reason logged and printed); 2 bad usage or config
 (one message naming the file, the key and what is wrong); 3 `ctl` could not reach the daemon or
@@ -24,6 +24,10 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--config", type=Path, help="TOML config (default: all defaults)")
     start.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     start.add_argument("--resume", help="auto | never | PATH of a checkpoint (overrides run.resume)")
+
+    agent = sub.add_parser("agent", help="serve this node's vLLM engines to a leader (docs/agent.md)")
+    agent.add_argument("--config", type=Path, help="TOML config with an [agent] section (token required)")
+    agent.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     check = sub.add_parser("check-config", help="validate a config file without starting")
     check.add_argument("path", type=Path)
@@ -65,6 +69,12 @@ def cmd_start(args: argparse.Namespace) -> int:
     from grpod.daemon.supervisor import run_daemon
 
     return run_daemon(cfg, config_path=args.config)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from grpod.agent.server import run_agent
+
+    return run_agent(_load(args.config, args.overrides))
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -129,10 +139,37 @@ def _render_status(result: dict) -> str:
     rows.extend((key, value) for key, value in sorted(metrics.items()) if key.startswith("reward/"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.extend(_engine_lines(bridge.get("engines") or [], bridge.get("last_sync")))
     if bridge.get("transitions"):
         lines.append("bridge transitions:")
         lines.extend(f"  {t}" for t in bridge["transitions"])
     return "\n".join(lines)
+
+
+def _engine_lines(engines: list[dict], last_sync: dict | None) -> list[str]:
+    """One line per engine (node, URL, state, version, restarts), one per agent of remote ones, and
+    the phases of the last sync (every engine's, at once)."""
+    if not engines:
+        return []
+    lines = ["engines:"]
+    agents: dict[str, list[dict]] = {}
+    for e in engines:
+        lines.append(
+            f"  {e['name']}  node {e.get('node', 'local')}  {e.get('base_url') or '-'}  {e.get('state', '?')}  "
+            f"v{e.get('version')}  restarts {e.get('restarts')}  launches {e.get('launches', '-')}  pid {e.get('pid')}"
+        )
+        if e.get("agent"):
+            agents.setdefault(e["agent"]["url"], []).append(e["agent"])
+    for url, seen in agents.items():
+        last = seen[-1]
+        reach = {True: "reachable", None: "not asked yet"}.get(
+            last["reachable"], f"UNREACHABLE ({(last.get('error') or '')[:120]})"
+        )
+        lines.append(f"agent {url}: {len(seen)} engines, {reach}, last answer {last.get('last_answer_age_s')} s ago")
+    if last_sync:
+        phases = ", ".join(f"{name} {seconds:.3f}" for name, seconds in last_sync.get("phases", {}).items())
+        lines.append(f"last sync v{last_sync.get('version')} (s): {phases}")
+    return lines
 
 
 def _rates_row(rates: dict | None) -> str | None:
@@ -232,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {
         "start": cmd_start,
+        "agent": cmd_agent,
         "check-config": cmd_check_config,
         "ctl": cmd_ctl,
         "init-model": cmd_init_model,

@@ -10,11 +10,13 @@ is wrong; the CLI prints it and exits with status 2.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -80,7 +82,8 @@ class InferenceConfig(_Section):
     # log (vllm-<i>.log) and restart budget; requests go to the available one with the fewest
     # outstanding. Each engine's cores (CPU: VLLM_CPU_OMP_THREADS_BIND) or GPU
     # (CUDA_VISIBLE_DEVICES) come from cpu_binds / gpu_ids, else engine i takes core / GPU i.
-    engines: int = Field(1, ge=1)
+    # 0: none on this node, every engine is a `grpod agent`'s (cluster.agents).
+    engines: int = Field(1, ge=0)
     cpu_binds: list[str] = []
     gpu_ids: list[str] = []
 
@@ -513,6 +516,116 @@ class MetricsConfig(_Section):
     wandb_mode: Literal["online", "offline"] = "online"
 
 
+# A token shorter than this is refused: it guards an API that starts processes on a node.
+MIN_TOKEN_CHARS = 16
+
+
+def _check_token(section: str, token: str | None, token_file: Path | None) -> None:
+    """What can be checked of `[section]`'s secret where it is not used: one of the two, long enough."""
+    if token is not None and token_file is not None:
+        raise ValueError(f"{section}.token and {section}.token_file are both set; keep one")
+    if token is not None:
+        _long_enough(f"{section}.token", token)
+
+
+def _long_enough(key: str, token: str) -> str:
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(
+            f"{key}: the token has {len(token)} characters, fewer than {MIN_TOKEN_CHARS}; make one with "
+            "`python -c 'import secrets; print(secrets.token_hex(16))'`"
+        )
+    return token
+
+
+def read_token(section: str, token: str | None, token_file: Path | None) -> str | None:
+    """The shared secret of `[section]`: `token`, or the first line of `token_file`, read where it is
+    used (the file exists on that node only); None when neither is set. ConfigError naming the key."""
+    if token_file is None:
+        return token
+    key = f"{section}.token_file = {str(token_file)!r}"
+    try:
+        return _long_enough(key, token_file.read_text().strip())
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read it: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+class AgentConfig(_Section):
+    """`grpod agent`: the daemon of an inference node (`grpod/agent/server.py`). It supervises this
+    node's engines (`[inference]`, `[model]` of the same file) and serves them to the leader over
+    an HTTP API that requires the token on every route."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(7900, ge=1, le=65535)
+    # Required to start an agent (one of the two); the leader's cluster.token must be the same.
+    token: str | None = None
+    token_file: Path | None = None
+    # Engines this agent serves (default inference.engines), named engine-0, engine-1, ...
+    engines: int | None = Field(None, ge=1)
+    # Its log, the engines' vLLM logs and launch records (default <run.dir>/agent).
+    dir: Path | None = None
+
+    @model_validator(mode="after")
+    def _token_settings(self) -> AgentConfig:
+        _check_token("agent", self.token, self.token_file)
+        return self
+
+    def token_value(self) -> str | None:
+        return read_token("agent", self.token, self.token_file)
+
+
+class ClusterConfig(_Section):
+    """Engines on other nodes: each `grpod agent` in `agents` serves `engines_per_agent` engines to
+    this daemon (the leader), beside the `inference.engines` of this node."""
+
+    # Agents' base URLs, e.g. ["http://10.0.0.2:7900"] (default port 7900).
+    agents: list[str] = []
+    # The agents' agent.token (one of the two is required with agents).
+    token: str | None = None
+    token_file: Path | None = None
+    engines_per_agent: int = Field(1, ge=1)
+    # Any one request to an agent but a launch (launches wait for vLLM: inference.start_timeout_s).
+    request_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("agents")
+    @classmethod
+    def _agent_urls(cls, urls: list[str]) -> list[str]:
+        normal = []
+        for i, url in enumerate(urls):
+            parts = urlsplit(url)
+            try:
+                port = parts.port
+            except ValueError:
+                port = -1
+            if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.path not in ("", "/"):
+                raise ValueError(f"cluster.agents[{i}] = {url!r} is not an agent's base URL like 'http://10.0.0.2:7900'")
+            host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+            normal.append(f"{parts.scheme}://{host}:{port or 7900}")
+        if len(set(normal)) != len(normal):
+            raise ValueError(f"cluster.agents names one agent twice: {normal}")
+        return normal
+
+    @model_validator(mode="after")
+    def _token_given(self) -> ClusterConfig:
+        _check_token("cluster", self.token, self.token_file)
+        if self.agents and self.token is None and self.token_file is None:
+            raise ValueError("cluster.agents needs cluster.token or cluster.token_file (the agents' agent.token)")
+        return self
+
+    def token_value(self) -> str | None:
+        return read_token("cluster", self.token, self.token_file)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def run_key(run_dir: Path | str) -> str:
     """A short stable name for a run directory (its resolved path, hashed): what names the run's
     resources outside it, so that a restart of the same run finds them again."""
@@ -531,6 +644,8 @@ class GrpodConfig(_Section):
     control: ControlConfig = ControlConfig()
     notify: NotifyConfig = NotifyConfig()
     metrics: MetricsConfig = MetricsConfig()
+    agent: AgentConfig = AgentConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")
     def _modes_agree(self) -> GrpodConfig:
@@ -544,7 +659,26 @@ class GrpodConfig(_Section):
             raise ValueError("eval.size > 0 with source.kind = 'dataset' needs eval.dataset (a held-out split)")
         if self.train.loss.clip_low >= 1:
             raise ValueError("train.loss.clip_low must be < 1 (the ratio floor is 1 - clip_low)")
+        self._cluster_agrees()
         return self
+
+    def _cluster_agrees(self) -> None:
+        agents = self.cluster.agents
+        if self.inference.engines == 0 and not agents:
+            raise ValueError("inference.engines = 0 leaves no engine: list agents in cluster.agents, or set inference.engines >= 1")
+        if not agents:
+            return
+        if self.bridge.mode != "broadcast":
+            raise ValueError(
+                f"cluster.agents: engines on other nodes get the weights only with bridge.mode = 'broadcast' "
+                f"(got {self.bridge.mode!r}; the other modes hand vLLM paths or memory of this node)"
+            )
+        remote = [url for url in agents if not _is_loopback(urlsplit(url).hostname or "")]
+        if remote and _is_loopback(self.bridge.host):
+            raise ValueError(
+                f"bridge.host = {self.bridge.host!r} is loopback, but the agents at {', '.join(remote)} must reach "
+                "trainer rank 0 there: set bridge.host to an address of this node that they can reach"
+            )
 
     @property
     def completion_budget(self) -> int:

@@ -77,7 +77,12 @@ def group_processes(pgid: int) -> list[psutil.Process]:
 
 
 class DaemonProcess:
-    def __init__(self, config: Path, run_dir: Path, extra_args: list[str] | None = None, env: dict | None = None):
+    def __init__(
+        self, config: Path, run_dir: Path, extra_args: list[str] | None = None, env: dict | None = None,
+        prefix: list[str] | None = None,
+    ):
+        """`prefix`: a command that execs the daemon in place (e.g. `ip netns exec NAME`), so
+        that `proc.pid` is the daemon's."""
         self.config = config
         self.run_dir = run_dir
         self.socket = run_dir / "grpod.sock"
@@ -85,7 +90,7 @@ class DaemonProcess:
         self.output = run_dir.parent / f"{run_dir.name}-daemon.out"
         self._out = open(self.output, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "grpod", "start", "--config", str(config), *(extra_args or [])],
+            [*(prefix or []), sys.executable, "-m", "grpod", "start", "--config", str(config), *(extra_args or [])],
             cwd=ROOT,
             stdout=self._out,
             stderr=subprocess.STDOUT,

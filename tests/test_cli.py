@@ -20,3 +20,18 @@ def test_the_ctl_subcommand_accepts_exactly_the_desks_commands():
 
     ctl = next(a for a in _parser()._subparsers._group_actions[0].choices["ctl"]._actions if a.dest == "cmd")
     assert tuple(ctl.choices) == OperatorDesk.commands()
+
+
+def test_status_lists_each_engine_with_its_node_and_each_agent():
+    local = {"name": "engine-0", "node": "local", "base_url": "http://127.0.0.1:8000", "state": "serving", "version": 3,
+             "restarts": 0, "launches": 1, "pid": 11}
+    agent = {"url": "http://10.0.0.2:7900", "engine": "engine-0", "reachable": False, "last_answer_age_s": 31.5,
+             "error": "agent http://10.0.0.2:7900 /engines/engine-0/ended: no response: timed out after 30 s"}
+    remote = {"name": "10.0.0.2:7900/engine-0", "node": "http://10.0.0.2:7900", "base_url": None, "state": "down",
+              "version": 2, "restarts": 1, "launches": 2, "pid": 42, "agent": agent}
+    table = _render_status({"bridge": {"engines": [local, remote],
+                                       "last_sync": {"version": 3, "phases": {"broadcast": 0.05, "probe": 0.02}}}})
+    assert "engine-0  node local  http://127.0.0.1:8000  serving  v3  restarts 0  launches 1  pid 11" in table
+    assert "10.0.0.2:7900/engine-0  node http://10.0.0.2:7900  -  down  v2  restarts 1  launches 2  pid 42" in table
+    assert "agent http://10.0.0.2:7900: 1 engines, UNREACHABLE (agent http://10.0.0.2:7900" in table
+    assert "last sync v3 (s): broadcast 0.050, probe 0.020" in table

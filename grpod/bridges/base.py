@@ -1,8 +1,9 @@
 """What every bridge mode shares: the sync protocol, the probe cadence and the state machine.
 
 A bridge answers the one question the rest of grpod asks it: "do the engines serve the
-trainer's weights, and which version are they?". It owns no process: each engine is a
-`SupervisedInference` (process, client, gate, health watch, restart budget) handed to it, and
+trainer's weights, and which version are they?". It owns no process: each engine is an
+`InferenceEngine` (process, client, gate, health watch, restart budget) handed to it — a
+`SupervisedInference` on this node or a `RemoteInference` a `grpod agent` runs elsewhere — and
 what the rest of grpod sees of the policy is the `Policy` handle it publishes to. Every sync
 follows the same sequence, whatever the mode:
 
@@ -21,7 +22,7 @@ reads the trainer: it probes a relaunched engine against the scores recorded at 
 version's sync (every sync records them, probed or not).
 
 A lost engine is met in one of two places, and both spend its restart budget:
-- between syncs, by its health watch (`SupervisedInference.watch` → `recover`): relaunched on the
+- between syncs, by its health watch (`InferenceEngine.watch` → `recover`): relaunched on the
   weights of the current policy version and probed against that version's recorded scores;
 - during a sync, by the sync itself (the apply step fails and the engine does not answer
   `/health`): relaunched on the weights it served before the sync, and the same sync applied once
@@ -54,8 +55,8 @@ from grpod.bridges.probe import (
     trainer_scores,
 )
 from grpod.config import LORA_MODES, ModelConfig
+from grpod.inference.engine import InferenceEngine, RestartBudgetSpent
 from grpod.inference.policy import Policy
-from grpod.inference.supervised import RestartBudgetSpent, SupervisedInference
 
 log = structlog.get_logger(__name__)
 
@@ -140,7 +141,7 @@ class Bridge:
         self,
         cfg,
         *,
-        engines: list[SupervisedInference],
+        engines: list[InferenceEngine],
         trainer=None,
         model: ModelConfig,
         run_dir: Path,
@@ -198,18 +199,18 @@ class Bridge:
     def _launch_kwargs(self) -> dict[str, Any]:
         return {}
 
-    async def _after_launch(self, engine: SupervisedInference) -> None:
+    async def _after_launch(self, engine: InferenceEngine) -> None:
         """A mode's step between an engine's launch and its probe (shared: attach the weights)."""
 
     def _served_name(self) -> str | None:
         """The model name that samples the current policy (None: the default, `policy`)."""
         return None
 
-    async def _launch(self, engine: SupervisedInference, weights: Path) -> None:
+    async def _launch(self, engine: InferenceEngine, weights: Path) -> None:
         await engine.launch(weights, self.policy.version, **self._launch_kwargs())
         await self._after_launch(engine)
 
-    async def _relaunch(self, engine: SupervisedInference, weights: Path, phases: dict[str, float] | None = None) -> None:
+    async def _relaunch(self, engine: InferenceEngine, weights: Path, phases: dict[str, float] | None = None) -> None:
         """Stop the engine, wait until it released everything, launch it on `weights`."""
         self.probes.launched()
         await engine.relaunch(weights, self.policy.version, phases, **self._launch_kwargs())
@@ -238,7 +239,7 @@ class Bridge:
         return result
 
     async def _probe_and_serve(
-        self, reference: list[list[float]] | None, engines: list[SupervisedInference] | None = None
+        self, reference: list[list[float]] | None, engines: list[InferenceEngine] | None = None
     ) -> ProbeResult:
         """Probe `engines` (default: the members) against `reference` (trainer scores taken
         earlier), else the trainer's weights now; open them once they pass."""
@@ -337,7 +338,7 @@ class Bridge:
         finally:
             self._sync_slot.release()
 
-    def members(self) -> list[SupervisedInference]:
+    def members(self) -> list[InferenceEngine]:
         """The engines a sync updates: all but those being relaunched (they rejoin caught up)."""
         return [engine for engine in self.engines if not engine.recovering]
 
@@ -347,7 +348,7 @@ class Bridge:
         for engine in self.members():
             await self._apply_recovering(engine, staged, version, phases)
 
-    async def _apply_recovering(self, engine: SupervisedInference, staged: Path, version: int, phases: dict[str, float]) -> None:
+    async def _apply_recovering(self, engine: InferenceEngine, staged: Path, version: int, phases: dict[str, float]) -> None:
         try:
             await self._apply(engine, staged, version, phases)
         except Exception as exc:  # noqa: BLE001 — a dead engine is recovered, anything else fails the sync
@@ -385,7 +386,7 @@ class Bridge:
         async with self._sync_slot:
             pass
 
-    async def _bump_version_and_reset_cache(self, engine: SupervisedInference, version: int) -> None:
+    async def _bump_version_and_reset_cache(self, engine: InferenceEngine, version: int) -> None:
         """Every weight change: the new version on the engine's tokens, and no cached old-weight prefixes."""
         assert engine.client is not None
         await engine.client.reset_prefix_cache()
@@ -395,14 +396,14 @@ class Bridge:
         """Write what this mode ships to the engines for `version`; returns where it is."""
         raise NotImplementedError
 
-    async def _apply(self, engine: SupervisedInference, staged: Path, version: int, phases: dict[str, float]) -> None:
+    async def _apply(self, engine: InferenceEngine, staged: Path, version: int, phases: dict[str, float]) -> None:
         """Make `engine` serve `staged` as `version` (including cache reset and version bump)."""
         raise NotImplementedError
 
     async def _applied(self, staged: Any, version: int) -> None:
         """After every engine applied `version`: what the mode keeps of it (and what it prunes)."""
 
-    async def _catch_up(self, engine: SupervisedInference) -> None:
+    async def _catch_up(self, engine: InferenceEngine) -> None:
         """After a relaunch between syncs: bring `engine` to the current version if a sync landed
         while it launched (it was launched on the weights current when the relaunch began)."""
         if engine.version != self.policy.version:
@@ -414,7 +415,7 @@ class Bridge:
         return self.current_weights
 
     # ---- losing an engine -------------------------------------------------------------------
-    async def _relaunch_mid_sync(self, engine: SupervisedInference, cause: Exception, version: int, phases: dict[str, float]) -> None:
+    async def _relaunch_mid_sync(self, engine: InferenceEngine, cause: Exception, version: int, phases: dict[str, float]) -> None:
         """An engine died while a sync was applied: relaunch it on the weights it served before
         the sync (the caller then applies the sync again). No probe here: the trainer is already
         at `version`, the engine is not yet."""
@@ -447,7 +448,7 @@ class Bridge:
                 matched = matched.exceptions[0]
             raise matched from None
 
-    async def recover(self, engine: SupervisedInference, reason: str) -> None:
+    async def recover(self, engine: InferenceEngine, reason: str) -> None:
         """Relaunch a lost engine on the current version's weights and probe it against that
         version's recorded scores (a sync that ran meanwhile may already have recovered it).
         The only engine: the bridge is RECOVERING meanwhile. One of a pool: `_recover_member`."""
@@ -472,7 +473,7 @@ class Bridge:
             await self._probe_and_serve(self._reference_now(engine), engines=[engine])
             log.info("inference_recovered", bridge=self.mode, engine=engine.name, seconds=round(time.perf_counter() - began, 3))
 
-    async def _recover_member(self, engine: SupervisedInference, reason: str) -> None:
+    async def _recover_member(self, engine: InferenceEngine, reason: str) -> None:
         """One engine of a pool is lost: the others keep serving and syncing while it is
         relaunched (the sync slot is taken only to decide and, at the end, to catch it up to the
         current version and probe it); it rejoins the syncs only after a passing probe."""
@@ -502,7 +503,7 @@ class Bridge:
         log.info("inference_recovered", bridge=self.mode, engine=engine.name, rejoined_at=self.policy.version,
                  seconds=round(time.perf_counter() - began, 3), probe=result.as_dict())
 
-    def _reference_now(self, engine: SupervisedInference) -> list[list[float]]:
+    def _reference_now(self, engine: InferenceEngine) -> list[list[float]]:
         """The trainer's scores recorded at the current version's sync (a relaunched engine is
         probed against them, never against the trainer's live weights)."""
         reference = self.probes.reference_for(self.policy.version)

@@ -58,7 +58,7 @@ import structlog
 from grpod.bridges.base import Bridge
 from grpod.bridges.common import Event, lifecycle_rows, mode_states
 from grpod.inference.client import InferenceRequestError
-from grpod.inference.supervised import SupervisedInference
+from grpod.inference.engine import InferenceEngine
 from grpod.weights.transfer import (
     ENGINE_EXTENSION,
     EngineWeightClient,
@@ -128,7 +128,7 @@ class BroadcastBridge(Bridge):
         return await anyio.to_thread.run_sync(copy)
 
     # ---- the group of a membership epoch ------------------------------------------------------
-    async def _weight_group(self, engines: list[SupervisedInference]) -> WeightGroup:
+    async def _weight_group(self, engines: list[InferenceEngine]) -> WeightGroup:
         """The group of this membership epoch: formed again whenever the members changed (an
         engine relaunched, left or rejoined) or the last update broke it."""
         members = tuple((engine.name, engine.launches) for engine in engines)
@@ -171,7 +171,7 @@ class BroadcastBridge(Bridge):
         self._synced = (version, staged)
 
     async def _update(
-        self, engines: list[SupervisedInference], staged: Weights, version: int, phases: dict[str, float],
+        self, engines: list[InferenceEngine], staged: Weights, version: int, phases: dict[str, float],
         *, epoch_group: bool,
     ) -> None:
         """Fence `engines`, send `staged` as `version` to all of them in one group (the epoch's
@@ -200,7 +200,7 @@ class BroadcastBridge(Bridge):
             engine.version = version
         phases["reset_resume"] = phases.get("reset_resume", 0.0) + time.perf_counter() - t
 
-    async def _catch_up(self, engine: SupervisedInference) -> None:
+    async def _catch_up(self, engine: InferenceEngine) -> None:
         """A relaunched engine came up on the run's initial weights: send it the last synced ones
         (in a group of its own; the next sync forms the members' group again)."""
         if self._synced is None:

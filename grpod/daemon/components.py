@@ -1,7 +1,8 @@
 """How a run's parts are built from the config and started: the wiring, in one place.
 
 Each component gets its own config section and the few values it needs, never the whole tree or
-the supervisor: the trainer its `train` and `model` sections, each engine `inference`, the bridge
+the supervisor: the trainer its `train` and `model` sections, each engine `inference` (an engine
+on another node also its agent's URL and token from `cluster`), the bridge
 its `bridge` section with the engines, the source its `source` section with the `Policy` handle.
 
 Start-up order (`start_parts`), measured to matter on a CPU machine where vLLM's start dominates:
@@ -12,7 +13,6 @@ whatever was launched before the error propagates.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +20,16 @@ from pathlib import Path
 import anyio
 import structlog
 
+from grpod.agent.remote import remote_engines
 from grpod.bridges import bridge_class
-from grpod.config import LORA_MODES, GrpodConfig, InferenceConfig
+from grpod.config import LORA_MODES, GrpodConfig
 from grpod.daemon.desk import OperatorDesk
 from grpod.daemon.notify import Heartbeat
 from grpod.daemon.progress import RunProgress
 from grpod.daemon.step_loop import StepLoop
 from grpod.inference import release
-from grpod.inference.process import InferenceProcess
+from grpod.inference.engine import InferenceEngine
+from grpod.inference.process import InferenceProcess, engine_env
 from grpod.inference.supervised import SupervisedInference
 from grpod.rollouts.admission import BatchAdmission
 from grpod.rollouts.buffer import RolloutBuffer
@@ -47,31 +49,20 @@ class RunParts:
     loop: StepLoop
 
 
-def engine_env(cfg: InferenceConfig, index: int, gpu: bool) -> dict[str, str]:
-    """Engine `index`'s own cores or GPU. One engine keeps vLLM's own choice; several are spread
-    (engine i on core i, or GPU i, modulo what the machine has) unless listed in the config."""
-    if gpu:
-        if cfg.gpu_ids:
-            return {"CUDA_VISIBLE_DEVICES": cfg.gpu_ids[index]}
-        return {"CUDA_VISIBLE_DEVICES": str(index % max(release.nvidia_gpu_count(), 1))} if cfg.engines > 1 else {}
-    if cfg.cpu_binds:
-        return {"VLLM_CPU_OMP_THREADS_BIND": cfg.cpu_binds[index]}
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))} if cfg.engines > 1 else {}
-
-
-def build_engines(cfg: GrpodConfig, run_dir: Path) -> list[SupervisedInference]:
-    """The inference engines of this node (`inference.engines` of them)."""
+def build_engines(cfg: GrpodConfig, run_dir: Path) -> list[InferenceEngine]:
+    """The inference engines: `inference.engines` on this node, then `cluster.engines_per_agent`
+    of each agent in `cluster.agents` (grpod agents on other nodes)."""
     gpu = release.nvidia_gpu_count() > 0
-    engines = []
+    engines: list[InferenceEngine] = []
     for index in range(cfg.inference.engines):
         process = InferenceProcess(
             cfg.inference, cfg.model, run_dir, gpu=gpu, index=index, env=engine_env(cfg.inference, index, gpu)
         )
         engines.append(SupervisedInference(process, cfg.inference, name=f"engine-{index}"))
-    return engines
+    return engines + remote_engines(cfg, gpu=gpu)
 
 
-def build_bridge(cfg: GrpodConfig, run_dir: Path, engines: list[SupervisedInference], *, trainer=None, policy_version: int = 0):
+def build_bridge(cfg: GrpodConfig, run_dir: Path, engines: list[InferenceEngine], *, trainer=None, policy_version: int = 0):
     """The bridge of `bridge.mode` over `engines` (the trainer may be provided later)."""
     extra = {}
     if cfg.bridge.mode in LORA_MODES:

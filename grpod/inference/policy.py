@@ -21,16 +21,16 @@ from typing import Any
 
 import anyio
 
-from grpod.inference.routes import SERVED_MODEL_NAME
-from grpod.inference.supervised import (
+from grpod.inference.engine import (
     EngineLease,
+    InferenceEngine,
     InferenceUnavailable,
-    SupervisedInference,
 )
+from grpod.inference.routes import SERVED_MODEL_NAME
 
 
 class Policy:
-    def __init__(self, engines: list[SupervisedInference], *, version: int = 0, lora: bool = False) -> None:
+    def __init__(self, engines: list[InferenceEngine], *, version: int = 0, lora: bool = False) -> None:
         if not engines:
             raise ValueError("a policy needs at least one engine")
         self.engines = engines
@@ -48,7 +48,7 @@ class Policy:
     def available(self) -> bool:
         return any(engine.available for engine in self.engines)
 
-    async def _pick(self, timeout_s: float) -> SupervisedInference:
+    async def _pick(self, timeout_s: float) -> InferenceEngine:
         try:
             with anyio.fail_after(timeout_s):
                 while True:
@@ -58,7 +58,7 @@ class Policy:
                     async with anyio.create_task_group() as tg:
                         for engine in self.engines:
 
-                            async def first_open(engine: SupervisedInference = engine) -> None:
+                            async def first_open(engine: InferenceEngine = engine) -> None:
                                 await engine.wait_open()
                                 tg.cancel_scope.cancel()
 

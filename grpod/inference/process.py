@@ -192,6 +192,18 @@ def server_env(cfg: InferenceConfig) -> dict[str, str]:
 LOG_LINE_CHARS = 300
 
 
+def engine_env(cfg: InferenceConfig, index: int, gpu: bool) -> dict[str, str]:
+    """Engine `index`'s own cores or GPU. One engine keeps vLLM's own choice; several are spread
+    (engine i on core i, or GPU i, modulo what the machine has) unless listed in the config."""
+    if gpu:
+        if cfg.gpu_ids:
+            return {"CUDA_VISIBLE_DEVICES": cfg.gpu_ids[index]}
+        return {"CUDA_VISIBLE_DEVICES": str(index % max(release.nvidia_gpu_count(), 1))} if cfg.engines > 1 else {}
+    if cfg.cpu_binds:
+        return {"VLLM_CPU_OMP_THREADS_BIND": cfg.cpu_binds[index]}
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))} if cfg.engines > 1 else {}
+
+
 class LaunchLog:
     """The server's log file, appended to by every launch; what one launch wrote is readable."""
 

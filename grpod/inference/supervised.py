@@ -1,11 +1,10 @@
-"""`SupervisedInference`: one vLLM engine and everything that keeps it usable, in one owner.
+"""`SupervisedInference`: one vLLM engine on this node and everything that keeps it usable, in one owner.
 
-It holds the engine's process (`InferenceProcess`), the lifetime of its HTTP client (an exit
-stack opened at each launch and closed at each shutdown), the availability gate requests wait at
-while the engine is replaced or its weights change, the version of the weights it serves, how many
-requests it has outstanding (for least-outstanding dispatch over a pool), the health watch and its
-restart budget. A pool of engines is a list of these; nothing here knows about the others, the
-trainer or the bridge.
+It holds the engine's process (`InferenceProcess`: a process group of its own, a launch token,
+release waits) and, from `InferenceEngine`, the lifetime of its HTTP client, the availability
+gate, the version it serves, its outstanding requests, the health watch and its restart budget.
+A pool of engines is a list of these; nothing here knows about the others, the trainer or the
+bridge.
 
 The health watch (`watch`) finds a lost engine two ways and hands it to the caller's `on_lost`
 (the bridge relaunches and probes it):
@@ -21,224 +20,59 @@ doubles from 1 s up to 30 s between relaunches of the same engine.
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
-import structlog
 
 from grpod.config import InferenceConfig
-from grpod.inference.client import InferenceClient
+from grpod.inference.engine import (
+    FIRST_BACKOFF_S,
+    MAX_BACKOFF_S,
+    EngineLease,
+    InferenceEngine,
+    InferenceUnavailable,
+    LostHandler,
+    RestartBudgetSpent,
+)
 from grpod.inference.process import InferenceProcess
 
-log = structlog.get_logger(__name__)
-
-FIRST_BACKOFF_S = 1.0
-MAX_BACKOFF_S = 30.0
-
-
-class RestartBudgetSpent(RuntimeError):
-    """An engine was lost once more than `inference.max_restarts` allows."""
-
-
-class InferenceUnavailable(RuntimeError):
-    """No engine became available to serve requests in time."""
+__all__ = [
+    "FIRST_BACKOFF_S",
+    "MAX_BACKOFF_S",
+    "EngineLease",
+    "InferenceUnavailable",
+    "LostHandler",
+    "RestartBudgetSpent",
+    "SupervisedInference",
+]
 
 
-@dataclass(frozen=True)
-class EngineLease:
-    """One engine lent to a request: the client to call, the model name to ask for, and the policy
-    version the engine served when it was lent (`sampled_version` is what the result is tagged with)."""
-
-    engine: SupervisedInference
-    client: InferenceClient
-    model: str
-    version: int
-
-    def sampled_version(self) -> int:
-        """The older of the version at the start and now: a sync may land while a request runs."""
-        current = self.engine.version if self.engine.version is not None else self.version
-        return min(self.version, current)
-
-
-LostHandler = Callable[["SupervisedInference", str], Awaitable[None]]
-
-
-class SupervisedInference:
-    """One engine (see the module docstring). `launch`, `shutdown` and `relaunch` are called by its
-    owner only (the bridge); requests go through `wait_available` / `Policy.engine`."""
+class SupervisedInference(InferenceEngine):
+    """One engine on this node (see the module docstring). `launch`, `shutdown` and `relaunch`
+    are called by its owner only (the bridge); requests go through `wait_open` / `Policy.engine`."""
 
     def __init__(self, process: InferenceProcess, cfg: InferenceConfig, *, name: str = "engine-0") -> None:
-        self.name = name
+        super().__init__(cfg, name=name)
         self.process = process
-        self.cfg = cfg
-        self.client: InferenceClient | None = None
-        self.version: int | None = None
-        self.weights: Path | None = None
-        self.outstanding = 0
-        # Out of the pool's syncs while being relaunched; rejoins after a passing probe.
-        self.recovering = False
-        self.restarts = 0
-        self.launches = 0
-        self._stack: AsyncExitStack | None = None
-        self._gate = anyio.Event()
-        self._next_launch = anyio.Event()
-        self._backoff_s = FIRST_BACKOFF_S
 
-    # ---- lifecycle (the owner's) -----------------------------------------------------------
     async def launch(self, weights: Path, version: int, **launch_kwargs: Any) -> None:
         """Start vLLM on `weights` (returns once healthy), open its client, tag `version`.
         The gate stays closed: the owner opens it once the engine passed its probe."""
         await self.process.start(weights, **launch_kwargs)
-        stack = AsyncExitStack()
         try:
-            self.client = await stack.enter_async_context(self.process.client())
-            await self.client.update_weight_version(version)
+            await self._open_client(version, weights)
         except BaseException:
-            self.client = None
-            await stack.aclose()
             await self.process.stop()
             raise
-        self._stack = stack
-        self.version, self.weights = version, Path(weights)
-        self.launches += 1
-        event, self._next_launch = self._next_launch, anyio.Event()
-        event.set()
 
     async def shutdown(self) -> None:
         """Close the gate and the client, stop the process group and wait until it released its
         port and memory (bounded by `inference.stop_grace_s` / `release_timeout_s`)."""
-        self.close()
-        stack, self._stack, self.client = self._stack, None, None
+        await self._close_client()
         with anyio.CancelScope(shield=True):
-            if stack is not None:
-                await stack.aclose()
             await self.process.stop()
 
-    async def relaunch(self, weights: Path, version: int, phases: dict[str, float] | None = None, **launch_kwargs: Any) -> None:
-        """Shut down, then launch on `weights`; the time of each half goes into `phases`."""
-        t = time.perf_counter()
-        await self.shutdown()
-        if phases is not None:
-            phases["stop"] = time.perf_counter() - t
-        t = time.perf_counter()
-        await self.launch(weights, version, **launch_kwargs)
-        if phases is not None:
-            phases["launch"] = time.perf_counter() - t
-
-    def spend_restart(self, reason: str) -> None:
-        """Count one relaunch after a loss; RestartBudgetSpent once `inference.max_restarts` are spent."""
-        if self.restarts >= self.cfg.max_restarts:
-            raise RestartBudgetSpent(
-                f"{self.name}: {reason}, and the restart budget (inference.max_restarts = {self.cfg.max_restarts}) is spent"
-            )
-        self.restarts += 1
-
-    async def healthy(self) -> bool:
-        """True when the process runs and `/health` answers 200 within the request timeout."""
-        if not self.process.running or self.client is None:
-            return False
-        try:
-            with anyio.fail_after(self.cfg.request_timeout_s):
-                return await self.client.health()
-        except Exception:  # noqa: BLE001 — any failure to answer is an unhealthy engine
-            return False
-
-    # ---- the availability gate -------------------------------------------------------------
-    def open(self) -> None:
-        self._gate.set()
-
-    def close(self) -> None:
-        if self._gate.is_set():
-            self._gate = anyio.Event()
-
-    @property
-    def available(self) -> bool:
-        return self._gate.is_set() and self.client is not None
-
-    async def wait_open(self) -> None:
-        """Return once the gate is open with a client behind it (no timeout: callers bound it)."""
-        while True:
-            gate = self._gate
-            await gate.wait()
-            if gate is self._gate and self.client is not None:
-                return
-
-    @asynccontextmanager
-    async def lease(self, model: str) -> AsyncIterator[EngineLease]:
-        """This engine lent to one request (counted in `outstanding` while it runs). The gate
-        must be open: callers wait for it first (`Policy.engine`)."""
-        assert self.client is not None and self.version is not None, f"{self.name} leased while down"
-        self.outstanding += 1
-        try:
-            yield EngineLease(self, self.client, model, self.version)
-        finally:
-            self.outstanding -= 1
-
-    # ---- the health watch ------------------------------------------------------------------
-    async def watch(self, on_lost: LostHandler) -> None:
-        """Until cancelled: wait for the engine to be lost, back off, call `on_lost(self, reason)`.
-        `on_lost` relaunches it, or leaves it (the run is stopping or failed); a dead engine left
-        as it is is watched again only after its next launch."""
-        while True:
-            if self.client is None:  # not launched yet, or shut down: nothing to watch
-                await self._next_launch.wait()
-                continue
-            generation = self.launches
-            reason = await self._until_lost()
-            if self.restarts:
-                await anyio.sleep(self._backoff_s)
-                self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
-            await on_lost(self, reason)
-            if self.launches == generation and not self.process.running:
-                await self._next_launch.wait()
-
-    async def _until_lost(self) -> str:
-        """Return why the engine is lost: its process exited, or it stopped answering /health."""
-        reason = ""
-        async with anyio.create_task_group() as tg:
-
-            async def exited() -> None:
-                nonlocal reason
-                code = await self.process.wait_exit()
-                reason = f"vLLM exited with code {code}"
-                tg.cancel_scope.cancel()
-
-            async def hung() -> None:
-                nonlocal reason
-                failures = 0
-                while failures < self.cfg.health_failures:
-                    await anyio.sleep(self.cfg.health_interval_s)
-                    # A closed gate: its owner is changing the engine and meets failures itself;
-                    # an engine that left a sync (recovering) is watched all the same.
-                    if not self._gate.is_set() and not self.recovering:
-                        failures = 0
-                    elif await self.healthy():
-                        failures = 0
-                    else:
-                        failures += 1
-                reason = f"vLLM did not answer /health {failures} times in a row"
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(exited)
-            tg.start_soon(hung)
-        return reason
-
-    def describe(self) -> dict[str, Any]:
-        running = self.process.running
-        return {
-            "name": self.name,
-            "pid": self.process.pid,
-            "running": running,
-            "base_url": self.process.base_url if running else None,
-            "available": self.available,
-            "version": self.version,
-            "weights": str(self.weights) if self.weights else None,
-            "restarts": self.restarts,
-            "outstanding": self.outstanding,
-            "recovering": self.recovering,
-        }
+    async def _until_exited(self) -> str:
+        code = await self.process.wait_exit()
+        return f"vLLM exited with code {code}"

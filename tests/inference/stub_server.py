@@ -1,7 +1,9 @@
 """A stand-in server process for the failures a real vLLM cannot produce on demand.
 
 `python stub_server.py --port P [--exit-code N] [--no-health] [--ignore-term] [--orphan]`:
-serves `GET /health` on 127.0.0.1:P (echoing `GRPOD_LAUNCH_TOKEN` when set, as grpod's server does), or exits with code N after a message, or never serves;
+serves `GET /health` on 127.0.0.1:P (echoing `GRPOD_LAUNCH_TOKEN` when set, as grpod's server does),
+and the weight-version routes a launch calls (`POST /update_weight_version`, `GET /weight_info`),
+or exits with code N after a message, or never serves;
 `--ignore-term` makes it (and its helper) ignore SIGTERM, as a vLLM waiting on open connections
 does; `--orphan` forks a helper in the same process group that outlives the server, as vLLM's
 EngineCore and Worker do when the API server alone dies.
@@ -9,6 +11,7 @@ EngineCore and Worker do when the API server alone dies.
 
 import argparse
 import http.server
+import json
 import os
 import signal
 import sys
@@ -17,13 +20,33 @@ import time
 
 
 class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
+    weight_version = None
+
+    def _answer(self, status, body=None):
+        data = json.dumps(body).encode() if body is not None else b""
+        self.send_response(status)
         # Echo the launch token as grpod's server does (a foreign stub runs without one).
         if os.environ.get("GRPOD_LAUNCH_TOKEN"):
             self.send_header("x-grpod-launch", os.environ["GRPOD_LAUNCH_TOKEN"])
-        self.send_header("Content-Length", "0")
+        if body is not None:
+            self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
         self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/weight_info":
+            self._answer(200, {"weight_version": Health.weight_version})
+        else:
+            self._answer(200 if self.path == "/health" else 404)
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/update_weight_version":
+            Health.weight_version = json.loads(body)["new_version"]
+            self._answer(200)
+        else:
+            self._answer(404)
 
     def log_message(self, *args):
         pass

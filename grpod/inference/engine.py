@@ -1,0 +1,266 @@
+"""`InferenceEngine`: one vLLM engine as the bridges and the `Policy` use it, wherever it runs.
+
+What every engine has, whoever owns its process: the lifetime of its HTTP client (an exit stack
+per launch), the availability gate requests wait at while the engine is replaced or its weights
+change, the version of the weights it serves, its outstanding requests (least-outstanding
+dispatch over a pool), its restart budget, and the health watch's loop. Two kinds say where the
+process runs and how its loss is seen:
+
+- `SupervisedInference` (`grpod.inference.supervised`): a process group on this node
+  (`InferenceProcess`); its death is seen through a pidfd;
+- `RemoteInference` (`grpod.agent.remote`): an engine that a `grpod agent` supervises on another
+  node; its death is seen through the agent's API.
+
+Both find a hung engine the same way: `/health` polled every `inference.health_interval_s` while
+the gate is open, `inference.health_failures` failures in a row. A closed gate means the engine is
+being changed by its owner, who meets failures itself. Relaunches after a loss spend the restart
+budget (`inference.max_restarts`), with a back-off that doubles from 1 s up to 30 s between
+relaunches of the same engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from grpod.config import InferenceConfig
+from grpod.inference.client import InferenceClient
+
+log = structlog.get_logger(__name__)
+
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+
+
+class RestartBudgetSpent(RuntimeError):
+    """An engine was lost once more than `inference.max_restarts` allows."""
+
+
+class InferenceUnavailable(RuntimeError):
+    """No engine became available to serve requests in time."""
+
+
+@dataclass(frozen=True)
+class EngineLease:
+    """One engine lent to a request: the client to call, the model name to ask for, and the policy
+    version the engine served when it was lent (`sampled_version` is what the result is tagged with)."""
+
+    engine: InferenceEngine
+    client: InferenceClient
+    model: str
+    version: int
+
+    def sampled_version(self) -> int:
+        """The older of the version at the start and now: a sync may land while a request runs."""
+        current = self.engine.version if self.engine.version is not None else self.version
+        return min(self.version, current)
+
+
+LostHandler = Callable[["InferenceEngine", str], Awaitable[None]]
+
+
+class InferenceEngine:
+    """One engine (see the module docstring). `launch`, `shutdown` and `relaunch` are called by its
+    owner only (the bridge); requests go through `wait_open` / `Policy.engine`.
+
+    A kind provides `process` (what the bridges read: `pid`, `running`, `base_url`, `client()`,
+    `cfg`, `gpu`, `fixed_port`, `served_model_names`), `launch`, `shutdown` and `_until_exited`."""
+
+    # Where the engine runs, as `ctl status` shows it.
+    node = "local"
+    process: Any
+
+    def __init__(self, cfg: InferenceConfig, *, name: str) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.client: InferenceClient | None = None
+        self.version: int | None = None
+        self.weights: Path | None = None
+        self.outstanding = 0
+        # Out of the pool's syncs while being relaunched; rejoins after a passing probe.
+        self.recovering = False
+        self.restarts = 0
+        self.launches = 0
+        self._stack: AsyncExitStack | None = None
+        self._gate = anyio.Event()
+        self._next_launch = anyio.Event()
+        self._backoff_s = FIRST_BACKOFF_S
+
+    # ---- lifecycle (the owner's) -----------------------------------------------------------
+    async def launch(self, weights: Path, version: int, **launch_kwargs: Any) -> None:
+        """Start vLLM on `weights` (returns once healthy), open its client, tag `version`.
+        The gate stays closed: the owner opens it once the engine passed its probe."""
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        """Close the gate and the client, stop the engine and wait until it released everything."""
+        raise NotImplementedError
+
+    async def relaunch(self, weights: Path, version: int, phases: dict[str, float] | None = None, **launch_kwargs: Any) -> None:
+        """Shut down, then launch on `weights`; the time of each half goes into `phases`."""
+        t = time.perf_counter()
+        await self.shutdown()
+        if phases is not None:
+            phases["stop"] = time.perf_counter() - t
+        t = time.perf_counter()
+        await self.launch(weights, version, **launch_kwargs)
+        if phases is not None:
+            phases["launch"] = time.perf_counter() - t
+
+    async def _open_client(self, version: int, weights: Path) -> None:
+        """After the process is up: open its client (it checks the launch token), tag `version`,
+        count the launch and wake a watch waiting for it. Raises with the client closed."""
+        stack = AsyncExitStack()
+        try:
+            self.client = await stack.enter_async_context(self.process.client())
+            await self.client.update_weight_version(version)
+        except BaseException:
+            self.client = None
+            with anyio.CancelScope(shield=True):
+                await stack.aclose()
+            raise
+        self._stack = stack
+        self.version, self.weights = version, Path(weights)
+        self.launches += 1
+        event, self._next_launch = self._next_launch, anyio.Event()
+        event.set()
+
+    async def _close_client(self) -> None:
+        """Close the gate and this launch's client (shielded: it only closes a session)."""
+        self.close()
+        stack, self._stack, self.client = self._stack, None, None
+        if stack is not None:
+            with anyio.CancelScope(shield=True):
+                await stack.aclose()
+
+    def spend_restart(self, reason: str) -> None:
+        """Count one relaunch after a loss; RestartBudgetSpent once `inference.max_restarts` are spent."""
+        if self.restarts >= self.cfg.max_restarts:
+            raise RestartBudgetSpent(
+                f"{self.name}: {reason}, and the restart budget (inference.max_restarts = {self.cfg.max_restarts}) is spent"
+            )
+        self.restarts += 1
+
+    async def healthy(self) -> bool:
+        """True when the process runs and `/health` answers 200 within the request timeout."""
+        if not self.process.running or self.client is None:
+            return False
+        try:
+            with anyio.fail_after(self.cfg.request_timeout_s):
+                return await self.client.health()
+        except Exception:  # noqa: BLE001 — any failure to answer is an unhealthy engine
+            return False
+
+    # ---- the availability gate -------------------------------------------------------------
+    def open(self) -> None:
+        self._gate.set()
+
+    def close(self) -> None:
+        if self._gate.is_set():
+            self._gate = anyio.Event()
+
+    @property
+    def available(self) -> bool:
+        return self._gate.is_set() and self.client is not None
+
+    async def wait_open(self) -> None:
+        """Return once the gate is open with a client behind it (no timeout: callers bound it)."""
+        while True:
+            gate = self._gate
+            await gate.wait()
+            if gate is self._gate and self.client is not None:
+                return
+
+    @asynccontextmanager
+    async def lease(self, model: str) -> AsyncIterator[EngineLease]:
+        """This engine lent to one request (counted in `outstanding` while it runs). The gate
+        must be open: callers wait for it first (`Policy.engine`)."""
+        assert self.client is not None and self.version is not None, f"{self.name} leased while down"
+        self.outstanding += 1
+        try:
+            yield EngineLease(self, self.client, model, self.version)
+        finally:
+            self.outstanding -= 1
+
+    # ---- the health watch ------------------------------------------------------------------
+    async def watch(self, on_lost: LostHandler) -> None:
+        """Until cancelled: wait for the engine to be lost, back off, call `on_lost(self, reason)`.
+        `on_lost` relaunches it, or leaves it (the run is stopping or failed); a dead engine left
+        as it is is watched again only after its next launch."""
+        while True:
+            if self.client is None:  # not launched yet, or shut down: nothing to watch
+                await self._next_launch.wait()
+                continue
+            generation = self.launches
+            reason = await self._until_lost()
+            if self.restarts:
+                await anyio.sleep(self._backoff_s)
+                self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
+            await on_lost(self, reason)
+            if self.launches == generation and not self.process.running:
+                await self._next_launch.wait()
+
+    async def _until_lost(self) -> str:
+        """Return why the engine is lost: its process exited, or it stopped answering /health."""
+        reason = ""
+        async with anyio.create_task_group() as tg:
+
+            async def first(until: Callable[[], Awaitable[str]]) -> None:
+                nonlocal reason
+                reason = await until()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(first, self._until_exited)
+            tg.start_soon(first, self._until_hung)
+        return reason
+
+    async def _until_exited(self) -> str:
+        """Return once the engine's process is gone, saying how (event-driven where possible)."""
+        raise NotImplementedError
+
+    async def _until_hung(self) -> str:
+        """Return once `/health` failed `inference.health_failures` times in a row with the gate open."""
+        failures = 0
+        while failures < self.cfg.health_failures:
+            await anyio.sleep(self.cfg.health_interval_s)
+            # A closed gate: its owner is changing the engine and meets failures itself; an
+            # engine that left a sync (recovering) is watched all the same.
+            if (not self._gate.is_set() and not self.recovering) or await self.healthy():
+                failures = 0
+            else:
+                failures += 1
+        return f"vLLM did not answer /health {failures} times in a row"
+
+    @property
+    def state(self) -> str:
+        """serving (gate open), recovering, closed (running, gate shut: a sync or a probe), down."""
+        if self.recovering:
+            return "recovering"
+        if self.available:
+            return "serving"
+        return "closed" if self.process.running else "down"
+
+    def describe(self) -> dict[str, Any]:
+        running = self.process.running
+        return {
+            "name": self.name,
+            "node": self.node,
+            "state": self.state,
+            "pid": self.process.pid,
+            "running": running,
+            "base_url": self.process.base_url if running else None,
+            "available": self.available,
+            "version": self.version,
+            "weights": str(self.weights) if self.weights else None,
+            "restarts": self.restarts,
+            "launches": self.launches,
+            "outstanding": self.outstanding,
+            "recovering": self.recovering,
+        }

@@ -1,0 +1,135 @@
+"""RemoteInference, the leader's engine on an agent, against an agent served in-process over
+stand-in engines: launch through the agent and talk to the engine directly (its token checked),
+the watch that hears a crash through the agent, the relaunch that takes over the agent's own, and
+the wiring from `[cluster]`."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from grpod.agent.api import AgentRequestError
+from grpod.agent.remote import RemoteInference
+from grpod.config import GrpodConfig, InferenceConfig
+from grpod.daemon.components import build_engines
+from grpod.inference.client import ForeignServerError
+from grpod.inference.policy import Policy
+from grpod.inference.release import free_port
+from tests.agent.conftest import TOKEN, crash, serving, stub_engines
+
+pytestmark = pytest.mark.anyio
+
+FAST = InferenceConfig(health_interval_s=0.05, health_failures=2, request_timeout_s=10, start_timeout_s=30, max_restarts=2)
+
+
+def remote(url: str, token: str = TOKEN, engine: str = "engine-0") -> RemoteInference:
+    return RemoteInference(url, token, FAST, engine=engine, name=f"{url.split('://')[1]}/{engine}", gpu=False,
+                           request_timeout_s=10)
+
+
+async def test_launch_through_the_agent_then_talk_to_the_engine_directly(tmp_path, weights):
+    [local] = stub_engines(tmp_path)
+    async with serving([local]) as (_, url):
+        engine = remote(url)
+        await engine.launch(weights, 5, worker_extension="pkg.mod.Ext", extra_args=["--seed", "0"])
+        try:
+            assert engine.process.running and engine.process.base_url == local.process.base_url
+            assert engine.process.launch_token == local.client.launch_token
+            assert await engine.healthy() and await engine.client.weight_version() == "5"
+            assert engine.version == 5 and engine.launches == 1 and engine.weights == weights
+            described = engine.describe()
+            assert described["node"] == url and described["state"] == "closed" and described["agent"]["reachable"]
+            engine.open()
+            async with Policy([engine], version=5).engine(1) as lease:
+                assert lease.engine is engine and lease.version == 5
+        finally:
+            await engine.shutdown()
+        assert not engine.process.running and not local.process.running and engine.client is None
+
+
+async def test_the_token_proves_which_launch_answers(tmp_path, weights):
+    """A client holding an older launch's token refuses the new launch's answers on the same port."""
+    [local] = stub_engines(tmp_path)
+    async with serving([local]) as (_, url):
+        engine = remote(url)
+        await engine.launch(weights, 0)
+        stale = engine.process.client()
+        await engine.relaunch(weights, 0)  # the stub keeps its port (free again at once)
+        try:
+            assert stale.base_url == engine.process.base_url
+            async with stale:
+                with pytest.raises(ForeignServerError):
+                    await stale.health()
+            assert await engine.healthy()
+        finally:
+            await engine.shutdown()
+
+
+async def test_a_crash_is_heard_through_the_agent_and_the_relaunch_takes_over_the_agents(tmp_path, weights):
+    [local] = stub_engines(tmp_path, max_restarts=2)
+    async with serving([local]) as (agent, url):
+        engine = remote(url)
+        await engine.launch(weights, 7)
+        engine.open()
+        first_launch = engine.process.launch
+        reasons: list[str] = []
+        phases: dict[str, float] = {}
+
+        async def on_lost(lost, reason: str) -> None:
+            """What the bridge does: budget, relaunch on the same weights, serve again."""
+            reasons.append(reason)
+            assert not await lost.healthy()
+            lost.spend_restart(reason)
+            with anyio.fail_after(30):  # let the agent's own relaunch win, to take it over
+                while agent.engines[0].engine.launches < 2 or not local.process.running:
+                    await anyio.sleep(0.05)
+            await lost.relaunch(weights, 7, phases)
+            lost.open()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.watch, on_lost)
+            await anyio.sleep(0.2)
+            await crash(local)
+            with anyio.fail_after(30):
+                while engine.launches < 2:
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+        try:
+            assert len(reasons) == 1 and "exited with code -9" in reasons[0], reasons
+            assert engine.process.launch != first_launch and engine.process.launch == agent.engines[0].launch_id
+            assert agent.engines[0].engine.launches == 2, "taken over: no second vLLM start"
+            assert engine.restarts == 1 and agent.engines[0].engine.restarts == 1
+            assert await engine.healthy() and engine.available and await engine.client.weight_version() == "7"
+            assert set(phases) == {"stop", "launch"}
+        finally:
+            await engine.shutdown()
+
+
+async def test_a_wrong_token_and_an_absent_agent_are_errors_that_say_so(tmp_path, weights):
+    [local] = stub_engines(tmp_path)
+    async with serving([local]) as (_, url):
+        with pytest.raises(AgentRequestError) as refused:
+            await remote(url, token="not-the-token-0123456789").launch(weights, 0)
+        assert refused.value.status == 401 and not local.process.running
+    gone = remote(f"http://127.0.0.1:{free_port('127.0.0.1')}")
+    with pytest.raises(AgentRequestError) as unreachable:
+        await gone.launch(weights, 0)
+    assert unreachable.value.status is None
+    await gone.shutdown()  # logged, never raised: the agent replaces what it runs at its next launch
+    assert gone.describe()["agent"]["reachable"] is False and "no response" in gone.describe()["agent"]["error"]
+
+
+def test_cluster_agents_become_remote_engines_beside_the_local_ones(tmp_path):
+    cfg = GrpodConfig.model_validate({
+        "run": {"dir": str(tmp_path)},
+        "inference": {"engines": 1},
+        "bridge": {"mode": "broadcast", "host": "10.0.0.1"},
+        "cluster": {"agents": ["http://10.0.0.2:7900", "http://10.0.0.3"], "token": TOKEN, "engines_per_agent": 2},
+    })  # fmt: skip
+    engines = build_engines(cfg, tmp_path)
+    assert [e.name for e in engines] == [
+        "engine-0", "10.0.0.2:7900/engine-0", "10.0.0.2:7900/engine-1", "10.0.0.3:7900/engine-0", "10.0.0.3:7900/engine-1",
+    ]  # fmt: skip
+    assert [e.node for e in engines] == ["local"] + ["http://10.0.0.2:7900"] * 2 + ["http://10.0.0.3:7900"] * 2
+    assert all(not e.process.running and e.describe()["base_url"] is None for e in engines)
+    assert engines[1].describe()["agent"]["reachable"] is None, "not asked yet"
