@@ -153,6 +153,9 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> PreTrai
 
 
 class Trainer:
+    # Whether a checkpoint needs this trainer's sharded state too (`DistributedTrainer`).
+    sharded = False
+
     def __init__(
         self,
         train: TrainConfig,
@@ -428,6 +431,11 @@ class Trainer:
                     shutil.copy2(source, out / name)
         log.info("weights_saved", out=str(out), lora=self.train_cfg.lora, step=self.step)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the whole model's tensors on the CPU (what a bridge ships to the engines while
+        training goes on)."""
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.state_dict().items()}
+
     def set_learning_rate(self, lr: float) -> None:
         """Change the peak learning rate live; the schedule's shape (warm-up, cosine) is kept."""
         scale = lr / self.scheduler.base_lrs[0]
@@ -451,7 +459,10 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """What `state_dict` returned; without "optimizer" when the optimizer came from a sharded
+        checkpoint (`load_sharded`)."""
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.updates = int(state.get("updates", self.step))
@@ -459,6 +470,14 @@ class Trainer:
         if not math.isclose(saved_lr, self.train_cfg.lr, rel_tol=1e-9):
             log.warning("learning_rate_from_config", checkpoint_lr=saved_lr, config_lr=self.train_cfg.lr)
             self.set_learning_rate(self.train_cfg.lr)
+
+
+    def load_sharded(self, path: Path) -> None:
+        """Weights and optimizer state from the sharded checkpoint of trainer ranks under torchrun
+        (`grpod.training.distributed`), gathered into this one process."""
+        from grpod.training.distributed import load_sharded_state
+
+        load_sharded_state(self.model, self.optimizer, path)
 
 
 def build_trainer(cfg: GrpodConfig, model_path: Path | None = None, *, adapter_path: Path | None = None) -> Trainer:
