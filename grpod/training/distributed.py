@@ -102,6 +102,10 @@ class FollowerProtocolError(RuntimeError):
     """A follower got a command it cannot execute (a grpod version mismatch between ranks?)."""
 
 
+class TrainerRanksBroken(RuntimeError):
+    """A call failed on rank 0 earlier: the ranks cannot be kept in step any more."""
+
+
 @dataclass
 class TrainerWorld:
     """This process's place among the trainer ranks: its rank, their number, and the two gloo
@@ -113,6 +117,9 @@ class TrainerWorld:
     commands: Any
     objects: Any
     restarts: int = 0
+    # Why the ranks are out of step (a call failed on rank 0: a rank died, a collective timed
+    # out); no call is sent any more, and the job must be restarted (torchrun --max-restarts).
+    broken: str | None = None
 
     @property
     def leads(self) -> bool:
@@ -120,6 +127,11 @@ class TrainerWorld:
 
     def send(self, name: str, *args: Any) -> None:
         """Rank 0: announce a call to every follower."""
+        if self.broken is not None:
+            raise TrainerRanksBroken(
+                f"{name}: the trainer ranks are out of step since {self.broken}; restart the job "
+                "(torchrun --max-restarts restarts every rank, rank 0 resumes from the last checkpoint)"
+            )
         dist.broadcast_object_list([(name, args)], src=0, group=self.commands)
 
     def receive(self) -> tuple[str, tuple]:
@@ -327,11 +339,17 @@ class DistributedTrainer(Trainer):
         inside another (the base class's `load_state_dict` setting the learning rate) is part of
         the outer one, which every rank runs: it is not sent again."""
         with self._lock:
-            if self._depth == 0 and self.world.leads:
+            outer = self._depth == 0
+            if outer and self.world.leads:
                 self.world.send(name, *args)
             self._depth += 1
             try:
                 yield
+            except BaseException as exc:
+                if outer and self.world.leads and self.world.broken is None:
+                    self.world.broken = f"{name} failed ({type(exc).__name__}: {str(exc)[:200]})"
+                    log.error("trainer_ranks_broken", call=name, error=str(exc)[:300])
+                raise
             finally:
                 self._depth -= 1
 
@@ -565,5 +583,7 @@ def follow(world: TrainerWorld) -> None:
 
 
 def stop_followers(world: TrainerWorld) -> None:
-    """Rank 0, at the daemon's end: release every follower."""
-    world.send("stop")
+    """Rank 0, at the daemon's end: release every follower (unless the ranks are out of step:
+    then rank 0's exit ends them, through torchrun)."""
+    if world.broken is None:
+        world.send("stop")

@@ -29,12 +29,16 @@ import torch
 from safetensors.torch import load_file
 
 from grpod.config import ConfigError, parse_config
+from grpod.training import distributed
 from grpod.training.distributed import (
     DistributedTrainer,
     FollowerProtocolError,
+    TrainerRanksBroken,
+    TrainerWorld,
     by_parameter_name,
     check_supported,
     share_sequences,
+    stop_followers,
 )
 from tests.faults.injection import write_replay_rollouts
 from tests.harness import ROOT, base_settings, write_config
@@ -49,7 +53,7 @@ LAUNCH_TIMEOUT_S = 600
 class ScriptedWorld:
     """Rank 1 of 2, receiving a fixed list of commands."""
 
-    rank, size, leads = 1, 2, False
+    rank, size, leads, broken = 1, 2, False, None
 
     def __init__(self, commands):
         self.commands = list(commands)
@@ -132,6 +136,20 @@ def test_rank_0_sends_each_call_once_even_when_a_call_makes_another():
         trainer.score([1, 2])  # e.g. the base class setting the learning rate inside
     trainer.score([3, 4])
     assert sent == ["load_state_dict", "score"]
+
+
+def test_a_call_that_fails_on_rank_0_puts_the_ranks_out_of_step(monkeypatch):
+    sent = []
+    monkeypatch.setattr(distributed.dist, "broadcast_object_list", lambda boxed, src, group: sent.append(boxed[0][0]))
+    world = TrainerWorld(rank=0, size=2, commands=None, objects=None)
+    trainer = RecordingTrainer(world)
+    with pytest.raises(RuntimeError, match="closed by peer"), trainer._call("prepare", [0]):
+        raise RuntimeError("Connection closed by peer")  # what gloo says when a rank died
+    assert world.broken.startswith("prepare failed")
+    with pytest.raises(TrainerRanksBroken, match="restart the job"):
+        trainer.score([1, 2])
+    stop_followers(world)  # nothing to release: rank 0's exit ends the others
+    assert sent == ["prepare"]
 
 
 def test_sequences_are_shared_by_tokens_longest_first_the_same_on_every_rank():
