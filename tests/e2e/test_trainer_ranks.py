@@ -28,7 +28,13 @@ from safetensors.torch import load_file
 
 from grpod.daemon.logs import read_metrics
 from tests.faults.injection import log_events, write_replay_rollouts
-from tests.harness import DaemonProcess, base_settings, group_processes, torchrun, write_config
+from tests.harness import (
+    DaemonProcess,
+    base_settings,
+    group_processes,
+    torchrun,
+    write_config,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
