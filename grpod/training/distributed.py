@@ -184,8 +184,10 @@ def current_world() -> TrainerWorld | None:
 
 
 def leave_trainer_world() -> None:
+    """Release the process groups; not when the ranks are out of step: destroying a group waits
+    out an operation stuck on a dead rank (gloo's timeout), and the process is about to exit."""
     global _WORLD
-    if _WORLD is not None and dist.is_initialized():
+    if _WORLD is not None and _WORLD.broken is None and dist.is_initialized():
         dist.destroy_process_group()
     _WORLD = None
 
@@ -340,10 +342,10 @@ class DistributedTrainer(Trainer):
         the outer one, which every rank runs: it is not sent again."""
         with self._lock:
             outer = self._depth == 0
-            if outer and self.world.leads:
-                self.world.send(name, *args)
             self._depth += 1
             try:
+                if outer and self.world.leads:
+                    self.world.send(name, *args)  # a dead rank may show here first (gloo reads ahead)
                 yield
             except BaseException as exc:
                 if outer and self.world.leads and self.world.broken is None:
@@ -586,4 +588,7 @@ def stop_followers(world: TrainerWorld) -> None:
     """Rank 0, at the daemon's end: release every follower (unless the ranks are out of step:
     then rank 0's exit ends them, through torchrun)."""
     if world.broken is None:
-        world.send("stop")
+        try:
+            world.send("stop")
+        except Exception as exc:  # noqa: BLE001 — the end of the process either way
+            log.warning("followers_not_released", error=str(exc)[:300])

@@ -152,6 +152,18 @@ def test_a_call_that_fails_on_rank_0_puts_the_ranks_out_of_step(monkeypatch):
     assert sent == ["prepare"]
 
 
+def test_a_call_whose_announcement_fails_puts_the_ranks_out_of_step_too(monkeypatch):
+    def dead_rank(boxed, src, group):
+        raise RuntimeError("Read error [127.0.0.1]:17074: Connection reset by peer")  # measured
+
+    monkeypatch.setattr(distributed.dist, "broadcast_object_list", dead_rank)
+    world = TrainerWorld(rank=0, size=2, commands=None, objects=None)
+    with pytest.raises(RuntimeError, match="reset by peer"):
+        RecordingTrainer(world).score([1, 2])
+    assert world.broken.startswith("score failed")
+    stop_followers(world)  # sends nothing, raises nothing
+
+
 def test_sequences_are_shared_by_tokens_longest_first_the_same_on_every_rank():
     lengths = [30, 10, 50, 20, 40, 5]
     shares = share_sequences(lengths, 2)
