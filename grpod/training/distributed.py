@@ -174,7 +174,7 @@ def join_trainer_world(cfg: GrpodConfig) -> TrainerWorld:
         restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     )
     log.info("trainer_rank_joined", rank=_WORLD.rank, world_size=_WORLD.size, restarts=_WORLD.restarts,
-             backend=dist.get_backend())
+             backend=dist.get_backend(), agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE"))
     return _WORLD
 
 

@@ -113,6 +113,8 @@ def test_two_fsdp_ranks_two_engines_broadcast_train_as_one_process(tmp_path, tie
         daemon.close()
     assert code == 0, output
     assert "follower_released" in output, "rank 1 was released by rank 0 at the end"
+    # torchrun's agent store (trap 1): rank 0's weight group formed on its own socket regardless.
+    assert "agent_store=True" in daemon.output.read_text(errors="replace")
     assert len(daemon.vllm_pgids) == 2, "one process group per engine"
     for pgid in daemon.vllm_pgids:
         assert group_processes(pgid) == [], f"engine process group {pgid} left behind"

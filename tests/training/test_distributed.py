@@ -3,7 +3,8 @@
 The fast tests drive a follower's dispatch and the sequence split in this process. The others
 start `tests/training/fsdp_ranks.py` under torchrun (2 ranks, gloo, no vLLM) on replayed groups
 of the tiny model with tied embeddings, two PPO minibatches per batch (pi_old computed across the
-ranks) and micro-batches small enough that the ranks' counts differ (idle rounds):
+ranks), a KL penalty to a frozen reference model (whole on every rank) and micro-batches small
+enough that the ranks' counts differ (idle rounds):
 
 - 2 ranks train as one process does on the same groups: losses and gradient norms to a relative
   1e-5, the weights to 1e-5 absolute (1e-6 relative in norm): FSDP sums the same terms in another
@@ -231,6 +232,9 @@ def _config(workload: Path, out: Path, resume: str = "never") -> Path:
         "train.minibatches": 2,
         "train.micro_batch_tokens": 96,
         "train.collective_timeout_s": 120.0,
+        # a frozen reference model on every rank (kept whole), in the loss
+        "train.loss.kl_coef": 0.05,
+        "train.loss.kl_reference": "model",
     }
     return write_config(out / "grpod.toml", settings)
 
