@@ -77,8 +77,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from grpod.config import ConfigError, GrpodConfig, ModelConfig, TrainConfig
 from grpod.rollouts.group import RolloutGroup
-from grpod.training.batching import TrainingSequence, collate, plan_micro_batches
-from grpod.training.logprobs import token_logprobs
+from grpod.training.batching import MicroBatchPlan, TrainingSequence, plan_micro_batches
 from grpod.training.loss import LossStats, StepNormalizer
 from grpod.training.trainer import BatchPlan, PreparedUpdate, Trainer
 
@@ -255,6 +254,41 @@ def share_sequences(lengths: list[int], ranks: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
+@dataclass(frozen=True)
+class RankRounds:
+    """Sequences over the ranks: each rank's share (`share_sequences`) cut into micro-batches as
+    `Trainer` cuts them, run in lockstep rounds; a rank out of micro-batches runs idle rounds
+    until the busiest one is done."""
+
+    shares: list[list[int]]
+    plans: list[MicroBatchPlan]
+    rank: int
+
+    @classmethod
+    def of(cls, lengths: list[int], world: TrainerWorld, cfg: TrainConfig) -> RankRounds:
+        shares = share_sequences(lengths, world.size)
+        plans = [
+            plan_micro_batches([lengths[i] for i in share], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
+            for share in shares
+        ]
+        return cls(shares, plans, world.rank)
+
+    @property
+    def rounds(self) -> int:
+        return max(len(plan.batches) for plan in self.plans)
+
+    @property
+    def idle(self) -> int:
+        """Rounds the ranks spent idle, all ranks together."""
+        return sum(self.rounds - len(plan.batches) for plan in self.plans)
+
+    def mine(self) -> Iterator[list[int] | None]:
+        """This rank's micro-batch of each round (indices into `lengths`), or None: idle."""
+        share, plan = self.shares[self.rank], self.plans[self.rank]
+        for round_ in range(self.rounds):
+            yield [share[i] for i in plan.batches[round_]] if round_ < len(plan.batches) else None
+
+
 # ---- sharded state (DCP) --------------------------------------------------------------------
 
 
@@ -389,48 +423,8 @@ class DistributedTrainer(Trainer):
             return super().plan(groups)
 
     def prepare(self, plan: BatchPlan, part: list[int]) -> PreparedUpdate:
-        """This rank's share of `part`: forward, loss, backward per micro-batch (with idle rounds
-        to match the busiest rank), the whole part's normalisers; the global gradient norm."""
         with self._call("prepare", part):
-            cfg = self.train_cfg
-            chosen = [plan.sequences[i] for i in part]
-            normalizer = StepNormalizer.for_step([len(s.loss_positions) for s in chosen], self.completion_budget)
-            shares = share_sequences([len(s.tokens) for s in chosen], self.world.size)
-            plans = [
-                plan_micro_batches([len(chosen[i].tokens) for i in share], cfg.micro_batch_tokens,
-                                   cfg.micro_batch_min_efficiency)
-                for share in shares
-            ]
-            mine, micro = shares[self.world.rank], plans[self.world.rank]
-            stats = LossStats()
-            self.optimizer.zero_grad(set_to_none=True)
-            for round_ in range(max(len(p.batches) for p in plans)):
-                if round_ >= len(micro.batches):
-                    self._idle_backward()
-                    continue
-                indices = [mine[i] for i in micro.batches[round_]]
-                batch = collate(
-                    [chosen[i] for i in indices], self.pad_id, self.device,
-                    old_logprobs=[plan.old[part[i]] for i in indices] if plan.old is not None else None,
-                )
-                loss, batch_stats = self._micro_batch_loss(batch, normalizer)
-                loss.backward()
-                stats.merge(batch_stats)
-            for rank_stats in self.world.gather(stats):  # in rank order, the same on every rank
-                plan.stats.merge(rank_stats)
-            plan.real_tokens += sum(p.real_tokens for p in plans)
-            plan.processed_tokens += sum(p.processed_tokens for p in plans)
-            plan.micro_batches += sum(len(p.batches) for p in plans)
-            rounds = max(len(p.batches) for p in plans)
-            # Forward/backward rounds ranks spent idle (waiting for the busiest one's micro-batches).
-            plan.metrics["idle_rounds"] = plan.metrics.get("idle_rounds", 0.0) + sum(rounds - len(p.batches) for p in plans)
-            grad_norm = self._clip_gradients(cfg.grad_clip)
-            plan.grad_norms.append(grad_norm)
-            prepared = PreparedUpdate(grad_norm)
-            if not prepared.finite:
-                self.optimizer.zero_grad(set_to_none=True)
-                log.warning("update_skipped", reason="non_finite_grad_norm", grad_norm=grad_norm, step=self.step)
-            return prepared
+            return super().prepare(plan, part)
 
     def apply(self, prepared: PreparedUpdate) -> None:
         with self._call("apply"):
@@ -440,12 +434,30 @@ class DistributedTrainer(Trainer):
         with self._call("finish"):
             return super().finish(plan)
 
-    def _idle_backward(self) -> None:
-        """A round this rank has no micro-batch for: FSDP's all-gathers and reduce-scatters still
-        need it, so a forward of one pad token and a backward of zero (no gradient added)."""
+    def _backward(self, plan: BatchPlan, part: list[int], normalizer: StepNormalizer) -> None:
+        """This rank's share of `part`, in rounds with the other ranks' (the normalisers are the
+        whole part's); then every rank's statistics and token counts, merged in rank order."""
+        rounds = RankRounds.of([len(plan.sequences[i].tokens) for i in part], self.world, self.train_cfg)
+        stats = LossStats()
+        for mine in rounds.mine():
+            if mine is None:
+                self._idle_round(backward=True)
+            else:
+                stats.merge(self._micro_batch_backward(plan, [part[i] for i in mine], normalizer))
+        for rank_stats in self.world.gather(stats):  # the same order on every rank
+            plan.stats.merge(rank_stats)
+        plan.real_tokens += sum(p.real_tokens for p in rounds.plans)
+        plan.processed_tokens += sum(p.processed_tokens for p in rounds.plans)
+        plan.micro_batches += sum(len(p.batches) for p in rounds.plans)
+        plan.metrics["idle_rounds"] = plan.metrics.get("idle_rounds", 0.0) + rounds.idle
+
+    def _idle_round(self, *, backward: bool) -> None:
+        """A round this rank has no micro-batch for: FSDP's all-gathers (and reduce-scatters)
+        still need it, so a forward of one pad token (and a backward of zero: no gradient)."""
         ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
         logits = self.model(input_ids=ids, use_cache=False).logits
-        (logits.sum() * 0.0).backward()
+        if backward:
+            (logits.sum() * 0.0).backward()
 
     def _clip_gradients(self, max_norm: float) -> float:
         """clip_grad_norm_ over the sharded gradients: the norm of the whole gradient."""
@@ -461,28 +473,13 @@ class DistributedTrainer(Trainer):
     @torch.no_grad()
     def _old_logprobs(self, sequences: list[TrainingSequence]) -> list[torch.Tensor]:
         """pi_old's logprobs, each rank its share of the sequences, then gathered to every rank."""
-        cfg = self.train_cfg
-        shares = share_sequences([len(s.tokens) for s in sequences], self.world.size)
-        plans = [
-            plan_micro_batches([len(sequences[i].tokens) for i in share], cfg.micro_batch_tokens,
-                               cfg.micro_batch_min_efficiency)
-            for share in shares
-        ]
-        mine, micro = shares[self.world.rank], plans[self.world.rank]
+        rounds = RankRounds.of([len(s.tokens) for s in sequences], self.world, self.train_cfg)
         found: dict[int, torch.Tensor] = {}
-        for round_ in range(max(len(p.batches) for p in plans)):
-            if round_ >= len(micro.batches):
-                ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
-                self.model(input_ids=ids, use_cache=False)
-                continue
-            indices = [mine[i] for i in micro.batches[round_]]
-            batch = collate([sequences[i] for i in indices], self.pad_id, self.device)
-            logits = self.model(input_ids=batch.input_ids, use_cache=False).logits
-            logprobs = token_logprobs(
-                logits[batch.rows, batch.positions - 1], batch.targets, batch.temperatures, cfg.loss.logprob_chunk_tokens
-            )
-            for row, i in enumerate(indices):
-                found[i] = logprobs[batch.rows == row].detach().cpu()
+        for mine in rounds.mine():
+            if mine is None:
+                self._idle_round(backward=False)
+            else:
+                found.update({i: t.cpu() for i, t in self._micro_batch_logprobs(sequences, mine).items()})
         old: list[torch.Tensor | None] = [None] * len(sequences)
         for rank_found in self.world.gather(found):
             for i, tensor in rank_found.items():

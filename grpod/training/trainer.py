@@ -259,29 +259,40 @@ class Trainer:
 
     def prepare(self, plan: BatchPlan, part: list[int]) -> PreparedUpdate:
         """Forward, loss and backward of each micro-batch of `part`, then the gradient clip."""
-        cfg = self.train_cfg
-        chosen = [plan.sequences[i] for i in part]
-        micro = plan_micro_batches([len(s.tokens) for s in chosen], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
-        normalizer = StepNormalizer.for_step([len(s.loss_positions) for s in chosen], self.completion_budget)
+        normalizer = StepNormalizer.for_step([len(plan.sequences[i].loss_positions) for i in part], self.completion_budget)
         self.optimizer.zero_grad(set_to_none=True)
-        for indices in micro.batches:
-            batch = collate(
-                [chosen[i] for i in indices], self.pad_id, self.device,
-                old_logprobs=[plan.old[part[i]] for i in indices] if plan.old is not None else None,
-            )
-            loss, batch_stats = self._micro_batch_loss(batch, normalizer)
-            loss.backward()
-            plan.stats.merge(batch_stats)
-        plan.real_tokens += micro.real_tokens
-        plan.processed_tokens += micro.processed_tokens
-        plan.micro_batches += len(micro.batches)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip))
+        self._backward(plan, part, normalizer)
+        grad_norm = self._clip_gradients(self.train_cfg.grad_clip)
         plan.grad_norms.append(grad_norm)
         prepared = PreparedUpdate(grad_norm)
         if not prepared.finite:
             self.optimizer.zero_grad(set_to_none=True)
             log.warning("update_skipped", reason="non_finite_grad_norm", grad_norm=grad_norm, step=self.step)
         return prepared
+
+    def _backward(self, plan: BatchPlan, part: list[int], normalizer: StepNormalizer) -> None:
+        """The micro-batches of `part`, one after the other (gradients accumulate)."""
+        cfg = self.train_cfg
+        micro = plan_micro_batches([len(plan.sequences[i].tokens) for i in part], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
+        for indices in micro.batches:
+            plan.stats.merge(self._micro_batch_backward(plan, [part[i] for i in indices], normalizer))
+        plan.real_tokens += micro.real_tokens
+        plan.processed_tokens += micro.processed_tokens
+        plan.micro_batches += len(micro.batches)
+
+    def _micro_batch_backward(self, plan: BatchPlan, rows: list[int], normalizer: StepNormalizer) -> LossStats:
+        """Forward the plan's sequences `rows` as one micro-batch, its share of the loss, backward."""
+        batch = collate(
+            [plan.sequences[i] for i in rows], self.pad_id, self.device,
+            old_logprobs=[plan.old[i] for i in rows] if plan.old is not None else None,
+        )
+        loss, stats = self._micro_batch_loss(batch, normalizer)
+        loss.backward()
+        return stats
+
+    def _clip_gradients(self, max_norm: float) -> float:
+        """Clip the gradient to `max_norm`; its norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self.trainable, max_norm))
 
     def apply(self, prepared: PreparedUpdate) -> None:
         """The optimizer step on prepared gradients: the only place the weights change."""
@@ -354,14 +365,20 @@ class Trainer:
         plan = plan_micro_batches([len(s.tokens) for s in sequences], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
         old: list[torch.Tensor | None] = [None] * len(sequences)
         for indices in plan.batches:
-            batch = collate([sequences[i] for i in indices], self.pad_id, self.device)
-            logits = self.model(input_ids=batch.input_ids, use_cache=False).logits
-            logprobs = token_logprobs(
-                logits[batch.rows, batch.positions - 1], batch.targets, batch.temperatures, cfg.loss.logprob_chunk_tokens
-            )
-            for row, i in enumerate(indices):
-                old[i] = logprobs[batch.rows == row].detach()
+            for i, logprobs in self._micro_batch_logprobs(sequences, indices).items():
+                old[i] = logprobs
         return old
+
+    @torch.no_grad()
+    def _micro_batch_logprobs(self, sequences: list[TrainingSequence], indices: list[int]) -> dict[int, torch.Tensor]:
+        """Each of `sequences[indices]`'s loss-token logprobs, forwarded as one micro-batch."""
+        batch = collate([sequences[i] for i in indices], self.pad_id, self.device)
+        logits = self.model(input_ids=batch.input_ids, use_cache=False).logits
+        logprobs = token_logprobs(
+            logits[batch.rows, batch.positions - 1], batch.targets, batch.temperatures,
+            self.train_cfg.loss.logprob_chunk_tokens,
+        )
+        return {i: logprobs[batch.rows == row].detach() for row, i in enumerate(indices)}
 
     def _micro_batch_loss(self, batch: MicroBatch, normalizer: StepNormalizer) -> tuple[torch.Tensor, LossStats]:
         """Forward one micro-batch; its share of the (mini)batch loss and its statistics."""
