@@ -48,8 +48,16 @@ process's checkpoint (`trainer_state.pt` with the whole optimizer) resumes under
 rank 0 reads it and the shards are broadcast (`broadcast_from_rank0`). Not kept: the RNG streams of
 ranks > 0 (with dropout off nothing on them draws random numbers).
 
+Failures. A call that raises on rank 0 (a rank died: gloo reports "Connection reset by peer" at
+once; a collective ran past its timeout) leaves the ranks out of step: `TrainerWorld.broken` says
+since when, no call is sent any more (each raises `TrainerRanksBroken`), so the daemon fails its
+run at once instead of waiting on a dead rank, and the followers are not released: rank 0's exit
+ends the job, which torchrun restarts with `--max-restarts` (rank 0 then resumes from the newest
+checkpoint, tests/faults/test_trainer_rank_kill.py).
+
 Not supported (refused at start, naming the key): LoRA (`train.lora`), and the bridge modes that
-read the trainer's memory or adapters (`shared`, `lora_only`, `lora_restart`).
+read the trainer's memory or adapters (`shared`, `lora_only`, `lora_restart`). Written for GPU
+(NCCL for FSDP, gloo beside it) but run on CPU/gloo only.
 """
 
 from __future__ import annotations
