@@ -55,8 +55,9 @@ run at once instead of waiting on a dead rank, and the followers are not release
 ends the job, which torchrun restarts with `--max-restarts` (rank 0 then resumes from the newest
 checkpoint, tests/faults/test_trainer_rank_kill.py).
 
-Not supported (refused at start, naming the key): LoRA (`train.lora`), and the bridge modes that
-read the trainer's memory or adapters (`shared`, `lora_only`, `lora_restart`). Written for GPU
+Not supported (refused at start, naming the key): LoRA (`train.lora`), the bridge modes that
+read the trainer's memory or adapters (`shared`, `lora_only`, `lora_restart`), and optimizers
+other than AdamW (`train.optimizer`: adafactor's factored state spans whole matrices). Written for GPU
 (NCCL for FSDP, gloo beside it) but run on CPU/gloo only.
 """
 
@@ -210,6 +211,12 @@ def check_supported(cfg: GrpodConfig, world_size: int) -> None:
         raise ConfigError(
             f"bridge.mode = {cfg.bridge.mode!r} needs the whole trainer in one process; with trainer "
             f"ranks under torchrun use bridge.mode = 'broadcast' or 'none'"
+        )
+    if cfg.train.optimizer != "adamw":
+        raise ConfigError(
+            f"train.optimizer = {cfg.train.optimizer!r}: trainer ranks under torchrun support 'adamw' only "
+            "(its state is per parameter element, so each rank's shard updates as one process would; "
+            "adafactor factors its state over whole matrices, adamw_8bit quantizes blocks)"
         )
     if not cfg.train.disable_dropout:
         log.warning("distributed_dropout", detail="train.disable_dropout = false: ranks draw their own "

@@ -2,12 +2,13 @@
 under torchrun (tests/training/test_distributed.py starts it), or one process alone.
 
     torchrun --standalone --nproc-per-node 2 tests/training/fsdp_ranks.py CONFIG OUT --steps N
-        [--checkpoint-at S]
+        [--checkpoint-at S] [--idle-s T]
 
 Rank 0 does what the daemon's components and step loop do with the trainer: `RunStore` resumes
 (`run.resume` of CONFIG) and builds the trainer (`trainer_builder`), `train_batch` trains the
 replayed groups of `source.replay_path` (`train.groups_per_step` per step, in order) up to step
-N, `RunStore.save` checkpoints after step S (S = the resumed step: at once); then the calls a bridge makes (`score`,
+N, `RunStore.save` checkpoints after step S (S = the resumed step: at once); with T, rank 0
+makes no call for T seconds after loading the trainer (a paused daemon, an engine launching); then the calls a bridge makes (`score`,
 `full_state_dict`, `save_weights`, `set_learning_rate`) and the followers' release. Ranks > 0
 run `follow`. Rank 0 writes OUT/result.json (per step: loss, grad norm, idle rounds; the probe
 scores; the gathered tensors' names) and OUT/final (the HF export).
@@ -44,10 +45,11 @@ class NoFence:
         await update()
 
 
-def lead(cfg, out: Path, steps: int, checkpoint_at: int | None) -> dict:
+def lead(cfg, out: Path, steps: int, checkpoint_at: int | None, idle_s: float = 0.0) -> dict:
     store = RunStore(cfg, cfg.run.dir, build_trainer=trainer_builder())
     restored = store.resume_point()
     trainer = store.load_trainer(restored)
+    time.sleep(idle_s)  # not a wait for anything: rank 0 idle between two calls is what is tested
     lines = Path(cfg.source.replay_path).read_text().splitlines()
     groups = [RolloutGroup.from_json(json.loads(line)["group"]) for line in lines]
     per = cfg.train.groups_per_step
@@ -81,10 +83,11 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--checkpoint-at", type=int)
+    parser.add_argument("--idle-s", type=float, default=0.0)
     args = parser.parse_args()
     cfg = load_config(args.config)
     if not under_torchrun():
-        result = lead(cfg, args.out, args.steps, args.checkpoint_at)
+        result = lead(cfg, args.out, args.steps, args.checkpoint_at, args.idle_s)
     else:
         world = join_trainer_world(cfg)
         try:
@@ -92,7 +95,7 @@ def main() -> int:
                 follow(world)
                 return 0
             try:
-                result = lead(cfg, args.out, args.steps, args.checkpoint_at)
+                result = lead(cfg, args.out, args.steps, args.checkpoint_at, args.idle_s)
             finally:
                 stop_followers(world)
         finally:

@@ -3,8 +3,8 @@
 The fast tests drive a follower's dispatch and the sequence split in this process. The others
 start `tests/training/fsdp_ranks.py` under torchrun (2 ranks, gloo, no vLLM) on replayed groups
 of the tiny model with tied embeddings, two PPO minibatches per batch (pi_old computed across the
-ranks), a KL penalty to a frozen reference model (whole on every rank) and micro-batches small
-enough that the ranks' counts differ (idle rounds):
+ranks), a KL penalty to a frozen reference model (whole on every rank), gradient checkpointing
+and micro-batches small enough that the ranks' counts differ (idle rounds):
 
 - 2 ranks train as one process does on the same groups: losses and gradient norms to a relative
   1e-5, the weights to 1e-5 absolute (1e-6 relative in norm): FSDP sums the same terms in another
@@ -180,6 +180,8 @@ def test_what_trainer_ranks_cannot_do_is_refused_naming_the_key():
         check_supported(parse_config({"train": {"lora": True}, "bridge": {"mode": "lora_only"}}), 2)
     with pytest.raises(ConfigError, match="bridge.mode = 'shared'"):
         check_supported(parse_config({"bridge": {"mode": "shared"}}), 2)
+    with pytest.raises(ConfigError, match="train.optimizer = 'adafactor'"):
+        check_supported(parse_config({"train": {"optimizer": "adafactor"}}), 2)
     check_supported(parse_config({"bridge": {"mode": "broadcast"}}), 2)
 
 
@@ -222,16 +224,17 @@ def workload(tmp_path_factory):
     return root
 
 
-def _config(workload: Path, out: Path, resume: str = "never") -> Path:
+def _config(workload: Path, out: Path, resume: str = "never", **more) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    settings = base_settings(out / "run", workload / "model") | {
+    settings = base_settings(out / "run", workload / "model") | more | {
         "run.resume": resume,
         "source.kind": "replay",
         "source.replay_path": str(workload / "rollouts.jsonl"),
         "train.steps": STEPS,
         "train.minibatches": 2,
         "train.micro_batch_tokens": 96,
-        "train.collective_timeout_s": 120.0,
+        "train.collective_timeout_s": more.get("train.collective_timeout_s", 120.0),
+        "model.gradient_checkpointing": True,
         # a frozen reference model on every rank (kept whole), in the loss
         "train.loss.kl_coef": 0.05,
         "train.loss.kl_reference": "model",
@@ -264,11 +267,11 @@ def _in_process(config: Path, out: Path, *extra: str) -> Run:
     return Run.read(out)
 
 
-def _resumed_from(checkpoint: Path, workload: Path, out: Path) -> Path:
+def _resumed_from(checkpoint: Path, workload: Path, out: Path, **more) -> Path:
     """A config for a run of its own resuming a copy of `checkpoint`."""
     copy = out / "resumed-from" / checkpoint.name
     shutil.copytree(checkpoint, copy)
-    return _config(workload, out, resume=str(copy))
+    return _config(workload, out, resume=str(copy), **more)
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +321,10 @@ def test_two_ranks_train_as_one_process_does(two_ranks, one_process):
 
 @pytest.mark.timeout(900)
 def test_the_sharded_checkpoint_resumes_bit_for_bit_at_two_ranks(two_ranks, workload, tmp_path):
-    resumed = _torchrun(_resumed_from(two_ranks.checkpoint(CHECKPOINT_AT), workload, tmp_path), tmp_path)
+    # Rank 0 also makes no call for longer than any collective may wait: the follower's wait
+    # for the next call has no such bound (a paused daemon, an engine launching).
+    config = _resumed_from(two_ranks.checkpoint(CHECKPOINT_AT), workload, tmp_path, **{"train.collective_timeout_s": 8.0})
+    resumed = _torchrun(config, tmp_path, "--idle-s", "12")
     assert resumed.result["resumed_from"] == CHECKPOINT_AT
     assert _bitwise(resumed.weights, two_ranks.weights) == []
     for step in range(CHECKPOINT_AT + 1, STEPS + 1):
