@@ -35,7 +35,9 @@ This needs dropout off (`train.disable_dropout`, the default): dropout masks wou
 
 Sharding: `fully_shard` on every decoder layer (the classes the HF model lists in
 `_no_split_modules`) and on the root (embeddings, final norm, output head; a tied head stays one
-parameter). The frozen reference of `kl_reference = "model"` is kept whole on every rank.
+parameter). Every rank loads the whole model from `model_path` before sharding it (at start, one
+whole model per rank in memory). The frozen reference of `kl_reference = "model"` is kept whole
+on every rank.
 
 State. Rank 0 gathers full tensors (`get_model_state_dict(full_state_dict, cpu_offload)`) for the
 HF export (`save_weights`: what the bridges and users load) and for a bridge's copy
