@@ -391,6 +391,9 @@ class TrainConfig(_Section):
     lora: bool = False
     device: str = "cpu"
     threads: int = Field(0, ge=0)  # torch intra-op threads for the trainer; 0 = torch default
+    # Trainer ranks under torchrun (grpod/training/distributed.py): every collective of a step, a
+    # sync's gather or a checkpoint waits at most this long for the other ranks.
+    collective_timeout_s: float = Field(600.0, gt=0)
     loss: LossConfig = LossConfig()
     advantages: AdvantageConfig = AdvantageConfig()
     lora_config: LoraConfig = LoraConfig()

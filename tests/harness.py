@@ -76,26 +76,46 @@ def group_processes(pgid: int) -> list[psutil.Process]:
     return group_members(pgid)
 
 
+def torchrun(nproc: int, *, max_restarts: int = 0) -> list[str]:
+    """What starts `-m grpod ...` as `nproc` trainer ranks on this machine: torchrun, its
+    rendezvous on a free port (--standalone), restarting the whole group up to `max_restarts` times."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}"]
+
+
 class DaemonProcess:
     def __init__(
         self, config: Path, run_dir: Path, extra_args: list[str] | None = None, env: dict | None = None,
-        prefix: list[str] | None = None,
+        prefix: list[str] | None = None, launcher: list[str] | None = None,
     ):
-        """`prefix`: a command that execs the daemon in place (e.g. `ip netns exec NAME`), so
-        that `proc.pid` is the daemon's."""
+        """`grpod start`; with `launcher` (e.g. `torchrun(2)`) that launcher starting it, in a
+        session of its own so that `close` stops the launcher and every rank by group; with
+        `prefix`, a command that execs what follows in place (e.g. `ip netns exec NAME`)."""
         self.config = config
         self.run_dir = run_dir
         self.socket = run_dir / "grpod.sock"
         self._status_pgids: set[int] = set()
         self.output = run_dir.parent / f"{run_dir.name}-daemon.out"
         self._out = open(self.output, "ab")
+        self.launched = launcher is not None
         self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-m", "grpod", "start", "--config", str(config), *(extra_args or [])],
+            [*(prefix or []), *(launcher or [sys.executable]), "-m", "grpod", "start", "--config", str(config), *(extra_args or [])],
             cwd=ROOT,
             stdout=self._out,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
+            start_new_session=self.launched,
         )
+
+    def rank_processes(self) -> dict[int, psutil.Process]:
+        """The launcher's trainer ranks alive now, by their RANK."""
+        ranks = {}
+        for child in psutil.Process(self.proc.pid).children():
+            try:
+                ranks[int(child.environ()["RANK"])] = child
+            except (psutil.NoSuchProcess, KeyError, ValueError):
+                continue
+        return ranks
 
     def ctl(self, cmd: str, timeout_s: float = 300.0) -> dict[str, Any]:
         reply = request(self.socket, cmd, timeout_s=timeout_s)
@@ -148,7 +168,10 @@ class DaemonProcess:
         return "\n".join(self.output.read_text(errors="replace").splitlines()[-n:])
 
     def close(self, *, stop_vllm: bool = True) -> None:
-        """Kill the daemon if still alive; then (unless told not to) any vLLM group it left."""
+        """Kill the daemon if still alive (a launcher: with its ranks, by process group); then
+        (unless told not to) any vLLM group it left."""
+        if self.launched and group_processes(self.proc.pid):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=30)

@@ -120,10 +120,10 @@ class BroadcastBridge(Bridge):
 
     async def _save(self, version: int) -> Weights:
         """A copy of the trainer's weights as vLLM's loader names them (the trainer steps on while
-        the engines receive it)."""
+        the engines receive it); trainer ranks gather it to rank 0."""
 
         def copy() -> Weights:
-            return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in iter_state(self.trainer.model)]
+            return list(iter_state(self.trainer.model, self.trainer.full_state_dict()))
 
         return await anyio.to_thread.run_sync(copy)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -47,6 +48,16 @@ class RunParts:
     source: RolloutSource
     admission: BatchAdmission
     loop: StepLoop
+
+
+def trainer_builder():
+    """How this process builds its trainer: None (the single-process `build_trainer`), or rank 0's
+    `DistributedTrainer` when torchrun started this process as one of several trainer ranks
+    (`grpod.daemon.ranks` joined them before the supervisor started)."""
+    from grpod.training.distributed import build_distributed_trainer, current_world
+
+    world = current_world()
+    return None if world is None else partial(build_distributed_trainer, world=world)
 
 
 def build_engines(cfg: GrpodConfig, run_dir: Path) -> list[InferenceEngine]:
@@ -94,7 +105,7 @@ async def start_parts(
         phases[phase] = round(now - since, 3)
         return now
 
-    store = RunStore(cfg, run_dir)
+    store = RunStore(cfg, run_dir, build_trainer=trainer_builder())
     restored = await anyio.to_thread.run_sync(store.resume_point)
     t = mark("resume_point_s", began)
     await anyio.to_thread.run_sync(store.ensure_model)

@@ -1,7 +1,10 @@
 """`RunStore`: what a run persists and how it comes back — the daemon's side of checkpoints.
 
 A checkpoint of a run holds: the policy (`model/`: HF safetensors, or the PEFT adapter in LoRA
-modes), the trainer state (optimizer, scheduler, step), every RNG stream, and `run_state.json`:
+modes), the trainer state (optimizer, scheduler, step; trainer ranks under torchrun keep the
+optimizer, with the model, in `sharded/`: each rank's shards, written with
+torch.distributed.checkpoint, which reshards them on load at any world size), every RNG stream
+(rank 0's), and `run_state.json`:
 step, policy version, the rollout source's cursor, and the accepted-but-untrained rollout groups.
 Restoring all of it is what makes a resume exact: the stream continues where it stopped and no
 accepted group is lost or trained twice. The write itself (temp dir, fsync, manifest last,
@@ -10,6 +13,7 @@ atomic rename) lives once, in `grpod.run.checkpoint`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,9 @@ from grpod.run.checkpoint import (
 from grpod.run.rng import capture_rng, restore_rng
 
 log = structlog.get_logger(__name__)
+
+# The sharded state of trainer ranks under torchrun (a DCP checkpoint) inside a checkpoint.
+SHARDED_STATE = "sharded"
 
 
 @dataclass
@@ -96,9 +103,12 @@ def check_identity(checkpoint: Path, recorded: dict[str, str] | None, cfg: Grpod
 
 
 class RunStore:
-    def __init__(self, cfg: GrpodConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: GrpodConfig, run_dir: Path, *, build_trainer: Callable | None = None) -> None:
+        """`build_trainer(cfg, model_path, adapter_path=...)` makes the trainer (default
+        `grpod.training.trainer.build_trainer`; rank 0 of trainer ranks passes its own)."""
         self.cfg = cfg
         self.root = run_dir / "checkpoints"
+        self._build_trainer = build_trainer
 
     def ensure_model(self) -> None:
         path = self.cfg.model.path
@@ -137,13 +147,17 @@ class RunStore:
         then every RNG stream as the checkpoint recorded it."""
         from grpod.training.trainer import build_trainer
 
+        build = self._build_trainer or build_trainer
         self.ensure_model()
         if restored.checkpoint is None:
-            return build_trainer(self.cfg)
+            return build(self.cfg)
         if self.cfg.train.lora:
-            trainer = build_trainer(self.cfg, adapter_path=restored.weights)
+            trainer = build(self.cfg, adapter_path=restored.weights)
         else:
-            trainer = build_trainer(self.cfg, restored.weights)
+            trainer = build(self.cfg, restored.weights)
+        sharded = restored.checkpoint / SHARDED_STATE
+        if sharded.is_dir():  # written by trainer ranks (any number of them)
+            trainer.load_sharded(sharded)
         trainer.load_state_dict(load_tensors_state(restored.checkpoint, "trainer_state.pt"))
         restore_rng(load_json(restored.checkpoint, "rng.json"))
         return trainer
@@ -151,6 +165,8 @@ class RunStore:
     def save(self, trainer, snapshot: RunSnapshot) -> Path:
         def populate(tmp: Path) -> None:
             trainer.save_weights(tmp / "model")
+            if getattr(trainer, "sharded", False):
+                trainer.save_sharded(tmp / SHARDED_STATE)
             save_tensors_state(tmp, "trainer_state.pt", trainer.state_dict())
             save_json(tmp, "rng.json", capture_rng())
             save_json(

@@ -153,6 +153,9 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> PreTrai
 
 
 class Trainer:
+    # Whether a checkpoint needs this trainer's sharded state too (`DistributedTrainer`).
+    sharded = False
+
     def __init__(
         self,
         train: TrainConfig,
@@ -256,29 +259,40 @@ class Trainer:
 
     def prepare(self, plan: BatchPlan, part: list[int]) -> PreparedUpdate:
         """Forward, loss and backward of each micro-batch of `part`, then the gradient clip."""
-        cfg = self.train_cfg
-        chosen = [plan.sequences[i] for i in part]
-        micro = plan_micro_batches([len(s.tokens) for s in chosen], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
-        normalizer = StepNormalizer.for_step([len(s.loss_positions) for s in chosen], self.completion_budget)
+        normalizer = StepNormalizer.for_step([len(plan.sequences[i].loss_positions) for i in part], self.completion_budget)
         self.optimizer.zero_grad(set_to_none=True)
-        for indices in micro.batches:
-            batch = collate(
-                [chosen[i] for i in indices], self.pad_id, self.device,
-                old_logprobs=[plan.old[part[i]] for i in indices] if plan.old is not None else None,
-            )
-            loss, batch_stats = self._micro_batch_loss(batch, normalizer)
-            loss.backward()
-            plan.stats.merge(batch_stats)
-        plan.real_tokens += micro.real_tokens
-        plan.processed_tokens += micro.processed_tokens
-        plan.micro_batches += len(micro.batches)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip))
+        self._backward(plan, part, normalizer)
+        grad_norm = self._clip_gradients(self.train_cfg.grad_clip)
         plan.grad_norms.append(grad_norm)
         prepared = PreparedUpdate(grad_norm)
         if not prepared.finite:
             self.optimizer.zero_grad(set_to_none=True)
             log.warning("update_skipped", reason="non_finite_grad_norm", grad_norm=grad_norm, step=self.step)
         return prepared
+
+    def _backward(self, plan: BatchPlan, part: list[int], normalizer: StepNormalizer) -> None:
+        """The micro-batches of `part`, one after the other (gradients accumulate)."""
+        cfg = self.train_cfg
+        micro = plan_micro_batches([len(plan.sequences[i].tokens) for i in part], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
+        for indices in micro.batches:
+            plan.stats.merge(self._micro_batch_backward(plan, [part[i] for i in indices], normalizer))
+        plan.real_tokens += micro.real_tokens
+        plan.processed_tokens += micro.processed_tokens
+        plan.micro_batches += len(micro.batches)
+
+    def _micro_batch_backward(self, plan: BatchPlan, rows: list[int], normalizer: StepNormalizer) -> LossStats:
+        """Forward the plan's sequences `rows` as one micro-batch, its share of the loss, backward."""
+        batch = collate(
+            [plan.sequences[i] for i in rows], self.pad_id, self.device,
+            old_logprobs=[plan.old[i] for i in rows] if plan.old is not None else None,
+        )
+        loss, stats = self._micro_batch_loss(batch, normalizer)
+        loss.backward()
+        return stats
+
+    def _clip_gradients(self, max_norm: float) -> float:
+        """Clip the gradient to `max_norm`; its norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self.trainable, max_norm))
 
     def apply(self, prepared: PreparedUpdate) -> None:
         """The optimizer step on prepared gradients: the only place the weights change."""
@@ -351,14 +365,20 @@ class Trainer:
         plan = plan_micro_batches([len(s.tokens) for s in sequences], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
         old: list[torch.Tensor | None] = [None] * len(sequences)
         for indices in plan.batches:
-            batch = collate([sequences[i] for i in indices], self.pad_id, self.device)
-            logits = self.model(input_ids=batch.input_ids, use_cache=False).logits
-            logprobs = token_logprobs(
-                logits[batch.rows, batch.positions - 1], batch.targets, batch.temperatures, cfg.loss.logprob_chunk_tokens
-            )
-            for row, i in enumerate(indices):
-                old[i] = logprobs[batch.rows == row].detach()
+            for i, logprobs in self._micro_batch_logprobs(sequences, indices).items():
+                old[i] = logprobs
         return old
+
+    @torch.no_grad()
+    def _micro_batch_logprobs(self, sequences: list[TrainingSequence], indices: list[int]) -> dict[int, torch.Tensor]:
+        """Each of `sequences[indices]`'s loss-token logprobs, forwarded as one micro-batch."""
+        batch = collate([sequences[i] for i in indices], self.pad_id, self.device)
+        logits = self.model(input_ids=batch.input_ids, use_cache=False).logits
+        logprobs = token_logprobs(
+            logits[batch.rows, batch.positions - 1], batch.targets, batch.temperatures,
+            self.train_cfg.loss.logprob_chunk_tokens,
+        )
+        return {i: logprobs[batch.rows == row].detach() for row, i in enumerate(indices)}
 
     def _micro_batch_loss(self, batch: MicroBatch, normalizer: StepNormalizer) -> tuple[torch.Tensor, LossStats]:
         """Forward one micro-batch; its share of the (mini)batch loss and its statistics."""
@@ -428,6 +448,11 @@ class Trainer:
                     shutil.copy2(source, out / name)
         log.info("weights_saved", out=str(out), lora=self.train_cfg.lora, step=self.step)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the whole model's tensors on the CPU (what a bridge ships to the engines while
+        training goes on)."""
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.state_dict().items()}
+
     def set_learning_rate(self, lr: float) -> None:
         """Change the peak learning rate live; the schedule's shape (warm-up, cosine) is kept."""
         scale = lr / self.scheduler.base_lrs[0]
@@ -451,7 +476,10 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """What `state_dict` returned; without "optimizer" when the optimizer came from a sharded
+        checkpoint (`load_sharded`)."""
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.updates = int(state.get("updates", self.step))
@@ -459,6 +487,14 @@ class Trainer:
         if not math.isclose(saved_lr, self.train_cfg.lr, rel_tol=1e-9):
             log.warning("learning_rate_from_config", checkpoint_lr=saved_lr, config_lr=self.train_cfg.lr)
             self.set_learning_rate(self.train_cfg.lr)
+
+
+    def load_sharded(self, path: Path) -> None:
+        """Weights and optimizer state from the sharded checkpoint of trainer ranks under torchrun
+        (`grpod.training.distributed`), gathered into this one process."""
+        from grpod.training.distributed import load_sharded_state
+
+        load_sharded_state(self.model, self.optimizer, path)
 
 
 def build_trainer(cfg: GrpodConfig, model_path: Path | None = None, *, adapter_path: Path | None = None) -> Trainer:

@@ -748,11 +748,12 @@ async def open_weight_group(clients: Sequence[EngineWeightClient], cfg: Transfer
                 await group.shutdown()
 
 
-def iter_state(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """The named tensors of an HF model that vLLM's `load_weights` takes: its state dict without
-    the duplicated tied output head (vLLM's loader skips `lm_head.weight` when tied)."""
+def iter_state(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> Iterable[tuple[str, torch.Tensor]]:
+    """The named tensors of an HF model that vLLM's `load_weights` takes: its state dict (or
+    `state`, the whole model's tensors gathered elsewhere: sharded trainer ranks) without the
+    duplicated tied output head (vLLM's loader skips `lm_head.weight` when tied)."""
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    for name, tensor in model.state_dict().items():
+    for name, tensor in (model.state_dict() if state is None else state).items():
         if tied and name == "lm_head.weight":
             continue
         yield name, tensor

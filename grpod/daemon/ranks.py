@@ -1,0 +1,70 @@
+"""`grpod start` as one of several trainer ranks under torchrun.
+
+    torchrun --standalone --nproc-per-node K [--max-restarts N] -m grpod start --config grpod.toml
+
+Every rank reads the same config and joins the trainer ranks' process groups
+(`grpod.training.distributed.join_trainer_world`). Rank 0 then runs the daemon as `grpod start`
+does alone (`run_daemon`), with a `DistributedTrainer` built by the components; when the daemon
+ends, however it ends, rank 0 releases the followers. Ranks > 0 run `follow` until then.
+
+Why torchrun starts grpod, not the other way round: torchrun already owns what a group of ranks
+needs — one process per rank, the rendezvous (one node or many: `--nnodes`, `--rdzv-endpoint`),
+restarting the whole group when one rank fails (`--max-restarts`) — and grpod owns what it owns
+now (the engines' process groups, the control socket, checkpoints). A rank that fails ends the
+group; the restarted rank 0 resumes from the newest checkpoint like any restarted daemon.
+
+Signals: torchrun passes SIGTERM/SIGINT to every rank. Rank 0 treats them as always (a stop:
+the final checkpoint, then the engines). Ranks > 0 ignore them: rank 0's final checkpoint needs
+them, and they end when rank 0 releases them or exits. torchrun kills what is still running
+`--shutdown-timeout` seconds (default 30) after its SIGTERM: give the daemon time for its final
+checkpoint and its engines' stop (e.g. `--shutdown-timeout 120`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import structlog
+
+from grpod.config import GrpodConfig
+
+log = structlog.get_logger(__name__)
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun (or a launcher setting the same variables) started this process."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run_rank(cfg: GrpodConfig, config_path: Path | None = None) -> int:
+    """This process's part of the run: the daemon on rank 0, a follower elsewhere. Exit status
+    as `grpod start`'s (a follower: 0 once released)."""
+    from grpod.training.distributed import (
+        follow,
+        join_trainer_world,
+        leave_trainer_world,
+        stop_followers,
+    )
+
+    world = join_trainer_world(cfg)
+    try:
+        if world.leads:
+            from grpod.daemon.supervisor import run_daemon
+
+            try:
+                return run_daemon(cfg, config_path=config_path)
+            finally:
+                stop_followers(world)
+        from grpod.daemon.logs import configure_logging
+
+        configure_logging(None, cfg.run.log_level)
+        structlog.contextvars.bind_contextvars(rank=world.rank)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
+        follow(world)
+        log.info("follower_released", rank=world.rank)
+        return 0
+    finally:
+        leave_trainer_world()

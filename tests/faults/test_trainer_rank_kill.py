@@ -1,0 +1,158 @@
+"""Case 14: a follower trainer rank SIGKILLed mid-step under torchrun; torchrun restarts the job and
+rank 0 resumes from the sharded checkpoint.
+
+`torchrun --max-restarts 1 --nproc-per-node 2 -m grpod start`: two FSDP ranks (rank 0 the
+daemon, with one vLLM engine and bridge mode `broadcast`), replayed groups, a checkpoint after
+every step. Once a step trains after a complete checkpoint, rank 1 is SIGKILLed. Rank 0's step
+fails on the dead rank (the ranks are out of step: nothing more is sent to it, no checkpoint is
+written), torchrun stops rank 0 (SIGTERM: the daemon stops its engine) and starts both ranks
+again; the new rank 0 resumes from the newest complete checkpoint — model and optimizer from
+both ranks' DCP shards, the buffered groups from its run state — and runs to the end (exit 0).
+
+Nothing lost: every step 1..N is trained with the replay's groups in order, each group once, the
+checkpoint's buffered groups first after the resume; and the final weights equal, bit for bit, a
+straight run of the same 2 ranks on the same groups with no fault (tests/training/fsdp_ranks.py
+under torchrun, no vLLM). No engine process of either attempt is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.faults.injection import (
+    alive,
+    checkpoint_steps,
+    failure_reason,
+    lineage,
+    log_events,
+    run_state,
+    status_until,
+    step_records,
+    temp_checkpoints,
+    write_replay_rollouts,
+)
+from tests.harness import ROOT, DaemonProcess, base_settings, torchrun, write_config
+
+pytestmark = pytest.mark.faults
+
+STEPS = 12
+PER_STEP = 2
+PREFETCH = 3
+
+
+def _settings(run_dir: Path, model: Path, replay: Path) -> dict:
+    return base_settings(run_dir, model) | {
+        "train.steps": STEPS,
+        "train.groups_per_step": PER_STEP,
+        "train.max_staleness": 1000,
+        "train.collective_timeout_s": 60.0,
+        "source.kind": "replay",
+        "source.replay_path": str(replay),
+        "source.prefetch_groups": PREFETCH,
+        "checkpoint.every": 1,
+        "checkpoint.keep_last": 2 * STEPS,
+        "bridge.mode": "broadcast",
+        "bridge.sync_every": 2,
+        "inference.start_timeout_s": 400.0,
+    }
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory, fault_model_dir):
+    root = tmp_path_factory.mktemp("rank-kill")
+    write_replay_rollouts(root / "rollouts.jsonl", fault_model_dir, groups=STEPS * PER_STEP + PREFETCH + 2, completion_len=120)
+    return fault_model_dir, root / "rollouts.jsonl"
+
+
+@pytest.fixture(scope="module")
+def straight_two_ranks(workload, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The same 2 ranks on the same groups, no fault, no vLLM: the final weights."""
+    model, replay = workload
+    out = tmp_path_factory.mktemp("straight")
+    config = write_config(out / "grpod.toml", _settings(out / "run", model, replay))
+    proc = subprocess.run(
+        [*torchrun(2), str(ROOT / "tests" / "training" / "fsdp_ranks.py"), str(config), str(out), "--steps", str(STEPS)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=900, check=False,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return load_file(out / "final" / "model.safetensors")
+
+
+def _first_step_after(run_dir: Path, step: int, records_before: int) -> float:
+    for record in step_records(run_dir)[records_before:]:
+        if record["step"] > step:
+            return time.monotonic() - (time.time() - record["time"])
+    raise AssertionError(f"no step after {step} was trained after the restart")
+
+
+@pytest.mark.timeout(1800)
+def test_a_killed_follower_rank_restarts_the_job_which_resumes_from_the_sharded_checkpoint(
+    tmp_path, workload, straight_two_ranks, fault_case
+):
+    row = fault_case("14 SIGKILL a follower trainer rank mid-step; torchrun restarts, resume from the sharded checkpoint")
+    model, replay = workload
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "grpod.toml", _settings(run_dir, model, replay))
+    daemon = DaemonProcess(config, run_dir, launcher=torchrun(2, max_restarts=1))
+    try:
+        status_until(daemon, lambda s: s["state"] == "running", 500, "rank 0's daemon running")
+        follower = daemon.rank_processes()[1]
+
+        def training_after_checkpoint(status) -> bool:
+            ckpt = status["last_checkpoint"]
+            return (
+                status["step"] >= 3 and ckpt is not None and ckpt["step"] == status["step"]
+                and status["heartbeat"]["busy_for_s"] is not None and not temp_checkpoints(run_dir)
+            )
+
+        status = status_until(daemon, training_after_checkpoint, 300, "a step in training after a checkpoint", poll_s=0.002)
+        follower.kill()
+        killed_at = time.monotonic()
+        killed_step = status["step"]
+        records_before = len(step_records(run_dir))
+        code = daemon.wait_exit(1200)
+        output = daemon.tail(400)
+    finally:
+        daemon.close()
+
+    assert code == 0, f"torchrun exited {code}: {failure_reason(run_dir)}\n{output}"
+    assert "restarts=1" in daemon.output.read_text(errors="replace"), "torchrun started the ranks a second time"
+    resumed = [e for e in log_events(run_dir, "resumed") if "checkpoint" in e]
+    assert len(resumed) == 1, resumed
+    resumed_step = int(resumed[0]["step"])
+    assert resumed_step == killed_step, "resumed from the newest complete checkpoint, the one before the kill"
+    assert temp_checkpoints(run_dir) == [], "no half-written checkpoint was left or read"
+    assert (run_dir / "checkpoints" / f"step-{resumed_step:06d}" / "sharded" / "__1_0.distcp").exists()
+    row.recovery_s = _first_step_after(run_dir, resumed_step, records_before) - killed_at
+
+    # Nothing lost: each step once with the replay's groups, the buffered ones first after resume.
+    got = lineage(run_dir)
+    lines = replay.read_text().splitlines()
+    expected = {s: [json.loads(lines[i])["group"]["group_id"] for i in range((s - 1) * PER_STEP, s * PER_STEP)]
+                for s in range(1, STEPS + 1)}
+    trained = [gid for step in sorted(got) for gid in got[step]]
+    lost = sorted({gid for gids in expected.values() for gid in gids} - set(trained))
+    twice = len(trained) - len(set(trained))
+    row.data_lost = "none" if not lost and not twice and got == expected else f"{len(lost)} lost, {twice} twice"
+    buffered = [g["group_id"] for g in run_state(run_dir, resumed_step)["buffered"]]
+    row.notes = (f"killed rank 1 while step {killed_step + 1} trained; rank 0 resumed from step {resumed_step} "
+                 f"(DCP shards of 2 ranks), {len(buffered)} buffered groups")
+    assert got == expected and not lost and not twice
+    assert buffered, f"checkpoint {resumed_step} recorded no buffered group (prefetch {PREFETCH})"
+    after = [gid for step in range(resumed_step + 1, STEPS + 1) for gid in got[step]]
+    assert after[: len(buffered)] == buffered, "the checkpoint's buffered groups are the first trained after resume"
+    assert checkpoint_steps(run_dir)[-1] == STEPS
+    final = load_file(run_dir / "checkpoints" / f"step-{STEPS:06d}" / "model" / "model.safetensors")
+    assert final.keys() == straight_two_ranks.keys()
+    differ = [name for name in final if not torch.equal(final[name], straight_two_ranks[name])]
+    assert differ == [], f"differ from the straight 2-rank run after the restart: {differ}"
+    assert alive(daemon.vllm_pgids) == [], "no engine process of either attempt remains"
+    assert len(daemon.vllm_pgids) >= 2, "the restarted daemon launched its own engine"
