@@ -244,15 +244,19 @@ class Bridge:
         """Probe `engines` (default: the members) against `reference` (trainer scores taken
         earlier), else the trainer's weights now; open them once they pass."""
         engines = engines or self.members()
-        try:
-            result = await probe_engines(
-                engines, await self._loaded_trainer(), model=self.policy.served_name,
-                tolerance=ProbeTolerance.for_serving(self.model.dtype, self.cfg), timeout_s=self.cfg.probe_timeout_s,
-                reference=reference, version=self.policy.version,
-            )
-        except ProbeMismatch as exc:
-            self._fire("PROBE_FAIL", error=str(exc))
-            raise
+        while True:
+            try:
+                result = await probe_engines(
+                    engines, await self._loaded_trainer(), model=self.policy.served_name,
+                    tolerance=ProbeTolerance.for_serving(self.model.dtype, self.cfg),
+                    timeout_s=self.cfg.probe_timeout_s, reference=reference, version=self.policy.version,
+                )
+                break
+            except ProbeMismatch as exc:
+                self._fire("PROBE_FAIL", error=str(exc))
+                raise
+            except Exception as exc:  # noqa: BLE001 — an engine that died while probed leaves the pool
+                engines = await self._without_dead(engines, exc)
         self._fire("PROBE_OK")
         self.probes.probed(self.policy.version, result.reference)
         for engine in engines:
@@ -360,7 +364,7 @@ class Bridge:
             await self._apply(engine, staged, version, phases)
         engine.version = version
 
-    def _leave_sync(self, engine: SupervisedInference, cause: Exception, version: int) -> bool:
+    def _leave_sync(self, engine: InferenceEngine, cause: Exception, version: int) -> bool:
         """An engine of a pool died during a sync: it leaves the sync (closed, out of the pool)
         and its watch relaunches it, to rejoin caught up after a probe; the others sync on. True
         when it left; the only engine is relaunched by the sync itself instead."""
@@ -371,6 +375,22 @@ class Bridge:
         log.warning("engine_left_sync", bridge=self.mode, engine=engine.name, version=version,
                     error=f"{type(cause).__name__}: {cause}"[:300], serving=[e.name for e in self.members()])
         return True
+
+    async def _without_dead(self, engines: list[InferenceEngine], cause: Exception) -> list[InferenceEngine]:
+        """The probe of `engines` failed short of a verdict (`cause`): those that died leave the
+        pool (their watch relaunches them) and the others are probed again. Nothing dead, or none
+        left to serve (the only engine), is FAILED: the run checkpoints and stops, saying why."""
+        while isinstance(cause, BaseExceptionGroup) and len(cause.exceptions) == 1:
+            cause = cause.exceptions[0]  # the probe's task group: say what failed in it
+        dead = [engine for engine in engines if not await engine.healthy()]
+        left = [engine for engine in dead if self._leave_sync(engine, cause, self.policy.version)]
+        remaining = [engine for engine in engines if engine not in left]
+        if not left or not remaining:
+            message = (f"alignment probe at policy version {self.policy.version} failed: "
+                       f"{type(cause).__name__}: {cause}"[:500])
+            self._fire("FAIL", error=message)
+            raise BridgeFailed(message) from cause
+        return remaining
 
     def _serve_unprobed(self, sync: StagedSync) -> dict[str, Any]:
         assert sync.reference is not None

@@ -441,3 +441,46 @@ def test_an_engine_of_a_pool_dying_mid_sync_leaves_it_and_its_watch_brings_it_ba
     bridge = anyio.run(main)
     first, second = bridge.engines
     assert second.version == 1 and second.restarts == 1 and bridge.processes[1].current.weights == 2.0
+
+
+def test_an_engine_of_a_pool_dying_while_probed_leaves_it_and_the_next_sync_goes_on(tmp_path):
+    """Killed after the update, during the sync's probe: the probe cannot reach a verdict on it.
+    It leaves the pool (its watch brings it back), the others are probed and serve, and the bridge
+    is SERVING for the next sync (a probe left in PROBING refused every later sync)."""
+
+    async def main():
+        bridge = _pool(tmp_path)
+        await bridge.start()
+        first, second = bridge.engines
+        bridge.processes[1].current.die_at = "score"
+        bridge.trainer.weights = 2.0
+        record = await bridge.sync_now()
+        assert record.version == 1 and record.probe["ok"] and bridge.state == "SERVING"
+        assert second.recovering and not second.available and first.available
+        bridge.trainer.weights = 3.0
+        again = await bridge.sync_now()
+        assert again.version == 2 and bridge.processes[0].current.weights == 3.0
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bridge.watch)
+                while not second.available:
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+        return bridge
+
+    bridge = anyio.run(main)
+    second = bridge.engines[1]
+    assert second.version == 2 and second.restarts == 1 and bridge.processes[1].current.weights == 3.0
+
+
+def test_the_only_engine_dying_while_probed_is_failed_with_the_reason(tmp_path):
+    async def main():
+        bridge = await _started(tmp_path)
+        bridge.vllms[-1].die_at = "score"
+        bridge.trainer.weights = 2.0
+        with pytest.raises(BridgeFailed, match="alignment probe at policy version 1 failed: ConnectionResetError"):
+            await bridge.sync_now()
+        return bridge
+
+    bridge = anyio.run(main)
+    assert bridge.state == "FAILED"

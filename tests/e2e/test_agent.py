@@ -164,6 +164,9 @@ def test_an_agents_engine_serves_the_leaders_broadcast_run_through_a_crash(tmp_p
         "bridge.mode": "broadcast",
         "bridge.sync_every": 1,
         "bridge.host": leader_node.address,
+        # Groups queued before the pause are older than the default bound after it: this test is
+        # about the crash, not about staleness (which would skip a batch).
+        "train.max_staleness": 1000,
         "inference.engines": 0,
         "inference.api_key": API_KEY,
         "inference.start_timeout_s": 400.0,

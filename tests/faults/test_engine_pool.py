@@ -5,7 +5,8 @@ While steps train, engine 1's API server (its process group's leader) is SIGKILL
 hold: training goes on (steps are trained while engine 1 is down, its pidfd watch having taken it
 out of the pool), engine 1 is relaunched on the run's initial weights, brought to the current
 version by an update of its own and probed before it serves again, the next sync forms a new
-weight-transfer group over both engines, and the run completes with every step trained exactly
+weight-transfer group over both engines, and the run (stopped by `ctl stop` a few syncs after the
+rejoin: a relaunch takes longer than many tiny-model steps) ends with every step trained exactly
 once and no process of any engine group left.
 """
 
@@ -21,7 +22,8 @@ from tests.harness import DaemonProcess, base_settings, write_config
 
 pytestmark = pytest.mark.faults
 
-STEPS = 40
+STEPS = 100_000  # never reached: the test stops the run once engine 1 synced again
+AFTER_REJOIN = 6  # steps trained after the rejoin (sync_every 2: three syncs over both engines)
 
 
 def _engine(status, name: str) -> dict:
@@ -55,6 +57,8 @@ def test_one_of_two_engines_killed_mid_step_training_goes_on_and_it_rejoins(tmp_
         )
         row.recovery_s = time.monotonic() - killed_at
         trained_while_down = back["step"] - down["step"]
+        status_until(daemon, lambda s: s["step"] >= back["step"] + AFTER_REJOIN, 300, "steps after the rejoin")
+        assert daemon.ctl("stop", timeout_s=120)["ok"]
         code = daemon.wait_exit(600)
     finally:
         daemon.close()
@@ -64,18 +68,23 @@ def test_one_of_two_engines_killed_mid_step_training_goes_on_and_it_rejoins(tmp_
     recovered = log_events(run_dir, "inference_recovered")
     caught_up = log_events(run_dir, "engine_caught_up")
     epochs = log_events(run_dir, "weight_group_epoch")
-    row.data_lost = "none" if steps == list(range(1, STEPS + 1)) else f"steps {steps}"
+    row.data_lost = "none" if steps == list(range(1, len(steps) + 1)) else f"steps {steps}"
     row.notes = (
         f"killed at step {busy['step']}; {trained_while_down} steps trained while it was down; rejoined at version "
         f"{recovered[0]['rejoined_at'] if recovered else '?'}; weight groups formed {len(epochs)}"
     )
     assert code == 0, f"exit {code}: {failure_reason(run_dir)}\n{daemon.tail()}"
-    assert steps == list(range(1, STEPS + 1)), "every step trained exactly once"
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= back["step"] + AFTER_REJOIN, (
+        "every step trained exactly once"
+    )
     assert trained_while_down >= 1, "training went on while the engine was relaunched"
     assert [e["engine"] for e in recovered] == ["engine-1"] and recovered[0]["probe"]["ok"]
     assert [e["engine"] for e in caught_up] == ["engine-1"], "brought to the current version before the probe"
     assert len(epochs) >= 2 and epochs[-1]["engines"] == ["engine-0", "engine-1"], "a new group over both engines"
-    assert back["bridge"]["restarts"] == 1 and back["bridge"]["state"] == "SERVING"
+    # The bridge itself never left its sync cycle (the pool, not the bridge, lost an engine).
+    assert back["bridge"]["restarts"] == 1 and back["bridge"]["state"] in ("SERVING", "SAVING", "BROADCASTING", "PROBING")
+    transitions = log_events(run_dir, "bridge_transition")
+    assert not [t for t in transitions if t["trigger"] in ("LOST", "FAIL")], "the bridge never left serving"
     syncs = [r for r in read_metrics(run_dir) if r["kind"] == "sync"]
     assert syncs and all(s["probe"].get("ok", True) for s in syncs)
     assert alive(daemon.vllm_pgids | {killed_pgid}) == [], "no process of any engine group remains"
