@@ -160,6 +160,27 @@ class TrainerWorld:
 _WORLD: TrainerWorld | None = None
 
 
+def _attempt_store(timeout: timedelta) -> dict[str, Any]:
+    """`init_process_group`'s store: under torchrun's agent store, the keys of this attempt only.
+
+    The agent's store outlives a restart of the ranks (`--max-restarts`), and the process groups
+    of every attempt publish their addresses under the same names: a rank of the new attempt that
+    arrives before rank 0 reads the dead attempt's address and fails to connect. A prefix per
+    attempt (TORCHELASTIC_RESTART_COUNT) keeps the attempts apart. Elsewhere: torch's env://."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+        is_master=False, timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {
+        "store": dist.PrefixStore(f"grpod/attempt-{attempt}", client),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
+
+
 def join_trainer_world(cfg: GrpodConfig) -> TrainerWorld:
     """Form the trainer ranks' process groups from torchrun's environment (once per process).
 
@@ -171,12 +192,13 @@ def join_trainer_world(cfg: GrpodConfig) -> TrainerWorld:
         return _WORLD
     check_supported(cfg, int(os.environ["WORLD_SIZE"]))
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
+    store = _attempt_store(timeout)
     if torch.device(cfg.train.device).type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl", timeout=timeout)
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl", timeout=timeout, **store)
         objects = dist.new_group(backend="gloo", timeout=timeout)
     else:
-        dist.init_process_group(backend="gloo", timeout=timeout)
+        dist.init_process_group(backend="gloo", timeout=timeout, **store)
         objects = dist.group.WORLD
     commands = dist.new_group(backend="gloo", timeout=FOLLOWER_WAIT)
     _WORLD = TrainerWorld(
