@@ -590,6 +590,10 @@ class ClusterConfig(_Section):
     engines_per_agent: int = Field(1, ge=1)
     # Any one request to an agent but a launch (launches wait for vLLM: inference.start_timeout_s).
     request_timeout_s: float = Field(30.0, gt=0)
+    # The leader watches each remote engine with a long-poll the agent answers at once when the
+    # engine ends, else after this long; an agent silent for this plus request_timeout_s is
+    # reported unreachable (`ctl status`), which by itself loses no engine: vLLM's /health decides.
+    watch_poll_s: float = Field(30.0, gt=0, le=60)
 
     @field_validator("agents")
     @classmethod

@@ -15,7 +15,8 @@ differs is where the process is:
 - The watch cannot wait on a pidfd across machines: it holds a long-poll open on the agent
   (`GET /engines/{name}/ended`, answered the moment the launch ends), beside the same `/health`
   poll of the engine as a local one. An agent that does not answer is not a loss by itself: the
-  engine's own `/health` decides (a later fault case: "agent unreachable for 30 s").
+  engine's own `/health` decides (fault case 15, "agent unreachable for 30 s": training goes on,
+  `ctl status` says the agent is unreachable and why, and the watch picks up again when it answers).
 - `process` is a `RemoteProcess`: what the bridges read of a process (URL, token, pid on its
   node, whether it is believed to run, GPU or CPU), filled from the agent's answers.
 """
@@ -39,8 +40,6 @@ from grpod.inference.routes import SERVED_MODEL_NAME
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-# The agent holds an `ended` request open this long before it answers "still running".
-ENDED_WAIT_S = 30.0
 # Between attempts to reach an agent that did not answer (doubling from health_interval_s).
 AGENT_RETRY_MAX_S = 5.0
 
@@ -90,7 +89,7 @@ class RemoteInference(InferenceEngine):
 
     def __init__(
         self, agent_url: str, token: str, cfg: InferenceConfig, *, engine: str, name: str, gpu: bool,
-        request_timeout_s: float,
+        request_timeout_s: float, watch_poll_s: float = 30.0,
     ) -> None:
         super().__init__(cfg, name=name)
         self.agent_url = agent_url
@@ -99,6 +98,7 @@ class RemoteInference(InferenceEngine):
         self.process = RemoteProcess(cfg, gpu=gpu, node=agent_url)
         self._token = token
         self._request_timeout_s = request_timeout_s
+        self._watch_poll_s = watch_poll_s  # the agent holds an `ended` request open this long
         self._asked = False  # a launch was asked for: shutdown has something to stop
         self.agent_seen: float | None = None  # monotonic time of the agent's last answer
         self.agent_error: str | None = None  # why the last request got no answer (None: it answered)
@@ -178,12 +178,16 @@ class RemoteInference(InferenceEngine):
         while True:
             try:
                 async with self._agent() as agent:
-                    answer = await self._contact(agent.ended(self.agent_engine, launch, ENDED_WAIT_S))
+                    answer = await self._contact(agent.ended(self.agent_engine, launch, self._watch_poll_s))
             except AgentRequestError as exc:
-                log.debug("agent_unanswered", engine=self.name, error=str(exc))
+                if exc.status is None:
+                    log.warning("agent_unreachable", engine=self.name, agent=self.agent_url, error=str(exc)[:300],
+                                silent_s=round(time.monotonic() - self.agent_seen, 1) if self.agent_seen else None)
                 await anyio.sleep(delay)
                 delay = min(delay * 2, AGENT_RETRY_MAX_S)
                 continue
+            if delay != self.cfg.health_interval_s:
+                log.info("agent_reachable", engine=self.name, agent=self.agent_url)
             delay = self.cfg.health_interval_s
             if not answer.get("ended"):
                 continue
@@ -229,6 +233,6 @@ def remote_engines(cfg: GrpodConfig, *, gpu: bool) -> list[RemoteInference]:
         for index in range(cluster.engines_per_agent):
             engines.append(RemoteInference(
                 url, token, cfg.inference, engine=f"engine-{index}", name=f"{node}/engine-{index}", gpu=gpu,
-                request_timeout_s=cluster.request_timeout_s,
+                request_timeout_s=cluster.request_timeout_s, watch_poll_s=cluster.watch_poll_s,
             ))  # fmt: skip
     return engines

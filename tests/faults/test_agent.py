@@ -1,5 +1,5 @@
-"""`grpod agent` end to end: a leader and an agent as two nodes, the agent's engine serving the
-leader's `grpod start` in bridge mode `broadcast`.
+"""`grpod agent` end to end, and its two fault cases: a leader and an agent as two nodes, the
+agent's engine serving the leader's `grpod start` in bridge mode `broadcast`.
 
 The two nodes are two network namespaces joined by a veth pair that the test creates and removes
 (root and `ip netns` needed); without them, or with GRPOD_TEST_NO_NETNS=1, the test falls back to
@@ -10,16 +10,23 @@ pair. gloo picks its interface from the hostname, which resolves to 127.0.0.1 he
 name theirs (`GLOO_SOCKET_IFNAME`), as a multi-homed node would.
 
 The run: the leader has no engine of its own (`inference.engines = 0`) and one on the agent.
-It trains `STEPS` steps syncing after every step, every sync probed. After step `CRASH_AT` the
+It trains syncing after every step, every sync probed. After step `CRASH_AT` the
 test pauses the run (`ctl pause`, then `ctl sync`, which answers once a whole sync is done, after
 which the paused loop waits at the step boundary) and
 SIGKILLs the engine's vLLM API server (a crash): the agent relaunches it on the weights it was
 launched with, the leader hears the loss through the agent, takes over that launch (or asks for
 one, whichever reaches the agent first: one vLLM start either way), brings it to the current
 version with an update of its own and probes it; `ctl status` shows the engine's node and its
-agent; the run resumes and trains to the end. Two vLLM launches
-in all. At the end every process is stopped by PID (the leader ends by itself, the agent by
-SIGTERM) and no vLLM process group is left.
+agent; the run resumes (fault case 15).
+
+Then the agent stops answering for `UNREACHABLE_S` seconds (SIGSTOP by its PID: its port still
+accepts, nothing answers — a hung or partitioned node as the leader sees it) while the engine it
+supervises runs on: training goes on through the whole outage, syncing to that engine, `ctl
+status` says the agent is unreachable and why, and no engine is declared lost or relaunched; once
+the agent answers again (SIGCONT) the leader's watch picks up and the status says reachable
+(fault case 16). `ctl stop` ends the run a few steps later: every step trained exactly once.
+Two vLLM launches in all. At the end every process is stopped by PID (the leader by `ctl stop`,
+the agent by SIGTERM) and no vLLM process group is left.
 """
 
 from __future__ import annotations
@@ -48,10 +55,11 @@ from tests.harness import (
     write_config,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(1500)]
 
-STEPS = 8
+STEPS = 100_000  # never reached: the test ends the run by `ctl stop`
 CRASH_AT = 1
+UNREACHABLE_S = 30.0  # how long the agent answers nothing (fault case 16)
 API_KEY = "e2e-vllm-key-" + secrets.token_hex(8)
 TOKEN = "e2e-agent-token-" + secrets.token_hex(8)
 
@@ -137,7 +145,11 @@ class AgentProcess:
         return code
 
 
-def test_an_agents_engine_serves_the_leaders_broadcast_run_through_a_crash(tmp_path, warm_model_dir, two_nodes):
+def test_an_agents_engine_serves_the_leaders_broadcast_run_through_a_crash_and_an_unreachable_agent(
+    tmp_path, warm_model_dir, two_nodes, fault_case
+):
+    crash_row = fault_case("15 SIGKILL the agent's engine (the agent relaunches, the leader takes it over)")
+    silent_row = fault_case(f"16 agent unreachable for {UNREACHABLE_S:.0f} s (SIGSTOP; its engine runs on)")
     leader_node, agent_node = two_nodes
     began = time.monotonic()
     token_file = tmp_path / "agent.token"
@@ -173,6 +185,8 @@ def test_an_agents_engine_serves_the_leaders_broadcast_run_through_a_crash(tmp_p
         "inference.max_restarts": 2,
         "cluster.agents": [agent_url],
         "cluster.token_file": str(token_file),
+        "cluster.request_timeout_s": 3.0,
+        "cluster.watch_poll_s": 5.0,  # an agent silent for 8 s is reported unreachable
         "run.record_rollouts": True,
     }
     leader_env = {"GLOO_SOCKET_IFNAME": leader_node.interface} if leader_node.interface else {}
@@ -200,14 +214,39 @@ def test_an_agents_engine_serves_the_leaders_broadcast_run_through_a_crash(tmp_p
             assert engine["node"] == agent_url and engine["base_url"].startswith(f"http://{agent_node.address}:")
             assert engine["agent"]["reachable"] and engine["launches"] == 1 and engine["state"] == "serving"
             crashed_pid = engine["pid"]
+            killed_at = time.monotonic()
             sigkill(vllm_api_server(crashed_pid))
 
             daemon.wait_for(lambda s: s["bridge"]["engines"][0]["launches"] == 2 and s["bridge"]["state"] == "SERVING"
                             and s["bridge"]["engines"][0]["state"] == "serving", 600, "the engine relaunched and serving")
             text = subprocess.run([sys.executable, "-m", "grpod", "ctl", "status", "--socket", str(daemon.socket)],
                                   check=False, cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+            crash_row.recovery_s = time.monotonic() - killed_at
             assert f"node {agent_url}" in text and f"agent {agent_url}: 1 engines, reachable" in text, text
             assert daemon.ctl("resume")["ok"]
+
+            # Fault 16: the agent answers nothing for UNREACHABLE_S; its engine serves on.
+            before = daemon.wait_for(lambda s: s["step"] >= crashed_at + 3, 300, "steps after the relaunch")
+            agent.proc.send_signal(signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                silent = daemon.wait_for(lambda s: s["bridge"]["engines"][0]["agent"]["reachable"] is False,
+                                         UNREACHABLE_S, "the agent reported unreachable")
+                silent_text = subprocess.run(
+                    [sys.executable, "-m", "grpod", "ctl", "status", "--socket", str(daemon.socket)],
+                    check=False, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                ).stdout
+                reported_after = time.monotonic() - stopped_at
+                end = daemon.wait_for(lambda s: time.monotonic() - stopped_at >= UNREACHABLE_S, UNREACHABLE_S + 60,
+                                      "the end of the outage")
+            finally:
+                agent.proc.send_signal(signal.SIGCONT)
+            resumed_at = time.monotonic()
+            back = daemon.wait_for(lambda s: s["bridge"]["engines"][0]["agent"]["reachable"] is True, 120,
+                                   "the agent answering again")
+            silent_row.recovery_s = time.monotonic() - resumed_at
+            last = daemon.wait_for(lambda s: s["step"] >= back["step"] + 3, 300, "steps after the outage")
+            assert daemon.ctl("stop", timeout_s=120)["ok"]
             assert daemon.wait_exit(600) == 0, daemon.tail()
         finally:
             if daemon is not None:
@@ -225,7 +264,21 @@ def test_an_agents_engine_serves_the_leaders_broadcast_run_through_a_crash(tmp_p
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if r["kind"] == "step" and not r.get("skipped")]
     syncs = [r for r in records if r["kind"] == "sync"]
-    assert [s["step"] for s in steps] == list(range(1, STEPS + 1)) and STEPS - crashed_at >= 3
+    assert [s["step"] for s in steps] == list(range(1, len(steps) + 1)) and len(steps) >= last["step"]
+    crash_row.data_lost = silent_row.data_lost = "none"
+
+    # Fault 16: trained and synced to the agent's engine all through the outage; reported, not lost.
+    silent_engine = silent["bridge"]["engines"][0]
+    # (open or closed for a sync in flight, never out of the pool)
+    assert not silent_engine["recovering"] and silent_engine["launches"] == 2, silent_engine
+    assert silent_engine["agent"]["error"], "the status says why the agent is unreachable"
+    assert f"agent {agent_url}: 1 engines, UNREACHABLE" in silent_text, silent_text
+    trained_silent = end["step"] - before["step"]
+    synced_silent = [s for s in syncs if before["policy_version"] < s["version"] <= end["policy_version"]]
+    assert trained_silent >= 3 and len(synced_silent) >= 3, (before["step"], end["step"], len(synced_silent))
+    assert back["bridge"]["engines"][0]["launches"] == 2, "no engine was relaunched for the outage"
+    silent_row.notes = (f"reported unreachable after {reported_after:.1f} s; {trained_silent} steps and "
+                        f"{len(synced_silent)} syncs during the outage; no engine lost")
     # Every sync probed, versions in order, one of them the operator's (`ctl sync`).
     assert [s["version"] for s in syncs] == list(range(1, len(syncs) + 1)), syncs
     assert [s["forced"] for s in syncs].count(True) == 1
