@@ -10,14 +10,19 @@ trainer's weights to all engines at once through vLLM's weight-transfer API (glo
     .venv/bin/python bench/scale.py [--syncs 5] [--models tiny,100m] [--engines 1,2]
         [--modes none,broadcast] [--out bench/results/scale.json]
 
-FSDP trainer ranks: `--fsdp` adds the step time of 1 vs 2 ranks when grpod runs them.
+FSDP trainer ranks: `--fsdp` adds the step time of one process vs 2 ranks under torchrun
+(FSDP2 over gloo, one torch thread per rank), the tiny model and a 13.7M-parameter Qwen2, on
+recorded groups (no vLLM): `tests/training/fsdp_ranks.py`, the trainer the daemon runs, timed per
+step; the table gives the median over steps 2.. (step 1 pays the first-call costs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +40,8 @@ from grpod.daemon.step_loop import train_batch  # noqa: E402
 from grpod.models.tiny import build_model, save_model  # noqa: E402
 from grpod.training.trainer import build_trainer  # noqa: E402
 
-MODELS = {"tiny": {}, "100m": {"hidden_size": 1024, "layers": 8}}
+MODELS = {"tiny": {}, "100m": {"hidden_size": 1024, "layers": 8}, "14m": {"hidden_size": 512, "layers": 4}}
+FSDP_STEPS = 8
 MODES = {"none": ["bridge.mode=none", "bridge.reload=in_place"], "broadcast": ["bridge.mode=broadcast"]}
 
 
@@ -83,6 +89,34 @@ async def measure(mode: str, model: Path, engines: int, syncs: int, workdir: Pat
     return records
 
 
+def fsdp_step_times(model_name: str, ranks: int, root: Path) -> list[float]:
+    """Per-step seconds of the trainer on `ranks` FSDP ranks (1: one process, no torchrun)."""
+    from tests.faults.injection import write_replay_rollouts
+
+    work = root / f"fsdp-{model_name}-{ranks}"
+    work.mkdir(parents=True)
+    model, _ = make_model(model_name, work)
+    replay = work / "rollouts.jsonl"
+    write_replay_rollouts(replay, model, groups=FSDP_STEPS * 8, completion_len=96)
+    config = work / "grpod.toml"
+    config.write_text("\n".join([
+        "[run]", f"dir = {json.dumps(str(work / 'run'))}",
+        "[model]", f"path = {json.dumps(str(model))}", "init_if_missing = false",
+        "[source]", 'kind = "replay"', f"replay_path = {json.dumps(str(replay))}",
+        "[train]", "groups_per_step = 8", "threads = 1", "max_staleness = 1000",
+        "[bridge]", 'mode = "none"',
+    ]) + "\n")  # fmt: skip
+    script = ROOT / "tests" / "training" / "fsdp_ranks.py"
+    launcher = [sys.executable] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    subprocess.run(
+        [*launcher, str(script), str(config), str(work / "out"), "--steps", str(FSDP_STEPS)], cwd=ROOT, check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=3600,
+    )  # fmt: skip
+    steps = json.loads((work / "out" / "result.json").read_text())["steps"]
+    return [steps[key]["seconds"] for key in sorted(steps, key=int)]
+
+
 def median(records: list[dict], key: str) -> float | None:
     values = [r[key] for r in records if key in r]
     return statistics.median(values) if values else None
@@ -95,10 +129,19 @@ def main() -> None:
     parser.add_argument("--engines", default="1,2")
     parser.add_argument("--modes", default="none,broadcast")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale.json")
+    parser.add_argument("--fsdp", action="store_true", help="also the step time of 1 process vs 2 FSDP ranks")
+    parser.add_argument("--fsdp-models", default="tiny,14m")
     args = parser.parse_args()
     rows = []
+    fsdp_rows = []
     with tempfile.TemporaryDirectory(prefix="grpod-scale-") as tmp:
-        for model_name in args.models.split(","):
+        for model_name in args.fsdp_models.split(",") if args.fsdp else []:
+            for ranks in (1, 2):
+                times = fsdp_step_times(model_name, ranks, Path(tmp))
+                fsdp_rows.append({"model": model_name, "ranks": ranks, "step_median_s": statistics.median(times[1:]),
+                                  "step_s": times})
+                print(f"fsdp {model_name} x{ranks}: done", file=sys.stderr, flush=True)
+        for model_name in [m for m in args.models.split(",") if m]:
             model, params = make_model(model_name, Path(tmp))
             for engines in (int(n) for n in args.engines.split(",")):
                 for mode in args.modes.split(","):
@@ -118,8 +161,15 @@ def main() -> None:
         ms = lambda key: f"{p[key] * 1000:.0f}" if p.get(key) is not None else "-"  # noqa: E731
         print(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['engines']} | {r['mode']} | "
               f"{r['sync_median_s'] * 1000:.0f} | {ms('save_s')} | {ms('apply_s')} | {ms('probe_s')} |")
+    if fsdp_rows:
+        print("\n| model | trainer | step median (s) | steps timed |")
+        print("|---|---|---|---|")
+        for r in fsdp_rows:
+            who = "1 process" if r["ranks"] == 1 else f"{r['ranks']} FSDP ranks (torchrun, gloo)"
+            print(f"| {r['model']} | {who} | {r['step_median_s']:.3f} | {len(r['step_s']) - 1} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "machine": "2 CPU cores (see the label of the run)"}, indent=1))
+    args.out.write_text(json.dumps({"rows": rows, "fsdp": fsdp_rows, "machine": "2 CPU cores (see the label of the run)"},
+                                   indent=1))
     print(f"wrote {args.out}")
 
 
