@@ -1,0 +1,109 @@
+"""Case 17: the trainer (the daemon, trainer rank 0) SIGKILLed mid-broadcast, bridge mode `broadcast`.
+
+One daemon, one engine, a sync after every step; recorded groups (`source.kind = "replay"`) and a
+checkpoint after every step. The test watches `ctl status` until the bridge is BROADCASTING — the
+engine fenced (`/grpod/pause?mode=keep`), part of an update sent over the weight-transfer group —
+and SIGKILLs the daemon there. What must hold:
+
+- the engine outlives its trainer (its own session) and is never served from again: fenced, or
+  about to be, by an update that was cut, it may hold a mix of two versions;
+- `grpod start` on the same run directory is that repair: it resumes from the newest complete
+  checkpoint, stops the engine the dead daemon left behind (by its process group, as recorded in
+  the run directory), launches one on the checkpoint's weights, probes it (it serves exactly the
+  trainer's weights) and trains to the end (exit 0);
+- nothing lost: every step 1..N is trained once, with the replay's groups in order;
+- no process of either engine remains.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.faults.injection import (
+    alive,
+    failure_reason,
+    lineage,
+    log_events,
+    status_until,
+    write_replay_rollouts,
+)
+from tests.harness import DaemonProcess, base_settings, write_config
+
+pytestmark = pytest.mark.faults
+
+STEPS = 10
+PER_STEP = 2
+PREFETCH = 3
+
+
+def _settings(run_dir, model_dir, replay) -> dict:
+    return base_settings(run_dir, model_dir) | {
+        "train.steps": STEPS,
+        "train.groups_per_step": PER_STEP,
+        "train.max_staleness": 1000,
+        "source.kind": "replay",
+        "source.replay_path": str(replay),
+        "source.prefetch_groups": PREFETCH,
+        "checkpoint.every": 1,
+        "checkpoint.keep_last": 2 * STEPS,
+        "bridge.mode": "broadcast",
+        "bridge.sync_every": 1,
+        "inference.start_timeout_s": 400.0,
+        "inference.stop_grace_s": 2.0,
+    }
+
+
+@pytest.mark.timeout(1200)
+def test_the_trainer_killed_mid_broadcast_leaves_the_engine_alive_and_the_restart_repairs_it(
+    tmp_path, fault_model_dir, fault_case
+):
+    row = fault_case("17 SIGKILL the trainer mid-broadcast (engine alive; the restart replaces and probes it)")
+    replay = tmp_path / "rollouts.jsonl"
+    write_replay_rollouts(replay, fault_model_dir, groups=STEPS * PER_STEP + PREFETCH + 2, completion_len=96)
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "grpod.toml", _settings(run_dir, fault_model_dir, replay))
+
+    first = DaemonProcess(config, run_dir)
+    second = None
+    try:
+        status_until(first, lambda s: s["state"] == "running" and s["step"] >= 2, 500, "daemon 1 training")
+        status = status_until(first, lambda s: s["bridge"]["state"] == "BROADCASTING", 120,
+                              "a broadcast in flight", poll_s=0.001)
+        first.proc.kill()
+        killed_at = time.monotonic()
+        first.proc.wait(timeout=30)
+        engine_pgid = status["bridge"]["engines"][0]["pid"]
+        killed_version = status["policy_version"]
+        assert alive([engine_pgid]), "the engine outlives its killed trainer (its own session)"
+
+        second = DaemonProcess(config, run_dir)
+        status_until(second, lambda s: s["state"] == "running", 500, "daemon 2 running")
+        row.recovery_s = time.monotonic() - killed_at
+        assert alive([engine_pgid]) == [], "daemon 2 stopped the engine daemon 1 left mid-update"
+        code = second.wait_exit(600)
+    finally:
+        for daemon in (first, second):
+            if daemon is not None:
+                daemon.close()
+
+    assert code == 0, f"exit {code}: {failure_reason(run_dir)}\n{second.tail()}"
+    left = log_events(run_dir, "inference_left_behind")
+    assert [e["pgid"] for e in left] == [engine_pgid], left
+    resumed = [e for e in log_events(run_dir, "resumed") if "checkpoint" in e]
+    assert len(resumed) == 1, resumed
+    # Daemon 2's first probe: its engine serves the checkpoint's weights, exactly.
+    probes = [e for e in log_events(run_dir, "engine_probed") if e["version"] == int(resumed[0]["policy_version"])]
+    assert probes and probes[-1]["ok"], probes
+
+    got = lineage(run_dir)
+    lines = replay.read_text().splitlines()
+    expected = {s: [json.loads(lines[i])["group"]["group_id"] for i in range((s - 1) * PER_STEP, s * PER_STEP)]
+                for s in range(1, STEPS + 1)}
+    row.data_lost = "none" if got == expected else f"lineage {got}"
+    row.notes = (f"killed broadcasting version {killed_version + 1} at step {status['step']}; resumed from step "
+                 f"{resumed[0]['step']}; the engine left mid-update stopped by its group, a new one probed")
+    assert got == expected, "every step once, with the replay's groups in order"
+    assert alive(first.vllm_pgids | second.vllm_pgids | {engine_pgid}) == [], "no engine process remains"
