@@ -1,5 +1,5 @@
 """`grpod start` under torchrun (`grpod.daemon.ranks`): which processes are trainer ranks, and a
-config trainer ranks cannot run refused by every rank, naming the key (exit status 2)."""
+config trainer ranks cannot run refused before anything starts, naming the key (exit status 2)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def test_every_rank_refuses_a_config_trainer_ranks_cannot_run_naming_the_key(tmp
     )
     said = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert said.count("train.optimizer = 'adafactor'") == 2, said[-3000:]
-    assert said.count("exitcode  : 2") == 2, "both ranks exit as `grpod start` does on a config error"
+    # Each rank checks the config before anything starts; the first to refuse ends the job (torchrun
+    # then stops the other, which, on a loaded machine, may not have reached its own check yet).
+    assert said.count("train.optimizer = 'adafactor'") >= 1, said[-3000:]
+    assert "exitcode  : 2" in said, "a rank exits as `grpod start` does on a config error"
     assert not (tmp_path / "run").exists(), "refused before anything started"
