@@ -119,6 +119,7 @@ def _render_status(result: dict) -> str:
         ("policy version", result.get("policy_version")),
         ("bridge", f"{bridge.get('mode')} {bridge.get('state')}" + (f" ({bridge['error']})" if bridge.get("error") else "")),
         ("syncs / vLLM restarts", f"{bridge.get('syncs')} / {bridge.get('restarts')}"),
+        ("trainer ranks", _ranks_row(result.get("trainer_ranks"))),
         ("vLLM", f"pid {vllm.get('pid')} running={vllm.get('running')} available={vllm.get('available')}"),
         ("vLLM URL", _endpoint_row(result.get("inference"))),
         ("rates", _rates_row(result.get("rates"))),
@@ -174,6 +175,16 @@ def _engine_lines(engines: list[dict], last_sync: dict | None) -> list[str]:
         phases = ", ".join(f"{name} {seconds:.3f}" for name, seconds in last_sync.get("phases", {}).items())
         lines.append(f"last sync v{last_sync.get('version')} (s): {phases}")
     return lines
+
+
+def _ranks_row(ranks: dict | None) -> str:
+    """"2 (FSDP2 over gloo, torchrun restart 1)", or one process."""
+    if not ranks:
+        return "1 process"
+    row = f"{ranks['world_size']} (FSDP2 over {ranks['backend']}, torchrun restart {ranks['restarts']})"
+    if ranks.get("out_of_step"):
+        row += f"; OUT OF STEP since {ranks['out_of_step'][:200]}"
+    return row
 
 
 def _rates_row(rates: dict | None) -> str | None:

@@ -35,3 +35,11 @@ def test_status_lists_each_engine_with_its_node_and_each_agent():
     assert "10.0.0.2:7900/engine-0  node http://10.0.0.2:7900  -  down  v2  restarts 1  launches 2  pid 42" in table
     assert "agent http://10.0.0.2:7900: 1 engines, UNREACHABLE (agent http://10.0.0.2:7900" in table
     assert "last sync v3 (s): broadcast 0.050, probe 0.020" in table
+
+
+def test_status_says_how_many_trainer_ranks_and_whether_they_are_in_step():
+    assert "trainer ranks           1 process" in _render_status({})
+    ranks = {"world_size": 2, "restarts": 1, "backend": "gloo", "out_of_step": None}
+    assert "2 (FSDP2 over gloo, torchrun restart 1)" in _render_status({"trainer_ranks": ranks})
+    broken = _render_status({"trainer_ranks": ranks | {"out_of_step": "plan: Connection reset by peer"}})
+    assert "OUT OF STEP since plan: Connection reset by peer" in broken

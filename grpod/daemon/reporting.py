@@ -29,6 +29,7 @@ from grpod.daemon.notify import Heartbeat, SystemdNotifier
 from grpod.daemon.progress import RunProgress
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.validation import RejectionCounter
+from grpod.training.distributed import current_world
 
 log = structlog.get_logger(__name__)
 
@@ -152,6 +153,8 @@ class Reporter:
             "draining": self.desk.draining if self.desk else False,
             "policy_version": bridge.policy.version if bridge else None,
             "bridge": bridge.describe() if bridge else None,
+            # None: the trainer is this one process (no torchrun).
+            "trainer_ranks": world.describe() if (world := current_world()) is not None else None,
             "queue_depth": len(self.buffer),
             "accepted_groups": self.buffer.accepted,
             "rejected": self.rejections.as_dict(),

@@ -135,6 +135,11 @@ class TrainerWorld:
     def leads(self) -> bool:
         return self.rank == 0
 
+    def describe(self) -> dict[str, Any]:
+        """What `ctl status` shows of the trainer ranks (rank 0's view)."""
+        return {"world_size": self.size, "restarts": self.restarts, "backend": dist.get_backend(),
+                "out_of_step": self.broken}
+
     def send(self, name: str, *args: Any) -> None:
         """Rank 0: announce a call to every follower."""
         if self.broken is not None:

@@ -103,7 +103,8 @@ def test_a_killed_follower_rank_restarts_the_job_which_resumes_from_the_sharded_
     config = write_config(tmp_path / "grpod.toml", _settings(run_dir, model, replay))
     daemon = DaemonProcess(config, run_dir, launcher=torchrun(2, max_restarts=1))
     try:
-        status_until(daemon, lambda s: s["state"] == "running", 500, "rank 0's daemon running")
+        running = status_until(daemon, lambda s: s["state"] == "running", 500, "rank 0's daemon running")
+        assert running["trainer_ranks"] == {"world_size": 2, "restarts": 0, "backend": "gloo", "out_of_step": None}
         follower = daemon.rank_processes()[1]
 
         def training_after_checkpoint(status) -> bool:
@@ -118,6 +119,10 @@ def test_a_killed_follower_rank_restarts_the_job_which_resumes_from_the_sharded_
         killed_at = time.monotonic()
         killed_step = status["step"]
         records_before = len(step_records(run_dir))
+        # `ctl status` of the restarted job's rank 0 (its engine takes a while to start).
+        again = status_until(daemon, lambda s: (s.get("trainer_ranks") or {}).get("restarts") == 1, 300,
+                             "the restarted ranks' status")
+        assert again["trainer_ranks"]["world_size"] == 2 and again["trainer_ranks"]["out_of_step"] is None
         code = daemon.wait_exit(1200)
         output = daemon.tail(400)
     finally:
