@@ -385,6 +385,16 @@ def _pool(tmp_path, engines: int = 2) -> NoneBridge:
     return bridge
 
 
+async def _watch_until(bridge, condition, timeout_s: float = 10.0) -> None:
+    """Run the bridge's health watches until `condition()` holds (at most `timeout_s`)."""
+    with anyio.fail_after(timeout_s):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bridge.watch)
+            while not condition():
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+
+
 def test_one_engine_of_a_pool_is_relaunched_while_the_others_sync_then_rejoins_caught_up(tmp_path):
     """Issue #15: one engine dying never pauses training. Its relaunch runs outside the sync
     slot; syncs meanwhile update the others; it rejoins at the current version, after a probe."""
@@ -430,12 +440,7 @@ def test_an_engine_of_a_pool_dying_mid_sync_leaves_it_and_its_watch_brings_it_ba
         record = await bridge.sync_now()  # engine-1 dies at the fence: the sync goes on without it
         assert record.version == 1 and first.version == 1 and second.recovering and not second.available
         assert bridge.state == "SERVING" and "RETRY" not in [t.event for t in bridge.machine.history]
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(bridge.watch)
-                while not second.available:
-                    await anyio.sleep(0.01)
-                tg.cancel_scope.cancel()
+        await _watch_until(bridge, lambda: second.available)
         return bridge
 
     bridge = anyio.run(main)
@@ -460,12 +465,7 @@ def test_an_engine_of_a_pool_dying_while_probed_leaves_it_and_the_next_sync_goes
         bridge.trainer.weights = 3.0
         again = await bridge.sync_now()
         assert again.version == 2 and bridge.processes[0].current.weights == 3.0
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(bridge.watch)
-                while not second.available:
-                    await anyio.sleep(0.01)
-                tg.cancel_scope.cancel()
+        await _watch_until(bridge, lambda: second.available)
         return bridge
 
     bridge = anyio.run(main)
