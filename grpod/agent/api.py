@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Self
+from typing import Any
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from grpod.http import SessionClient
 
 STATUS_ROUTE = "/status"
 LAUNCH_ROUTE = "/engines/{name}/launch"
@@ -110,23 +112,13 @@ class AgentRequestError(RuntimeError):
         super().__init__(f"agent {url} {route}: {where}: {detail}")
 
 
-class AgentClient:
+class AgentClient(SessionClient):
     """The leader's client of one agent, over one aiohttp session: `async with AgentClient(...)`."""
 
     def __init__(self, url: str, token: str, timeout_s: float) -> None:
+        super().__init__(token)
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self._headers = {"Authorization": f"Bearer {token}"}
-        self._session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> Self:
-        self._session = aiohttp.ClientSession(headers=self._headers)
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def _request(
         self, method: str, route: str, *, json_body: dict | None = None, params: dict | None = None,

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import aiohttp
 import structlog
 
+from grpod.http import SessionClient
 from grpod.inference.routes import (
     GENERATE_MODEL_ROUTE,
     LAUNCH_HEADER,
@@ -59,7 +60,7 @@ class Completion:
     text: str
 
 
-class InferenceClient:
+class InferenceClient(SessionClient):
     """Async client over one aiohttp session; use as `async with InferenceClient(...) as client`."""
 
     def __init__(
@@ -67,20 +68,10 @@ class InferenceClient:
     ) -> None:
         """`launch_token`: the token the launched server echoes (`x-grpod-launch`); when given,
         every answer without it raises `ForeignServerError`."""
+        super().__init__(api_key)
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.launch_token = launch_token
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> InferenceClient:
-        self._session = aiohttp.ClientSession(headers=self._headers)
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def _request(
         self,

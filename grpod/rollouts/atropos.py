@@ -62,6 +62,7 @@ import anyio
 import structlog
 
 from grpod.config import AtroposSourceConfig
+from grpod.http import SessionClient
 from grpod.inference.policy import Policy
 from grpod.rollouts.atropos_wire import group_from_atropos
 from grpod.rollouts.buffer import RolloutBuffer
@@ -135,7 +136,7 @@ def _excerpt(text: str) -> str:
     return text if len(text) <= BODY_EXCERPT_CHARS else text[:BODY_EXCERPT_CHARS] + "…"
 
 
-class TrajectoryApiClient:
+class TrajectoryApiClient(SessionClient):
     """The trainer-side routes of run-api over one aiohttp session (`async with`).
 
     Every failure (refused connection, timeout, HTTP error, a body that is not the expected JSON)
@@ -143,18 +144,9 @@ class TrajectoryApiClient:
     """
 
     def __init__(self, base_url: str, timeout_s: float) -> None:
+        super().__init__()
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> TrajectoryApiClient:
-        self._session = aiohttp.ClientSession()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def _request(self, method: str, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         if self._session is None:

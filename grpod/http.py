@@ -1,0 +1,25 @@
+"""The one way grpod's HTTP clients hold their connection: an aiohttp session opened by `async
+with`, carrying `Authorization: Bearer <secret>` on every request when a secret is given (vLLM's
+API key, an agent's token). Each client (vLLM, an agent, Atropos' trajectory API) adds its routes
+and its own error type."""
+
+from __future__ import annotations
+
+from typing import Self
+
+import aiohttp
+
+
+class SessionClient:
+    def __init__(self, bearer: str | None = None) -> None:
+        self._headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        self._session = aiohttp.ClientSession(headers=self._headers)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
