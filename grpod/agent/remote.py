@@ -15,7 +15,7 @@ differs is where the process is:
 - The watch cannot wait on a pidfd across machines: it holds a long-poll open on the agent
   (`GET /engines/{name}/ended`, answered the moment the launch ends), beside the same `/health`
   poll of the engine as a local one. An agent that does not answer is not a loss by itself: the
-  engine's own `/health` decides (fault case 15, "agent unreachable for 30 s": training goes on,
+  engine's own `/health` decides (fault case 16, "agent unreachable for 30 s": training goes on,
   `ctl status` says the agent is unreachable and why, and the watch picks up again when it answers).
 - `process` is a `RemoteProcess`: what the bridges read of a process (URL, token, pid on its
   node, whether it is believed to run, GPU or CPU), filled from the agent's answers.
@@ -176,6 +176,7 @@ class RemoteInference(InferenceEngine):
         assert launch is not None
         delay = self.cfg.health_interval_s
         while True:
+            silent = self.agent_error is not None  # `_contact` keeps whether the agent answered
             try:
                 async with self._agent() as agent:
                     answer = await self._contact(agent.ended(self.agent_engine, launch, self._watch_poll_s))
@@ -186,7 +187,7 @@ class RemoteInference(InferenceEngine):
                 await anyio.sleep(delay)
                 delay = min(delay * 2, AGENT_RETRY_MAX_S)
                 continue
-            if delay != self.cfg.health_interval_s:
+            if silent:
                 log.info("agent_reachable", engine=self.name, agent=self.agent_url)
             delay = self.cfg.health_interval_s
             if not answer.get("ended"):

@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from tests.harness import ROOT, group_processes, metrics
+from tests.harness import ROOT, base_settings, group_processes, metrics
 
 
 # ---- vLLM's process tree: API server (group leader) → EngineCore → Worker -------------------
@@ -264,3 +264,23 @@ def first_line_matching(text: str, pattern: str) -> str | None:
         if re.search(pattern, line):
             return line.strip()
     return None
+
+
+def replay_settings(run_dir: Path, model_dir: Path, replay: Path, *, steps: int, prefetch: int) -> dict[str, Any]:
+    """The base of the kill-and-resume cases: `steps` steps on the recorded groups of `replay`
+    (never stale), a checkpoint after every step, every checkpoint kept."""
+    return base_settings(run_dir, model_dir) | {
+        "train.steps": steps,
+        "train.max_staleness": 1000,
+        "source.kind": "replay",
+        "source.replay_path": str(replay),
+        "source.prefetch_groups": prefetch,
+        "checkpoint.every": 1,
+        "checkpoint.keep_last": 2 * steps,
+    }
+
+
+def replay_lineage(replay: Path, steps: int, per_step: int) -> dict[int, list[str]]:
+    """Step -> the group ids a straight run trains at it: the replay's groups, `per_step` a step, in order."""
+    ids = [json.loads(line)["group"]["group_id"] for line in replay.read_text().splitlines()]
+    return {step: ids[(step - 1) * per_step : step * per_step] for step in range(1, steps + 1)}

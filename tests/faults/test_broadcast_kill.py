@@ -17,7 +17,6 @@ and SIGKILLs the daemon there. What must hold:
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -27,10 +26,12 @@ from tests.faults.injection import (
     failure_reason,
     lineage,
     log_events,
+    replay_lineage,
+    replay_settings,
     status_until,
     write_replay_rollouts,
 )
-from tests.harness import DaemonProcess, base_settings, write_config
+from tests.harness import DaemonProcess, write_config
 
 pytestmark = pytest.mark.faults
 
@@ -40,15 +41,8 @@ PREFETCH = 3
 
 
 def _settings(run_dir, model_dir, replay) -> dict:
-    return base_settings(run_dir, model_dir) | {
-        "train.steps": STEPS,
+    return replay_settings(run_dir, model_dir, replay, steps=STEPS, prefetch=PREFETCH) | {
         "train.groups_per_step": PER_STEP,
-        "train.max_staleness": 1000,
-        "source.kind": "replay",
-        "source.replay_path": str(replay),
-        "source.prefetch_groups": PREFETCH,
-        "checkpoint.every": 1,
-        "checkpoint.keep_last": 2 * STEPS,
         "bridge.mode": "broadcast",
         "bridge.sync_every": 1,
         "inference.start_timeout_s": 400.0,
@@ -99,9 +93,7 @@ def test_the_trainer_killed_mid_broadcast_leaves_the_engine_alive_and_the_restar
     assert probes and probes[-1]["ok"], probes
 
     got = lineage(run_dir)
-    lines = replay.read_text().splitlines()
-    expected = {s: [json.loads(lines[i])["group"]["group_id"] for i in range((s - 1) * PER_STEP, s * PER_STEP)]
-                for s in range(1, STEPS + 1)}
+    expected = replay_lineage(replay, STEPS, PER_STEP)
     row.data_lost = "none" if got == expected else f"lineage {got}"
     row.notes = (f"killed broadcasting version {killed_version + 1} at step {status['step']}; resumed from step "
                  f"{resumed[0]['step']}; the engine left mid-update stopped by its group, a new one probed")

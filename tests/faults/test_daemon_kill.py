@@ -44,6 +44,7 @@ from tests.faults.injection import (
     lineage,
     log_events,
     losses,
+    replay_settings,
     run_state,
     status_until,
     step_records,
@@ -51,7 +52,7 @@ from tests.faults.injection import (
     wait_until,
     write_replay_rollouts,
 )
-from tests.harness import DaemonProcess, base_settings, write_config
+from tests.harness import DaemonProcess, write_config
 
 pytestmark = pytest.mark.faults
 
@@ -65,14 +66,7 @@ FLOOD_PAUSE_S = 0.005
 
 
 def _settings(run_dir, model_dir, replay):
-    return base_settings(run_dir, model_dir) | {
-        "train.steps": STEPS,
-        "train.max_staleness": 1000,
-        "source.kind": "replay",
-        "source.replay_path": str(replay),
-        "source.prefetch_groups": PREFETCH,
-        "checkpoint.every": 1,
-        "checkpoint.keep_last": 2 * STEPS,
+    return replay_settings(run_dir, model_dir, replay, steps=STEPS, prefetch=PREFETCH) | {
         "bridge.sync_every": 2,
         "inference.start_timeout_s": 300.0,
     }

@@ -17,7 +17,6 @@ under torchrun, no vLLM). No engine process of either attempt is left.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -33,13 +32,15 @@ from tests.faults.injection import (
     failure_reason,
     lineage,
     log_events,
+    replay_lineage,
+    replay_settings,
     run_state,
     status_until,
     step_records,
     temp_checkpoints,
     write_replay_rollouts,
 )
-from tests.harness import ROOT, DaemonProcess, base_settings, torchrun, write_config
+from tests.harness import ROOT, DaemonProcess, torchrun, write_config
 
 pytestmark = pytest.mark.faults
 
@@ -49,16 +50,9 @@ PREFETCH = 3
 
 
 def _settings(run_dir: Path, model: Path, replay: Path) -> dict:
-    return base_settings(run_dir, model) | {
-        "train.steps": STEPS,
+    return replay_settings(run_dir, model, replay, steps=STEPS, prefetch=PREFETCH) | {
         "train.groups_per_step": PER_STEP,
-        "train.max_staleness": 1000,
         "train.collective_timeout_s": 60.0,
-        "source.kind": "replay",
-        "source.replay_path": str(replay),
-        "source.prefetch_groups": PREFETCH,
-        "checkpoint.every": 1,
-        "checkpoint.keep_last": 2 * STEPS,
         "bridge.mode": "broadcast",
         "bridge.sync_every": 2,
         "inference.start_timeout_s": 400.0,
@@ -140,9 +134,7 @@ def test_a_killed_follower_rank_restarts_the_job_which_resumes_from_the_sharded_
 
     # Nothing lost: each step once with the replay's groups, the buffered ones first after resume.
     got = lineage(run_dir)
-    lines = replay.read_text().splitlines()
-    expected = {s: [json.loads(lines[i])["group"]["group_id"] for i in range((s - 1) * PER_STEP, s * PER_STEP)]
-                for s in range(1, STEPS + 1)}
+    expected = replay_lineage(replay, STEPS, PER_STEP)
     trained = [gid for step in sorted(got) for gid in got[step]]
     lost = sorted({gid for gids in expected.values() for gid in gids} - set(trained))
     twice = len(trained) - len(set(trained))
