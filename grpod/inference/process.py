@@ -2,7 +2,7 @@
 
 The server (`python -m grpod.inference.server`, vLLM's stock server plus grpod's routes) runs in a
 process group of its own, created at launch. That group is grpod's only handle on it: vLLM's
-EngineCore and Worker processes inherit it and keep it when they are orphaned, and stopping
+EngineCore (and Worker, `cpu_executor`) processes inherit it and keep it when they are orphaned, and stopping
 signals exactly that group, never a name or a pattern, never a process outside it.
 
 Guarantees:
@@ -143,6 +143,8 @@ def server_argv(
         args += ["--kv-cache-memory-bytes", cfg.kv_cache_bytes]
     if cfg.enforce_eager:
         args.append("--enforce-eager")
+    if not gpu and cpu_executor(cfg) == "uni":
+        args += ["--distributed-executor-backend", "uni"]
     if lora:
         args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
         if lora_target_modules:
@@ -192,6 +194,34 @@ def server_env(cfg: InferenceConfig) -> dict[str, str]:
 LOG_LINE_CHARS = 300
 
 
+def cpu_executor(cfg: InferenceConfig) -> str:
+    """How a CPU engine runs vLLM's worker: "uni" (inside EngineCore) or "mp" (a Worker process).
+
+    "auto" picks "uni" unless the engine's cores are pinned: vLLM applies VLLM_CPU_OMP_THREADS_BIND
+    only in a Worker process of its own (its CPU platform turns "uni" into "mp" for that reason).
+    "uni" saves one process start (one import of vLLM and torch, ~12 s of the ~35 s start-up here)
+    and the EngineCore -> Worker message hop of every engine step (bench/peers/README.md).
+    """
+    if cfg.cpu_executor != "auto":
+        return cfg.cpu_executor
+    pinned = cfg.engines > 1 or bool(cfg.cpu_binds) or "VLLM_CPU_OMP_THREADS_BIND" in cfg.env
+    return "mp" if pinned else "uni"
+
+
+def executor_env(cfg: InferenceConfig, gpu: bool) -> dict[str, str]:
+    """A CPU engine whose worker runs inside EngineCore (`cpu_executor` "uni") needs vLLM's switch
+    for that (VLLM_ENABLE_V1_MULTIPROCESSING=0; vLLM's API server still runs EngineCore in a
+    process of its own) and a thread count, which vLLM would otherwise set to 1: the machine's
+    cores less the one vLLM's own CPU binding leaves to the rest (the trainer, here), unless
+    `inference.env` sets OMP_NUM_THREADS."""
+    if gpu or cpu_executor(cfg) != "uni":
+        return {}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if "OMP_NUM_THREADS" not in cfg.env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) - 1))
+    return env
+
+
 def engine_env(cfg: InferenceConfig, index: int, gpu: bool) -> dict[str, str]:
     """Engine `index`'s own cores or GPU. One engine keeps vLLM's own choice; several are spread
     (engine i on core i, or GPU i, modulo what the machine has) unless listed in the config."""
@@ -199,6 +229,8 @@ def engine_env(cfg: InferenceConfig, index: int, gpu: bool) -> dict[str, str]:
         if cfg.gpu_ids:
             return {"CUDA_VISIBLE_DEVICES": cfg.gpu_ids[index]}
         return {"CUDA_VISIBLE_DEVICES": str(index % max(release.nvidia_gpu_count(), 1))} if cfg.engines > 1 else {}
+    if cpu_executor(cfg) == "uni":
+        return {}
     if cfg.cpu_binds:
         return {"VLLM_CPU_OMP_THREADS_BIND": cfg.cpu_binds[index]}
     return {"VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))} if cfg.engines > 1 else {}
@@ -369,7 +401,7 @@ class InferenceProcess:
         return served_model_names(self.model, lora=lora)
 
     def build_env(self) -> dict[str, str]:
-        return server_env(self.cfg) | self.engine_env
+        return server_env(self.cfg) | executor_env(self.cfg, self.gpu) | self.engine_env
 
     def _resolve_port(self) -> int:
         host = self.cfg.host

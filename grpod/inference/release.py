@@ -1,7 +1,8 @@
 """Waiting until a stopped vLLM has really let go: its processes, its port, its accelerator memory.
 
-A vLLM server is three processes (API server → EngineCore → Worker); killing the first leaves the
-other two orphaned, still holding the weights, the port's connections and, on a GPU, gigabytes of
+A vLLM server is two or three processes (API server → EngineCore [→ Worker]: one CPU engine runs
+its worker inside EngineCore, `inference.cpu_executor`); killing the first leaves the others
+orphaned, still holding the weights, the port's connections and, on a GPU, gigabytes of
 memory. A relaunch that starts before they are gone fails or runs out of memory. Every function
 here waits for one resource with a timeout and raises `ReleaseTimeoutError` naming what is still
 held, so a stuck release is an error, never a silent hang.

@@ -236,7 +236,8 @@ async def test_fixed_port_in_use_is_refused(tmp_path, tiny_model_dir):
 async def test_a_dead_engine_ends_the_server_and_stop_leaves_no_process_no_port_and_spares_the_decoy(
     tmp_path, tiny_model_dir
 ):
-    """One launch: the process group holds EngineCore and Worker; a SIGKILLed engine makes
+    """One launch: the process group holds EngineCore, and no Worker (one CPU engine runs its
+    worker inside EngineCore, `inference.cpu_executor` "auto"); a SIGKILLed engine makes
     /health fail and the API server exit; stop then leaves no process of the group, the port
     free, and a decoy named like vLLM untouched. (A healthy server's stop: every bridge test ends
     with one, and so does the session server.)"""
@@ -247,7 +248,7 @@ async def test_a_dead_engine_ends_the_server_and_stop_leaves_no_process_no_port_
         pgid, port = proc.pgid, proc.port
         members = group_members(pgid)
         names = {" ".join(p.cmdline())[:40] for p in members}
-        assert any("VLLM::EngineCore" in n for n in names) and any("VLLM::Worker" in n for n in names), names
+        assert any("VLLM::EngineCore" in n for n in names) and not any("VLLM::Worker" in n for n in names), names
         (engine,) = [p for p in members if "VLLM::EngineCore" in " ".join(p.cmdline())]
         engine.send_signal(signal.SIGKILL)  # a member of the group this test's InferenceProcess created
         async with InferenceClient(proc.base_url, 5.0) as client:

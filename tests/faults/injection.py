@@ -28,7 +28,7 @@ import psutil
 from tests.harness import ROOT, base_settings, group_processes, metrics
 
 
-# ---- vLLM's process tree: API server (group leader) → EngineCore → Worker -------------------
+# ---- vLLM's process tree: API server (group leader) → EngineCore [→ Worker] ------------------
 def vllm_api_server(pgid: int) -> psutil.Process:
     """The group leader: vLLM's OpenAI API server process."""
     leader = psutil.Process(pgid)
@@ -37,23 +37,33 @@ def vllm_api_server(pgid: int) -> psutil.Process:
     return leader
 
 
-def vllm_worker(pgid: int) -> psutil.Process:
-    """The Worker (holds the weights): in the group, a child of EngineCore, a child of the leader."""
+def vllm_weights_holder(pgid: int) -> psutil.Process:
+    """The process that holds the weights: vLLM's Worker (a child of EngineCore) when the engine
+    runs one (`inference.cpu_executor` "mp", GPUs), else EngineCore itself (a child of the leader;
+    "uni", grpod's default for one CPU engine)."""
     members = {p.pid: p for p in group_processes(pgid)}
+    engine_cores, workers = [], []
     for proc in members.values():
         try:
             parent = proc.ppid()
-            if parent in members and parent != pgid and members[parent].ppid() == pgid and "Worker" in proc.name():
-                return proc
+            name = " ".join(proc.cmdline())
+            if parent == pgid and "EngineCore" in name:
+                engine_cores.append(proc)
+            elif parent in members and parent != pgid and members[parent].ppid() == pgid and "Worker" in name:
+                workers.append(proc)
         except psutil.NoSuchProcess:
             continue
+    if workers:
+        return workers[0]
+    if engine_cores:
+        return engine_cores[0]
     described = []
     for p in members.values():
         try:
             described.append(f"{p.pid}<-{p.ppid()} {p.name()}")
         except psutil.NoSuchProcess:
             continue
-    raise AssertionError(f"no VLLM::Worker in process group {pgid}: {described}")
+    raise AssertionError(f"no VLLM::EngineCore or VLLM::Worker in process group {pgid}: {described}")
 
 
 def sigkill(proc: psutil.Process) -> float:

@@ -4,7 +4,8 @@ One daemon run (builtin source, `none` bridge reloading in place every `SYNC_EVE
 takes both faults, one after the other, in one test (three rows of the fault table). The two
 kills are timed so that each of the bridge's two ways of meeting a dead vLLM is exercised:
 
-1. SIGKILL of vLLM's Worker (EngineCore's child, holds the weights) while vLLM generates, just
+1. SIGKILL of the vLLM process that holds the weights (EngineCore with grpod's default one-engine
+   CPU executor, its Worker child otherwise) while vLLM generates, just
    after a sync (the next one is steps away): the bridge's health watch finds it.
 2. SIGKILL of vLLM's API server (the process group leader) while the step before a sync trains:
    the sync that follows the step meets the dead server.
@@ -37,7 +38,7 @@ from tests.faults.injection import (
     status_until,
     step_records,
     vllm_api_server,
-    vllm_worker,
+    vllm_weights_holder,
 )
 from tests.harness import DaemonProcess, base_settings, metrics, write_config
 
@@ -155,12 +156,12 @@ def _check_recovery(run: CrashRun, restarts: int, row, killed_at: float, drops_b
 
 
 def worker_sigkill_while_generating(crash_run, fault_case) -> None:
-    row = fault_case("1 SIGKILL vLLM Worker while generating")
+    row = fault_case("1 SIGKILL vLLM engine (holds the weights) while generating")
     daemon = crash_run.daemon
     status = status_until(daemon, lambda s: s["state"] == "running" and s["step"] >= 1, 400, "step 1 trained")
     crash_run.pgids.append(status["bridge"]["vllm"]["pid"])
     base_url = status["bridge"]["vllm"]["base_url"]
-    worker = vllm_worker(crash_run.pgids[0])
+    worker = vllm_weights_holder(crash_run.pgids[0])
     drops_before = len(log_events(crash_run.run_dir, "generation_failed"))
 
     def generating_after_sync(s) -> bool:

@@ -95,6 +95,36 @@ def test_env_enables_dev_routes_runtime_lora_and_config_env():
     assert "VLLM_API_KEY" not in env
 
 
+def test_one_unpinned_cpu_engine_runs_its_worker_inside_engine_core():
+    """"auto": vLLM's worker inside EngineCore for one CPU engine whose cores are not pinned; a
+    Worker process of its own (vLLM's default) where VLLM_CPU_OMP_THREADS_BIND must apply, on GPU,
+    or when asked for."""
+
+    def launch(gpu: bool = False, **cfg) -> tuple[list[str], dict[str, str]]:
+        proc = InferenceProcess(InferenceConfig(**cfg), MODEL, Path("run"), gpu=gpu)
+        return proc.build_args("/m"), proc.build_env()
+
+    args, env = launch()
+    assert _value(args, "--distributed-executor-backend") == "uni"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) - 1))
+    _, env = launch(env={"OMP_NUM_THREADS": "3"})
+    assert env["OMP_NUM_THREADS"] == "3", "inference.env wins"
+    for pinned in (
+        {"engines": 2},
+        {"engines": 2, "cpu_binds": ["0", "1"]},
+        {"env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}},
+        {"cpu_executor": "mp"},
+    ):
+        args, env = launch(**pinned)
+        assert "--distributed-executor-backend" not in args, pinned
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env, pinned
+    args, env = launch(gpu=True)
+    assert "--distributed-executor-backend" not in args and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    args, env = launch(engines=2, cpu_executor="uni")
+    assert _value(args, "--distributed-executor-backend") == "uni" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.5", "localhost", "::1"])
 def test_loopback_hosts_need_no_key(host):
     assert is_loopback(host)
