@@ -73,10 +73,11 @@ class InferenceConfig(_Section):
     kv_cache_bytes: str = "64M"
     gpu_memory_utilization: float = Field(0.45, gt=0, le=1)
     enforce_eager: bool = True
-    # CPU engines: "uni" runs vLLM's worker inside its EngineCore (two processes, OMP_NUM_THREADS =
-    # cores - 1 unless inference.env sets it); "mp" is vLLM's CPU default (a Worker process of its
-    # own, pinned by VLLM_CPU_OMP_THREADS_BIND); "auto" = "uni" unless the engine's cores are pinned
-    # (inference.engines > 1, cpu_binds, or VLLM_CPU_OMP_THREADS_BIND in inference.env). GPU: unused.
+    # CPU engines: "uni" runs vLLM's worker inside its EngineCore, forked from the API server (two
+    # processes, one import of vLLM; OMP_NUM_THREADS = cores - 1 unless inference.env sets it);
+    # "mp" is vLLM's CPU default (a Worker process of its own, pinned by VLLM_CPU_OMP_THREADS_BIND);
+    # "auto" = "uni" unless the engine's cores are pinned (inference.engines > 1, cpu_binds, or
+    # VLLM_CPU_OMP_THREADS_BIND in inference.env). GPU: unused.
     cpu_executor: Literal["auto", "uni", "mp"] = "auto"
     # API key required on every route when `host` is not a loopback address.
     api_key: str | None = None

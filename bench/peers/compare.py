@@ -92,9 +92,14 @@ Measurements (per run; the table shows median [min-max] over seeds).
 - launch -> held-out accuracy >= threshold: the first evaluation at or above it (`--thresholds`).
 - steps/s: (last step - first step) / (their time difference): evaluations and checkpoints in
   between included, on both sides.
-- generated tokens/s: completion tokens (EOS included) of the steps after the first over the same
-  span. grpod: the groups that reached the trainer (rollouts.jsonl; groups dropped as stale or left
-  in the queue at the end are not counted); TRL: every completion it sampled.
+- trained completion tokens/s: completion tokens (EOS included) of the steps after the first over
+  the same span. grpod: the groups that reached the trainer (rollouts.jsonl; groups dropped as
+  stale or for zero variance, or left in the queue at the end, are not counted); TRL: every
+  completion it sampled (it trains them all).
+- sampled completion tokens/s: what the generator produced for training over the span, trained or
+  not (grpod: the step records' `sampled_tokens` counter; TRL: as above). Evaluations excluded.
+- launch -> trl's final held-out accuracy: the first evaluation at or above the median of TRL's
+  last evaluations (the real-model target compares it with TRL's own time to its last one).
 - CPU-seconds: user + system of the whole process tree, vLLM's processes included. Sampled with
   psutil every `--interval` s (each process's own time, the last value seen per process), and
   cross-checked with the kernel's RUSAGE_CHILDREN delta (every descendant that was waited for);
@@ -370,6 +375,14 @@ class Run:
         tokens = sum(s["tokens"] for s in self.steps[1:])
         return tokens / (span[1]["time"] - span[0]["time"])
 
+    def sampled_tokens_per_s(self) -> float | None:
+        """Completion tokens the generator sampled for training over the span, trained or not
+        (grpod: its `sampled_tokens` counter; TRL trains every completion it samples)."""
+        span = self.span()
+        if not span or "sampled" not in span[0]:
+            return self.tokens_per_s()
+        return (span[1]["sampled"] - span[0]["sampled"]) / (span[1]["time"] - span[0]["time"])
+
     def accuracy_at_step(self, step: int) -> float | None:
         return next((e["accuracy"] for e in self.evals if e["step"] == step), None)
 
@@ -384,6 +397,7 @@ class Run:
             "threshold_s": {str(t): _round(self.threshold_s(t)) for t in thresholds},
             "steps": self.steps[-1]["step"] if self.steps else 0, "steps_per_s": _round(self.steps_per_s(), 4),
             "generated_tokens": sum(s["tokens"] for s in self.steps), "tokens_per_s": _round(self.tokens_per_s()),
+            "sampled_tokens_per_s": _round(self.sampled_tokens_per_s()),
             "cpu_s": round(self.cpu_s, 1), "cpu_s_sampled": round(self.cpu_s_sampled, 1),
             "cpu_s_rusage": round(self.cpu_s_rusage, 1), "cpu_s_per_step": _round(self.cpu_s_per_step, 3),
             "cpu_by_process": self.cpu_by_process, "cpu_by_process_first_to_last_step": self.cpu_by_process_steps,
@@ -409,8 +423,10 @@ def _read_grpod(run: Run) -> None:
     for line in _jsonl(run.run_dir / "rollouts.jsonl"):
         tokens[line["step"]] = tokens.get(line["step"], 0) + sum(sum(mask) for mask in line["group"]["loss_mask"])
     run.steps = [
-        {"step": r["step"], "time": r["time"], "tokens": tokens.get(r["step"], 0)} for r in metrics if r["kind"] == "step"
-    ]
+        {"step": r["step"], "time": r["time"], "tokens": tokens.get(r["step"], 0),
+         **({"sampled": r["sampled_tokens"]} if "sampled_tokens" in r else {})}
+        for r in metrics if r["kind"] == "step"
+    ]  # fmt: skip
     run.evals = [
         {"step": r["step"], "time": r["time"], "accuracy": r["eval_accuracy"], "when": r.get("when")}
         for r in metrics if r["kind"] == "eval"
@@ -529,9 +545,15 @@ def table(runs: list[Run], sides: list[str], thresholds: list[float]) -> tuple[s
     row("launch -> first training step (s)", Run.first_step_s, ".1f")
     for t in thresholds:
         row(f"launch -> held-out accuracy >= {t:g} (s)", lambda r, t=t: r.threshold_s(t), ".1f")
+    trl_final = [r.evals[-1]["accuracy"] for r in by_side.get("trl", []) if r.evals]
+    if trl_final:
+        # The real-model target: reach what TRL ended with, in a third of TRL's time to it.
+        final = statistics.median(trl_final)
+        row(f"launch -> trl's final held-out accuracy {final:.3f} (s)", lambda r, t=final: r.threshold_s(t), ".1f")
     row("launch -> exit (s)", lambda r: r.wall_s, ".1f")
     row("steps/s (first to last step)", Run.steps_per_s, ".3f")
-    row("generated tokens/s", Run.tokens_per_s, ".1f")
+    row("trained completion tokens/s", Run.tokens_per_s, ".1f")
+    row("sampled completion tokens/s (generation, trained or not)", Run.sampled_tokens_per_s, ".1f")
     row("CPU-seconds, whole process tree", lambda r: r.cpu_s, ".0f")
     row("CPU-seconds per step (first to last step)", lambda r: r.cpu_s_per_step, ".2f")
     row("peak RSS, process tree (MiB; shared pages once per process)", lambda r: r.peak_rss_mb, ".0f")

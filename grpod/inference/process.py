@@ -55,7 +55,7 @@ import structlog
 from grpod.config import InferenceConfig, ModelConfig
 from grpod.inference import release
 from grpod.inference.client import ForeignServerError, InferenceClient
-from grpod.inference.routes import LAUNCH_TOKEN_ENV, SERVED_MODEL_NAME
+from grpod.inference.routes import FORK_ENGINE_CORE_ENV, LAUNCH_TOKEN_ENV, SERVED_MODEL_NAME
 
 log = structlog.get_logger(__name__)
 
@@ -199,8 +199,10 @@ def cpu_executor(cfg: InferenceConfig) -> str:
 
     "auto" picks "uni" unless the engine's cores are pinned: vLLM applies VLLM_CPU_OMP_THREADS_BIND
     only in a Worker process of its own (its CPU platform turns "uni" into "mp" for that reason).
-    "uni" saves one process start (one import of vLLM and torch, ~12 s of the ~35 s start-up here)
-    and the EngineCore -> Worker message hop of every engine step (bench/peers/README.md).
+    "uni" saves one process start and, with EngineCore forked instead of spawned, a second import
+    of vLLM and torch: a tiny model's server answered /health after 17 s instead of 40 s on this
+    2-core machine (bench/peers/README.md). CPU per engine step is the same either way
+    (bench/profile_step.py).
     """
     if cfg.cpu_executor != "auto":
         return cfg.cpu_executor
@@ -213,10 +215,11 @@ def executor_env(cfg: InferenceConfig, gpu: bool) -> dict[str, str]:
     for that (VLLM_ENABLE_V1_MULTIPROCESSING=0; vLLM's API server still runs EngineCore in a
     process of its own) and a thread count, which vLLM would otherwise set to 1: the machine's
     cores less the one vLLM's own CPU binding leaves to the rest (the trainer, here), unless
-    `inference.env` sets OMP_NUM_THREADS."""
+    `inference.env` sets OMP_NUM_THREADS. Such an engine's EngineCore is forked from the API
+    server rather than spawned (`grpod.inference.server._fork_engine_core`)."""
     if gpu or cpu_executor(cfg) != "uni":
         return {}
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", FORK_ENGINE_CORE_ENV: "1"}
     if "OMP_NUM_THREADS" not in cfg.env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) - 1))
     return env

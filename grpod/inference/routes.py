@@ -22,6 +22,9 @@ UNGUARDED_ROUTES = frozenset({"/health"})
 SERVED_MODEL_NAME = "policy"
 LAUNCH_HEADER = "x-grpod-launch"
 LAUNCH_TOKEN_ENV = "GRPOD_LAUNCH_TOKEN"
+# Set for a CPU engine whose worker runs inside EngineCore: the server forks EngineCore
+# (`grpod.inference.server._fork_engine_core`).
+FORK_ENGINE_CORE_ENV = "GRPOD_FORK_ENGINE_CORE"
 
 
 class GenerateRequestError(ValueError):

@@ -45,6 +45,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from grpod.inference.routes import (
+    FORK_ENGINE_CORE_ENV,
     GENERATE_MODEL_ROUTE,
     GENERATE_ROUTE,
     LAUNCH_HEADER,
@@ -216,10 +217,72 @@ def _nap_while_waiting() -> None:
         shm_broadcast.sched_yield = lambda: time.sleep(NAP_S)
 
 
+def _fork_engine_core() -> None:
+    """Start EngineCore by fork, inheriting this process' imports, instead of spawn.
+
+    vLLM's CPU platform forces spawn for every child process so that a Worker process reads its
+    OpenMP binding (VLLM_CPU_OMP_THREADS_BIND) on import. With the worker inside EngineCore
+    ("uni") there is no such process, and the spawned EngineCore only imports vLLM and torch again:
+    ~9 of the ~26 s a tiny model's server took to answer /health here (17 s by fork, measured).
+    grpod asks for it only there (`FORK_ENGINE_CORE_ENV`, set by `process.executor_env`); vLLM forks EngineCore on GPU machines
+    by default from the same place when CUDA is not initialised.
+    """
+    if os.environ.get(FORK_ENGINE_CORE_ENV) != "1":
+        return
+    import multiprocessing
+
+    import vllm.v1.engine.utils as engine_utils
+
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    os.register_at_fork(after_in_child=_release_inherited_listeners)
+
+
+def _release_inherited_listeners() -> None:
+    """In a forked child: point what keeps the API server's socket alive at /dev/null.
+
+    vLLM binds the API server's socket before it starts EngineCore (and listens on it after), so a
+    forked EngineCore holds it too, and holds the server's io_uring instance (the event loop's),
+    whose pending accept also keeps the socket listening. Were the API server killed, the port
+    would then go on accepting connections nobody answers, and grpod's requests would wait out
+    their timeout (case 2 of the fault suite: 120 s) instead of being refused at once. Each such
+    inherited descriptor (an unconnected TCP socket, an io_uring instance) is replaced by
+    /dev/null in this process only: the parent's are untouched (dup2 changes one process' table;
+    a shutdown through a socket object would stop the parent's socket too). EngineCore uses
+    neither: it talks to the API server over its own ZMQ sockets.
+    """
+    import socket
+
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue  # the listing's own descriptor, closed by now
+            release = target == "anon_inode:[io_uring]"
+            if target.startswith("socket:"):
+                probe = socket.socket(fileno=fd)
+                try:
+                    release = probe.family in (socket.AF_INET, socket.AF_INET6) and probe.type == socket.SOCK_STREAM
+                    if release:
+                        probe.getpeername()  # a connected socket: not a server's
+                        release = False
+                except OSError:
+                    pass  # ENOTCONN: bound (or listening), never connected
+                finally:
+                    probe.detach()  # the descriptor stays this process'; only its target changes
+            if release:
+                os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 def main() -> None:
     import vllm.entrypoints.launchers.api_server.entry as launcher
 
     _nap_while_waiting()
+    _fork_engine_core()
 
     stock_build_app = launcher.build_app
 

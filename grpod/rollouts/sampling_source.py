@@ -30,6 +30,9 @@ GENERATION_RETRY_S = 0.5
 class SamplingStats(SourceStats):
     generated: int = 0
     generation_s: float = 0.0
+    # Completion tokens the engines returned for training groups, whatever became of the groups
+    # (trained, dropped for zero variance or staleness, filtered): the generation throughput.
+    sampled_tokens: int = 0
     # Dynamic sampling (source.dynamic_sampling): zero-variance groups not queued, and those
     # queued anyway after too many in a row.
     dynamic_filtered: int = 0
@@ -72,6 +75,7 @@ class SamplingSource:
             await anyio.sleep(GENERATION_RETRY_S)
             return None
         self.stats.generation_s += anyio.current_time() - started
+        self.stats.sampled_tokens += sum(len(c.token_ids) for c in completions)
         return sampled
 
     def group(

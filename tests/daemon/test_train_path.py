@@ -14,6 +14,7 @@ import pytest
 from grpod.config import load_config
 from grpod.models.tiny import build_model, save_model
 from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.sampling_source import SamplingStats
 from grpod.training.trainer import build_trainer
 from tests.daemon.conftest import StandInBridge, make_loop
 
@@ -196,3 +197,16 @@ def test_each_reward_functions_mean_reaches_metrics_and_status(daemon):
     (record,) = daemon.metrics.read()
     assert record["reward/correct"] == 0.375 and record["reward/format"] == 1.0
     assert daemon.status()["last_metrics"]["reward/correct"] == 0.375
+
+
+def test_step_records_carry_the_sources_sampled_token_count_when_it_keeps_one(daemon):
+    """`sampled_tokens`: what the engines sampled for training so far, trained or not (a sampling
+    source's counter); a source without one (Atropos, replay) adds nothing."""
+    rng = random.Random(11)
+    daemon.run_dir.mkdir(parents=True, exist_ok=True)
+    anyio.run(daemon.step, [_group("a", 10, rng)])
+    daemon.source.stats = SamplingStats(sampled_tokens=1234)
+    anyio.run(daemon.step, [_group("b", 10, rng)])
+    daemon.metrics.close()
+    first, second = daemon.metrics.read()
+    assert "sampled_tokens" not in first and second["sampled_tokens"] == 1234

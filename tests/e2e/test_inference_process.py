@@ -269,3 +269,28 @@ async def test_a_dead_engine_ends_the_server_and_stop_leaves_no_process_no_port_
         await proc.stop()
         decoy.kill()
         decoy.wait(timeout=10)
+
+
+async def test_a_killed_api_server_leaves_its_port_refusing_while_the_orphaned_engine_lives(tmp_path, tiny_model_dir):
+    """EngineCore is forked from the API server (one CPU engine) after vLLM bound the server's
+    socket; the child must not keep listening on it. Killed, the API server's port refuses
+    connections at once although the orphaned EngineCore still runs (grpod's requests fail fast and
+    the bridge relaunches, instead of waiting out request_timeout_s on a backlog nobody reads)."""
+    proc = InferenceProcess(InferenceConfig(start_timeout_s=300), ModelConfig(path=tiny_model_dir), tmp_path / "run")
+    try:
+        await proc.start(tiny_model_dir)
+        pgid, port = proc.pgid, proc.port
+        (engine,) = [p for p in group_members(pgid) if "VLLM::EngineCore" in " ".join(p.cmdline())]
+        leader = [p for p in group_members(pgid) if p.pid == pgid][0]
+        leader.send_signal(signal.SIGKILL)  # the group leader this test's InferenceProcess created
+        # Its last threads take a moment to exit (0.5 s measured); a forked child holding the
+        # socket or the event loop's io_uring would keep the port listening for good.
+        with anyio.fail_after(30):
+            while not port_is_free("127.0.0.1", port):
+                await anyio.sleep(0.1)
+        assert engine.is_running(), "the orphaned EngineCore outlives its API server"
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    finally:
+        await proc.stop()
+    assert group_members(pgid) == []

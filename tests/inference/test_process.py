@@ -106,7 +106,7 @@ def test_one_unpinned_cpu_engine_runs_its_worker_inside_engine_core():
 
     args, env = launch()
     assert _value(args, "--distributed-executor-backend") == "uni"
-    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["GRPOD_FORK_ENGINE_CORE"] == "1"
     assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) - 1))
     _, env = launch(env={"OMP_NUM_THREADS": "3"})
     assert env["OMP_NUM_THREADS"] == "3", "inference.env wins"
@@ -118,7 +118,7 @@ def test_one_unpinned_cpu_engine_runs_its_worker_inside_engine_core():
     ):
         args, env = launch(**pinned)
         assert "--distributed-executor-backend" not in args, pinned
-        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env, pinned
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and "GRPOD_FORK_ENGINE_CORE" not in env, pinned
     args, env = launch(gpu=True)
     assert "--distributed-executor-backend" not in args and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
     args, env = launch(engines=2, cpu_executor="uni")

@@ -42,6 +42,7 @@ def test_a_group_is_one_request_scored_and_tagged_with_the_older_version():
     assert group.inference_logprobs[1][-2:] == [-0.1, -0.2] and group.truncated == [False, True, False]
     assert group.policy_version == 4 and group.group_id == "builtin-0" and group.temperature == 0.9
     assert group.scores == [0.0, 0.0, 0.0] and source.stats.generated == 1
+    assert source.stats.sampled_tokens == 6, "every completion token the engine returned is counted"
 
 
 def test_a_failed_request_drops_its_group_counted_by_error_type_and_the_stream_moves_on():
@@ -51,6 +52,6 @@ def test_a_failed_request_drops_its_group_counted_by_error_type_and_the_stream_m
     source, _ = _builtin(generate)
     buffer = RolloutBuffer(8)
     anyio.run(source.fill, buffer, 2)
-    assert len(buffer) == 0
+    assert len(buffer) == 0 and source.stats.sampled_tokens == 0
     assert source.stats.dropped == 2 and source.stats.drop_reasons == {"ConnectionError": 2}
     assert source.cursor() == {"kind": "builtin", "next_index": 2}
