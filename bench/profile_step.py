@@ -46,23 +46,13 @@ YAPPI_WRAPPER = r"""
 import json, sys, threading, time
 from pathlib import Path
 import yappi
+sys.path.insert(0, "bench")
+from profile_step import StepWatch
 run_dir, warm, window, out = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 sys.argv = ["grpod", *sys.argv[5:]]
 
 def watch():
-    seen, offset = 0, 0
-    def step():
-        nonlocal seen, offset
-        try:
-            with (run_dir / "metrics.jsonl").open() as f:
-                f.seek(offset)
-                for line in f:
-                    if line.endswith("\n") and '"kind": "step"' in line:
-                        seen = max(seen, json.loads(line)["step"])
-                offset = f.tell()
-        except OSError:
-            pass
-        return seen
+    step = StepWatch(run_dir)
     while step() < warm:
         time.sleep(0.05)
     yappi.set_clock_type("cpu")
@@ -112,7 +102,7 @@ def snapshot(pid: int) -> dict:
         try:
             label = "daemon" if proc.pid == pid else (_label(proc) or "exited")
             t = proc.cpu_times()
-            procs[f"{label}"] = procs.get(label, 0.0) + t.user + t.system
+            procs[label] = procs.get(label, 0.0) + t.user + t.system
         except psutil.Error:
             continue
     threads = {"event loop (main thread)": 0.0, "worker threads (trainer, saves)": 0.0}

@@ -200,12 +200,8 @@ class StepLoop:
             "sync_s": round(sync_s, 4) if sync_s is not None else None,
             # The dataset source's reward functions, each one's mean over the step's groups.
             **step_reward_metrics(groups),
+            **self.source.stats.step_metrics(),
         }
-        sampled_tokens = getattr(self.source.stats, "sampled_tokens", None)
-        if sampled_tokens is not None:
-            # Completion tokens the engines sampled for training since this process started
-            # (builtin and dataset sources), trained or not: the generation throughput.
-            record["sampled_tokens"] = sampled_tokens
         self.reporter.step_done(record)
 
     async def train(self, groups: list[RolloutGroup]) -> tuple[dict[str, Any], list[SyncRecord]]:

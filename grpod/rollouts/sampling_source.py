@@ -38,6 +38,10 @@ class SamplingStats(SourceStats):
     dynamic_filtered: int = 0
     dynamic_let_through: int = 0
 
+    def step_metrics(self) -> dict[str, Any]:
+        # Completion tokens sampled for training since this process started: the generation rate.
+        return {"sampled_tokens": self.sampled_tokens}
+
 
 @dataclass(frozen=True)
 class Sampled:

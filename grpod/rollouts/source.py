@@ -42,6 +42,10 @@ class SourceStats:
     # A finite source (replay, a dataset with `epochs`) that has nothing more to give.
     exhausted: bool = False
 
+    def step_metrics(self) -> dict[str, Any]:
+        """What the source adds to every step record (`metrics.jsonl`); kinds override it."""
+        return {}
+
     def drop(self, reason: str) -> None:
         self.dropped += 1
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
