@@ -27,6 +27,7 @@ from grpod.config import LORA_MODES, GrpodConfig
 from grpod.daemon.desk import OperatorDesk
 from grpod.daemon.notify import Heartbeat
 from grpod.daemon.progress import RunProgress
+from grpod.daemon.ranks import under_torchrun
 from grpod.daemon.step_loop import StepLoop
 from grpod.inference import release
 from grpod.inference.engine import InferenceEngine
@@ -50,14 +51,25 @@ class RunParts:
     loop: StepLoop
 
 
-def trainer_builder():
-    """How this process builds its trainer: None (the single-process `build_trainer`), or rank 0's
-    `DistributedTrainer` when torchrun started this process as one of several trainer ranks
-    (`grpod.daemon.ranks` joined them before the supervisor started)."""
-    from grpod.training.distributed import build_distributed_trainer, current_world
+def trainer_world():
+    """The trainer ranks this process joined (`grpod.daemon.ranks` joined them before the
+    supervisor started), or None: a single process, which must not import torch here — the engines
+    launch before the trainer stack is imported (start-up)."""
+    if not under_torchrun():
+        return None
+    from grpod.training.distributed import current_world
 
-    world = current_world()
-    return None if world is None else partial(build_distributed_trainer, world=world)
+    return current_world()
+
+
+def trainer_builder(world):
+    """How this process builds its trainer: None (the single-process `build_trainer`), or rank 0's
+    `DistributedTrainer` over the trainer ranks `world`."""
+    if world is None:
+        return None
+    from grpod.training.distributed import build_distributed_trainer
+
+    return partial(build_distributed_trainer, world=world)
 
 
 def build_engines(cfg: GrpodConfig, run_dir: Path) -> list[InferenceEngine]:
@@ -105,7 +117,9 @@ async def start_parts(
         phases[phase] = round(now - since, 3)
         return now
 
-    store = RunStore(cfg, run_dir, build_trainer=trainer_builder())
+    world = trainer_world()
+    reporter.attach(world=world)
+    store = RunStore(cfg, run_dir, build_trainer=trainer_builder(world))
     restored = await anyio.to_thread.run_sync(store.resume_point)
     t = mark("resume_point_s", began)
     await anyio.to_thread.run_sync(store.ensure_model)

@@ -50,14 +50,14 @@ def configure_logging(run_dir: Path | None, level: str = "info", console: TextIO
     """structlog events: all of them to <run>/grpod.log, those at `level` and above to the console."""
     import os
 
-    # Saving weights every sync would otherwise draw a progress bar each time.
+    # Saving weights every sync would otherwise draw a progress bar each time. transformers reads
+    # this when it is imported (later, in the trainer's thread: importing it here would delay the
+    # engines' launch by its ~1.5 s import).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    try:
+    if "transformers" in sys.modules:  # imported already (trainer ranks under torchrun): too late for the variable
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
     file = None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)

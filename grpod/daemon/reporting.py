@@ -29,7 +29,6 @@ from grpod.daemon.notify import Heartbeat, SystemdNotifier
 from grpod.daemon.progress import RunProgress
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.validation import RejectionCounter
-from grpod.training.distributed import current_world
 
 log = structlog.get_logger(__name__)
 
@@ -63,9 +62,11 @@ class Reporter:
         self.bridge = None
         self.source = None
         self.admission = None
+        self.world = None  # grpod.training.distributed.TrainerWorld under torchrun
 
-    def attach(self, *, desk: OperatorDesk | None = None, bridge=None, source=None, admission=None) -> None:
+    def attach(self, *, desk: OperatorDesk | None = None, bridge=None, source=None, admission=None, world=None) -> None:
         self.desk = desk or self.desk
+        self.world = world or self.world
         self.bridge = bridge or self.bridge
         self.source = source or self.source
         self.admission = admission or self.admission
@@ -154,7 +155,7 @@ class Reporter:
             "policy_version": bridge.policy.version if bridge else None,
             "bridge": bridge.describe() if bridge else None,
             # None: the trainer is this one process (no torchrun).
-            "trainer_ranks": world.describe() if (world := current_world()) is not None else None,
+            "trainer_ranks": self.world.describe() if self.world is not None else None,
             "queue_depth": len(self.buffer),
             "accepted_groups": self.buffer.accepted,
             "rejected": self.rejections.as_dict(),

@@ -2,7 +2,9 @@
 
 Covers python `random`, numpy's global generator and torch (CPU, and every CUDA device when CUDA
 is available). The captured state is plain JSON (ints, strings, lists), so it goes into a
-checkpoint with `checkpoint.save_json` and needs no pickle to come back.
+checkpoint with `checkpoint.save_json` and needs no pickle to come back. torch is imported where it
+is used: the run store (and the supervisor importing it) starts without it, so the engines launch
+while the trainer thread imports torch.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import structlog
-import torch
 
 log = structlog.get_logger(__name__)
 
@@ -24,16 +25,20 @@ class RngStateError(ValueError):
     """A saved RNG state that cannot be restored (wrong format or damaged)."""
 
 
-def _bytes_to_text(state: torch.Tensor) -> str:
+def _bytes_to_text(state) -> str:
     return base64.b64encode(state.cpu().numpy().tobytes()).decode("ascii")
 
 
-def _text_to_bytes(text: str) -> torch.Tensor:
+def _text_to_bytes(text: str):
+    import torch
+
     return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
 
 
 def capture_rng() -> dict[str, Any]:
     """The current state of every random stream, as JSON-serialisable data."""
+    import torch
+
     version, internal, gauss_next = random.getstate()
     kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     cuda = [_bytes_to_text(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
@@ -55,6 +60,8 @@ def capture_rng() -> dict[str, Any]:
 def restore_rng(state: dict[str, Any]) -> None:
     """Restore what `capture_rng` returned. CUDA streams are restored only when the device count
     matches; otherwise a warning says they were left as they are."""
+    import torch
+
     if not isinstance(state, dict) or state.get("format") != RNG_FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise RngStateError(f"RNG state format {found!r} is not {RNG_FORMAT}; it was not written by capture_rng")

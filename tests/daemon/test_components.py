@@ -29,3 +29,30 @@ def test_the_bridge_and_its_policy_hold_every_engine(tmp_path):
     bridge = build_bridge(cfg, tmp_path, build_engines(cfg, tmp_path))
     assert len(bridge.engines) == 3 and bridge.policy.engines == bridge.engines
     assert [e["name"] for e in bridge.describe()["engines"]] == ["engine-0", "engine-1", "engine-2"]
+
+
+def test_the_daemon_reaches_its_engine_launch_without_importing_the_trainer_stack(tmp_path):
+    """Start-up launches the engines while the trainer's thread imports torch and transformers
+    (~6 s here): nothing the supervisor runs before the launch may import them, or the launch
+    waits for the imports. A fresh interpreter does what `grpod start` does up to the launch."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from pathlib import Path
+from grpod.config import load_config
+from grpod.daemon.components import build_bridge, build_engines, trainer_builder, trainer_world
+from grpod.daemon.logs import configure_logging
+from grpod.daemon.supervisor import Supervisor
+from grpod.run.store import RunStore
+cfg = load_config(None, ["run.dir={str(tmp_path)!r}"])
+Supervisor(cfg)
+configure_logging(Path({str(tmp_path)!r}), "warning")
+store = RunStore(cfg, cfg.run.dir, build_trainer=trainer_builder(trainer_world()))
+store.resume_point()
+build_bridge(cfg, cfg.run.dir, build_engines(cfg, cfg.run.dir))
+print(sorted(name for name in ("torch", "transformers", "peft", "vllm") if name in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -25,7 +25,7 @@ from pathlib import Path
 import anyio
 
 from grpod.config import load_config
-from grpod.daemon.components import trainer_builder
+from grpod.daemon.components import trainer_builder, trainer_world
 from grpod.daemon.ranks import under_torchrun
 from grpod.daemon.step_loop import train_batch
 from grpod.rollouts.group import RolloutGroup
@@ -46,7 +46,7 @@ class NoFence:
 
 
 def lead(cfg, out: Path, steps: int, checkpoint_at: int | None, idle_s: float = 0.0) -> dict:
-    store = RunStore(cfg, cfg.run.dir, build_trainer=trainer_builder())
+    store = RunStore(cfg, cfg.run.dir, build_trainer=trainer_builder(trainer_world()))
     restored = store.resume_point()
     trainer = store.load_trainer(restored)
     time.sleep(idle_s)  # not a wait for anything: rank 0 idle between two calls is what is tested

@@ -447,3 +447,32 @@ def test_entropy_bonus_changes_the_step(model_dir):
     m_plain, m_bonus = plain.train_step(groups), bonus.train_step(groups)
     assert m_bonus["entropy"] == pytest.approx(m_plain["entropy"])
     assert m_bonus["loss"] == pytest.approx(m_plain["loss"] - 0.5 * m_plain["entropy"], rel=1e-4)
+
+
+def test_the_lm_head_runs_only_from_the_first_position_that_predicts_a_loss_token(model_dir, tied_model_dir):
+    """Prompt positions need no logits: the head sees [rows, length - first, hidden], and the
+    logits it gives for the loss tokens are those of a forward over every position."""
+    from grpod.training.batching import TrainingSequence, collate
+    from grpod.training.trainer import predicting_logits
+
+    for path in (model_dir, tied_model_dir):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        sequences = [  # prompts of 9 and 6 tokens, right-padded to 14
+            TrainingSequence(list(range(3, 17)), [0] * 9 + [1] * 5, 1.0, 1.0),
+            TrainingSequence(list(range(20, 30)), [0] * 6 + [1] * 4, -1.0, 1.0),
+        ]
+        batch = collate(sequences, pad_id=0)
+        seen: list[tuple[int, ...]] = []
+        hook = model.get_output_embeddings().register_forward_hook(
+            lambda _m, args, _out, seen=seen: seen.append(tuple(args[0].shape))
+        )
+        try:
+            with torch.no_grad():
+                kept = predicting_logits(model, batch)
+                full = model(input_ids=batch.input_ids, use_cache=False).logits[batch.rows, batch.positions - 1]
+        finally:
+            hook.remove()
+        assert seen[0][:2] == (2, 14 - 5), seen  # from position 5 (predicts the second row's first loss token)
+        assert seen[1][:2] == (2, 14)
+        assert kept.shape == full.shape == (9, model.config.vocab_size)
+        torch.testing.assert_close(kept, full, rtol=0, atol=1e-5)
