@@ -225,6 +225,17 @@ def executor_env(cfg: InferenceConfig, gpu: bool) -> dict[str, str]:
     return env
 
 
+def eager_env(cfg: InferenceConfig, gpu: bool) -> dict[str, str]:
+    """A CPU engine with `inference.enforce_eager` runs without torch.compile, except for one
+    sampler op vLLM compiles on the first request that asks for logprobs (the rank of each
+    token; every grpod request asks): 2-3 CPU-s at each launch on this machine, the whole of the
+    first alignment probe (2.1 s -> 0.09 s with it off). TORCHDYNAMO_DISABLE=1 runs that op as
+    plain torch, unless `inference.env` sets the variable. Not on GPU: unmeasured there."""
+    if gpu or not cfg.enforce_eager or "TORCHDYNAMO_DISABLE" in cfg.env:
+        return {}
+    return {"TORCHDYNAMO_DISABLE": "1"}
+
+
 def engine_env(cfg: InferenceConfig, index: int, gpu: bool) -> dict[str, str]:
     """Engine `index`'s own cores or GPU. One engine keeps vLLM's own choice; several are spread
     (engine i on core i, or GPU i, modulo what the machine has) unless listed in the config."""
@@ -404,7 +415,7 @@ class InferenceProcess:
         return served_model_names(self.model, lora=lora)
 
     def build_env(self) -> dict[str, str]:
-        return server_env(self.cfg) | executor_env(self.cfg, self.gpu) | self.engine_env
+        return server_env(self.cfg) | executor_env(self.cfg, self.gpu) | eager_env(self.cfg, self.gpu) | self.engine_env
 
     def _resolve_port(self) -> int:
         host = self.cfg.host

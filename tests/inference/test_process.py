@@ -125,6 +125,20 @@ def test_one_unpinned_cpu_engine_runs_its_worker_inside_engine_core():
     assert _value(args, "--distributed-executor-backend") == "uni" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
+def test_an_eager_cpu_engine_runs_vllms_compiled_sampler_op_as_plain_torch():
+    """enforce_eager on CPU: TORCHDYNAMO_DISABLE=1, so the first logprobs request does not pay a
+    torch.compile (2-3 CPU-s); not when the engine compiles anyway, not on GPU, and inference.env wins."""
+
+    def env(gpu: bool = False, **cfg) -> dict[str, str]:
+        return InferenceProcess(InferenceConfig(**cfg), MODEL, Path("run"), gpu=gpu).build_env()
+
+    assert env()["TORCHDYNAMO_DISABLE"] == "1"
+    assert env(engines=2)["TORCHDYNAMO_DISABLE"] == "1", "pool engines too"
+    assert "TORCHDYNAMO_DISABLE" not in env(enforce_eager=False)
+    assert "TORCHDYNAMO_DISABLE" not in env(gpu=True)
+    assert env(env={"TORCHDYNAMO_DISABLE": "0"})["TORCHDYNAMO_DISABLE"] == "0"
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.5", "localhost", "::1"])
 def test_loopback_hosts_need_no_key(host):
     assert is_loopback(host)
