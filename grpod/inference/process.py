@@ -213,27 +213,32 @@ def cpu_executor(cfg: InferenceConfig) -> str:
 def executor_env(cfg: InferenceConfig, gpu: bool) -> dict[str, str]:
     """A CPU engine whose worker runs inside EngineCore (`cpu_executor` "uni") needs vLLM's switch
     for that (VLLM_ENABLE_V1_MULTIPROCESSING=0; vLLM's API server still runs EngineCore in a
-    process of its own) and a thread count, which vLLM would otherwise set to 1: the machine's
-    cores less the one vLLM's own CPU binding leaves to the rest (the trainer, here), unless
-    `inference.env` sets OMP_NUM_THREADS. Such an engine's EngineCore is forked from the API
-    server rather than spawned (`grpod.inference.server._fork_engine_core`)."""
+    process of its own). Such an engine's EngineCore is forked from the API server rather than
+    spawned (`grpod.inference.server._fork_engine_core`)."""
     if gpu or cpu_executor(cfg) != "uni":
         return {}
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", FORK_ENGINE_CORE_ENV: "1"}
-    if "OMP_NUM_THREADS" not in cfg.env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) - 1))
-    return env
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", FORK_ENGINE_CORE_ENV: "1"}
 
 
-def eager_env(cfg: InferenceConfig, gpu: bool) -> dict[str, str]:
-    """A CPU engine with `inference.enforce_eager` runs without torch.compile, except for one
-    sampler op vLLM compiles on the first request that asks for logprobs (the rank of each
-    token; every grpod request asks): 2-3 CPU-s at each launch on this machine, the whole of the
-    first alignment probe (2.1 s -> 0.09 s with it off). TORCHDYNAMO_DISABLE=1 runs that op as
-    plain torch, unless `inference.env` sets the variable. Not on GPU: unmeasured there."""
-    if gpu or not cfg.enforce_eager or "TORCHDYNAMO_DISABLE" in cfg.env:
+def default_env(cfg: InferenceConfig, gpu: bool) -> dict[str, str]:
+    """grpod's defaults for a CPU engine, each overridden by the same variable in `inference.env`:
+
+    - OMP_NUM_THREADS for an engine whose worker runs inside EngineCore (vLLM would set 1): the
+      machine's cores less the one vLLM's own CPU binding leaves to the rest (the trainer, here);
+    - TORCHDYNAMO_DISABLE=1 with `inference.enforce_eager`: such an engine runs without
+      torch.compile, except for one sampler op vLLM compiles on the first request that asks for
+      logprobs (the rank of each token; every grpod request asks): 2-3 CPU-s at each launch on
+      this machine, the whole of the first alignment probe (2.1 s -> 0.09 s without it). Not on
+      GPU: unmeasured there.
+    """
+    if gpu:
         return {}
-    return {"TORCHDYNAMO_DISABLE": "1"}
+    env = {}
+    if cpu_executor(cfg) == "uni":
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) - 1))
+    if cfg.enforce_eager:
+        env["TORCHDYNAMO_DISABLE"] = "1"
+    return env
 
 
 def engine_env(cfg: InferenceConfig, index: int, gpu: bool) -> dict[str, str]:
@@ -415,7 +420,8 @@ class InferenceProcess:
         return served_model_names(self.model, lora=lora)
 
     def build_env(self) -> dict[str, str]:
-        return server_env(self.cfg) | executor_env(self.cfg, self.gpu) | eager_env(self.cfg, self.gpu) | self.engine_env
+        # grpod's defaults < inference.env (in server_env) < the executor's switches < this engine's own.
+        return default_env(self.cfg, self.gpu) | server_env(self.cfg) | executor_env(self.cfg, self.gpu) | self.engine_env
 
     def _resolve_port(self) -> int:
         host = self.cfg.host

@@ -133,6 +133,9 @@ class MicroBatch:
     inference_logprobs: Tensor
     sequence_loss_tokens: Tensor
     real_tokens: int
+    # The first position whose logits predict a loss token (min(positions) - 1): the LM head
+    # runs from here (`trainer.predicting_logits`); known here without reading `positions` back.
+    predicted_from: int
     old_logprobs: Tensor | None = None
 
     @property
@@ -175,5 +178,6 @@ def collate(
         inference_logprobs=torch.tensor(inference, dtype=torch.float32, device=device),
         sequence_loss_tokens=torch.tensor(counts, dtype=torch.long, device=device),
         real_tokens=sum(len(s.tokens) for s in sequences),
+        predicted_from=min(positions) - 1,
         old_logprobs=torch.cat(old_logprobs).to(device) if old_logprobs is not None else None,
     )

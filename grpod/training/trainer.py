@@ -499,7 +499,7 @@ def predicting_logits(model, batch: MicroBatch) -> torch.Tensor:
     from the first position that predicts a loss token (`logits_to_keep`), not over the prompts
     before it: on SmolLM2-135M the head is a fifth of a token's matmuls, and the full
     [rows, length, vocab] logits were the largest tensor of a step."""
-    first = int(batch.positions.min()) - 1
+    first = batch.predicted_from
     keep = batch.input_ids.shape[1] - first
     logits = model(input_ids=batch.input_ids, use_cache=False, logits_to_keep=keep).logits
     if logits.shape[1] != keep:
