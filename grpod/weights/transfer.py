@@ -201,6 +201,23 @@ class EngineFanout:
             raise EngineFanoutError(route, failures, abandoned, len(calls))
         return results
 
+    async def each(self, route: str, calls: Sequence[Any]) -> dict[str, BaseException]:
+        """Await `calls[i]` (a coroutine for engine i) concurrently, every one to its end (one
+        engine's failure abandons no other: for releasing, where each engine counts on its own);
+        the failures by engine URL."""
+        failures: dict[str, BaseException] = {}
+
+        async def one(i: int, call) -> None:
+            try:
+                await call
+            except Exception as exc:
+                failures[self.clients[i].base_url] = exc
+
+        async with anyio.create_task_group() as group:
+            for i, call in enumerate(calls):
+                group.start_soon(one, i, call)
+        return failures
+
     async def world_sizes(self) -> list[int]:
         return await self.call("/get_world_size", [c.world_size() for c in self.clients])
 
@@ -219,8 +236,6 @@ class EngineFanout:
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         await self.call("/finish_weight_update", [c.finish_weight_update(weight_version) for c in self.clients])
 
-    async def shutdown_weight_transfer_engine(self) -> None:
-        await self.call("/shutdown_weight_transfer_engine", [c.shutdown_weight_transfer_engine() for c in self.clients])
 
 
 def rank_offsets(world_sizes: Sequence[int]) -> list[int]:
@@ -587,6 +602,12 @@ class WeightGroup:
     Obtained from `open_weight_group`. One sync at a time. A failed sync (or formation) leaves
     the group `broken`: the engines closed their side (gloo engine) or are stuck (NCCL), and
     serve a mix of weights until a complete update; open a new group.
+
+    An update session (vLLM's worker state between `/start_weight_update` and
+    `/finish_weight_update`) that a failed sync leaves open on an engine that completed its part
+    (another engine failed, or rank 0 gave up after this one received everything) would make that
+    engine refuse every later start ("already active") and its release, in this group and the
+    next: `shutdown` finishes it first.
     """
 
     def __init__(self, fanout: EngineFanout, sender: WeightSender, offsets: list[int], cfg: TransferConfig) -> None:
@@ -596,6 +617,7 @@ class WeightGroup:
         self.cfg = cfg
         self.formation_s = 0.0
         self.broken: str | None = None
+        self.session_open = False
 
     async def form(self) -> None:
         """The engines' init and rank 0's join, concurrently (they rendezvous)."""
@@ -637,6 +659,7 @@ class WeightGroup:
         timings = SyncTimings()
         began = time.perf_counter()
         try:
+            self.session_open = True
             await self.fanout.start_weight_update()
             timings.start_s = time.perf_counter() - began
             updating = time.perf_counter()
@@ -649,6 +672,7 @@ class WeightGroup:
             timings.update_s = time.perf_counter() - updating
             finishing = time.perf_counter()
             await self.fanout.finish_weight_update(weight_version)
+            self.session_open = False
             timings.finish_s = time.perf_counter() - finishing
         except BaseException as exc:
             self.broken = f"sync to version {weight_version} failed: {type(exc).__name__}"
@@ -720,12 +744,31 @@ class WeightGroup:
         raise WeightTransferError(f"{what} failed; " + "; ".join(parts)) from (engines_error or rank0_error)
 
     async def shutdown(self) -> None:
-        """Release the engines' side (best effort: an engine that is gone is logged) and rank 0's."""
+        """Release the engines' side and rank 0's. Best effort, engine by engine: one that is gone
+        is logged and keeps no other from being released. An update session a failed sync left
+        open is finished first (see the class docstring); on an engine whose own update failed
+        (vLLM closed the session) or that is gone, that finish fails, as expected."""
+        clients = self.fanout.clients
         try:
-            with anyio.fail_after(CONTROL_TIMEOUT_S):
-                await self.fanout.shutdown_weight_transfer_engine()
-        except (WeightTransferError, TimeoutError) as exc:
-            log.warning("weight_group_shutdown_failed", error=str(exc))
+            with anyio.fail_after(2 * CONTROL_TIMEOUT_S):
+                if self.session_open:
+                    unfinished = await self.fanout.each("/finish_weight_update", [c.finish_weight_update() for c in clients])
+                    self.session_open = False
+                    log.info(
+                        "weight_update_session_closed",
+                        finished=[c.base_url for c in clients if c.base_url not in unfinished],
+                        not_open_or_gone={url: str(exc) for url, exc in unfinished.items()},
+                    )
+                failures = await self.fanout.each(
+                    "/shutdown_weight_transfer_engine", [c.shutdown_weight_transfer_engine() for c in clients]
+                )
+            if failures:
+                log.warning(
+                    "weight_group_shutdown_failed",
+                    error=str(EngineFanoutError("/shutdown_weight_transfer_engine", failures, [], len(clients))),
+                )
+        except TimeoutError:
+            log.warning("weight_group_shutdown_failed", error=f"no answer within {2 * CONTROL_TIMEOUT_S:.0f} s")
         finally:
             self.sender.close()
 

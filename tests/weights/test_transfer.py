@@ -109,10 +109,16 @@ def test_iter_state_leaves_out_a_tied_head():
 # -- WeightGroup over stand-in engines ---------------------------------------------------------
 
 class StubEngine:
-    """vLLM's weight-transfer routes over the real gloo engine's join and receive loop."""
+    """vLLM's weight-transfer routes over the real gloo engine's join and receive loop, with the
+    update-session rules of vLLM's worker (`vllm/v1/worker/gpu_worker.py`): no start while a
+    session is open, no update or finish without one, no release during one; a failed update
+    closes it. `refuse` answers that route with an error; `fail_after_receive` makes the update
+    receive everything and then fail (an engine that dies after the broadcast reached it)."""
 
-    def __init__(self, refuse: str | None = None) -> None:
+    def __init__(self, refuse: str | None = None, fail_after_receive: bool = False) -> None:
         self.refuse = refuse
+        self.fail_after_receive = fail_after_receive
+        self.session = False
         self.calls: list[str] = []
         self.versions: list[str | None] = []
         self.received: dict[str, torch.Tensor] = {}
@@ -127,19 +133,38 @@ class StubEngine:
         self.calls.append(route)
         if route == self.refuse:
             if route == "/update_weights":
-                self.engine.shutdown()  # as the gloo engine does when an update fails
+                self.session = False  # as vLLM's worker does when an update fails
+                self.engine.shutdown()  # as the gloo engine does
             return web.json_response({"error": f"refused {route}"}, status=500)
         body = await request.json() if request.can_read_body else {}
         if route == "/get_world_size":
             return web.json_response({"world_size": 1})
+        refused = {
+            "/start_weight_update": self.session and "a weight update is already active",
+            "/update_weights": not self.session and "start_weight_update must be called before update_weights",
+            "/finish_weight_update": not self.session and "finish_weight_update called without a matching start",
+            "/shutdown_weight_transfer_engine": self.session and "cannot release during a weight update",
+        }.get(route)
+        if refused:
+            return web.json_response({"error": refused}, status=500)
         if route == "/init_weight_transfer_engine":
             await anyio.to_thread.run_sync(self.engine.init_transfer_engine, GlooInitInfo(**body["init_info"]))
         elif route == "/start_weight_update":
             self.engine.start_weight_update()
+            self.session = True
         elif route == "/update_weights":
             info = GlooUpdateInfo(**body["update_info"])
-            await anyio.to_thread.run_sync(self.engine._receive_and_load, info, UpdateRecord())
+            try:
+                await anyio.to_thread.run_sync(self.engine._receive_and_load, info, UpdateRecord())
+            except BaseException:
+                self.session = False
+                raise
+            if self.fail_after_receive:
+                self.session = False
+                self.engine.shutdown()
+                return web.json_response({"error": "died after receiving"}, status=500)
         elif route == "/finish_weight_update":
+            self.session = False
             self.versions.append(body.get("weight_version"))
         elif route == "/shutdown_weight_transfer_engine":
             self.engine.shutdown()
@@ -231,6 +256,28 @@ async def test_an_engine_failing_its_update_stops_rank_zero_and_breaks_the_group
     async with serving(stubs) as clients, open_weight_group(clients, TransferConfig(timeout_s=300)) as weights:
         await body(weights)
     assert stubs[0].versions == []
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_engine_that_received_a_failed_sync_is_released_and_syncs_in_the_next_group():
+    """Engine B fails its update after receiving it; A completed its own, so its update session is
+    still open when the sync fails. The broken group's release finishes that session, so A lets
+    itself be released and a new group over A alone (the bridge's retry without B) syncs."""
+    a, b = StubEngine(), StubEngine(fail_after_receive=True)
+    sent = tensors()
+    async with serving([a, b]) as clients:
+        with pytest.raises(WeightTransferError, match="weight update to version 1 failed; engines: /update_weights failed on 1 of 2"):
+            async with open_weight_group(clients, TransferConfig(timeout_s=30)) as weights:
+                await weights.sync(sent, weight_version="1")
+        assert not a.session and a.calls[-2:] == ["/finish_weight_update", "/shutdown_weight_transfer_engine"]
+        assert a.engine.group is None  # released, not only finished
+        async with open_weight_group(clients[:1], TransferConfig(timeout_s=30)) as weights:
+            await weights.sync(sent, weight_version="1")
+    assert a.versions == [None, "1"]
+    for name, tensor in sent:
+        assert torch.equal(a.received[name], tensor)
 
 
 def test_metadata_is_what_the_update_info_describes():
