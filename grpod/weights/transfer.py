@@ -75,6 +75,9 @@ TensorMeta = tuple[str, torch.dtype, tuple[int, ...]]
 RANK0_GRACE_S = 2.0
 # HTTP answers for calls that only switch state (start, finish, shutdown) come back in milliseconds.
 CONTROL_TIMEOUT_S = 60.0
+# Releasing a broken group (`WeightGroup.shutdown`): an engine that is not blocked in the failed
+# collective answers in milliseconds; one that is gets the calls queued behind it.
+BROKEN_RELEASE_WAIT_S = 2.0
 
 
 class TransferConfig(BaseModel):
@@ -201,15 +204,16 @@ class EngineFanout:
             raise EngineFanoutError(route, failures, abandoned, len(calls))
         return results
 
-    async def each(self, route: str, calls: Sequence[Any]) -> dict[str, BaseException]:
-        """Await `calls[i]` (a coroutine for engine i) concurrently, every one to its end (one
-        engine's failure abandons no other: for releasing, where each engine counts on its own);
-        the failures by engine URL."""
+    async def each(self, calls: Sequence[Any], *, timeout_s: float) -> dict[str, BaseException]:
+        """Await `calls[i]` (a coroutine for engine i) concurrently, each until it ends or
+        `timeout_s` (one engine's failure abandons no other); the failures by engine URL
+        (`TimeoutError` for an engine that did not answer in time)."""
         failures: dict[str, BaseException] = {}
 
         async def one(i: int, call) -> None:
             try:
-                await call
+                with anyio.fail_after(timeout_s):
+                    await call
             except Exception as exc:
                 failures[self.clients[i].base_url] = exc
 
@@ -235,7 +239,6 @@ class EngineFanout:
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         await self.call("/finish_weight_update", [c.finish_weight_update(weight_version) for c in self.clients])
-
 
 
 def rank_offsets(world_sizes: Sequence[int]) -> list[int]:
@@ -744,31 +747,34 @@ class WeightGroup:
         raise WeightTransferError(f"{what} failed; " + "; ".join(parts)) from (engines_error or rank0_error)
 
     async def shutdown(self) -> None:
-        """Release the engines' side and rank 0's. Best effort, engine by engine: one that is gone
-        is logged and keeps no other from being released. An update session a failed sync left
-        open is finished first (see the class docstring); on an engine whose own update failed
-        (vLLM closed the session) or that is gone, that finish fails, as expected."""
+        """Release the engines' side and rank 0's; best effort, engine by engine (one that is gone
+        is logged and keeps no other from its release).
+
+        A healthy group's engines are idle and answer in milliseconds (each is waited for
+        `CONTROL_TIMEOUT_S`). A broken group's engines may still be blocked in the collective that
+        failed (a join or a receive ends at its own timeout); an engine runs these calls in order
+        after it, so each is sent and waited for `BROKEN_RELEASE_WAIT_S` only. An update session
+        the failed sync left open (see the class docstring) is finished first: where the engine's
+        own update failed (vLLM closed the session) or the engine is gone, that finish fails, as
+        expected."""
+        wait_s = BROKEN_RELEASE_WAIT_S if self.broken else CONTROL_TIMEOUT_S
         clients = self.fanout.clients
+
+        def described(failures: dict[str, BaseException]) -> dict[str, str]:
+            return {url: f"{type(exc).__name__}: {exc}" for url, exc in failures.items()}
+
         try:
-            with anyio.fail_after(2 * CONTROL_TIMEOUT_S):
-                if self.session_open:
-                    unfinished = await self.fanout.each("/finish_weight_update", [c.finish_weight_update() for c in clients])
-                    self.session_open = False
-                    log.info(
-                        "weight_update_session_closed",
-                        finished=[c.base_url for c in clients if c.base_url not in unfinished],
-                        not_open_or_gone={url: str(exc) for url, exc in unfinished.items()},
-                    )
-                failures = await self.fanout.each(
-                    "/shutdown_weight_transfer_engine", [c.shutdown_weight_transfer_engine() for c in clients]
+            if self.session_open:
+                self.session_open = False
+                unfinished = await self.fanout.each([c.finish_weight_update() for c in clients], timeout_s=wait_s)
+                log.info(
+                    "weight_update_session_closed",
+                    finished=[c.base_url for c in clients if c.base_url not in unfinished],
+                    not_open_or_gone=described(unfinished),
                 )
+            failures = await self.fanout.each([c.shutdown_weight_transfer_engine() for c in clients], timeout_s=wait_s)
             if failures:
-                log.warning(
-                    "weight_group_shutdown_failed",
-                    error=str(EngineFanoutError("/shutdown_weight_transfer_engine", failures, [], len(clients))),
-                )
-        except TimeoutError:
-            log.warning("weight_group_shutdown_failed", error=f"no answer within {2 * CONTROL_TIMEOUT_S:.0f} s")
+                log.warning("weight_group_shutdown_failed", engines=described(failures))
         finally:
             self.sender.close()
 

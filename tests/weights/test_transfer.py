@@ -119,6 +119,7 @@ class StubEngine:
         self.refuse = refuse
         self.fail_after_receive = fail_after_receive
         self.session = False
+        self.one_at_a_time = anyio.Lock()
         self.calls: list[str] = []
         self.versions: list[str | None] = []
         self.received: dict[str, torch.Tensor] = {}
@@ -129,6 +130,11 @@ class StubEngine:
         self.engine = engine
 
     async def handle(self, request: web.Request) -> web.Response:
+        # One call at a time, in arrival order, as vLLM's EngineCore runs its workers' calls.
+        async with self.one_at_a_time:
+            return await self._handle(request)
+
+    async def _handle(self, request: web.Request) -> web.Response:
         route = request.path
         self.calls.append(route)
         if route == self.refuse:
@@ -226,8 +232,9 @@ async def test_weight_group_syncs_every_engine_and_releases_them():
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_engine_refusing_the_group_fails_formation_without_waiting_for_rank_zero():
     """Rank 0's join and the other engine's (20 s timeouts) are not waited for once an engine's
-    init failed: the test's own 15 s limit would end it first. (They end by their timeout in
-    threads of this process, which its exit waits for.)"""
+    init failed, nor is that engine's release, queued behind its blocked join (the stand-ins run
+    one call at a time, as vLLM's EngineCore does): the test's own 15 s limit would end it first.
+    (They end by their timeout in threads of this process, which its exit waits for.)"""
     stubs = [StubEngine(), StubEngine(refuse="/init_weight_transfer_engine")]
 
     async with serving(stubs) as clients:
