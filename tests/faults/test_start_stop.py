@@ -8,8 +8,9 @@ writes no checkpoint.
 12: grpod A is SIGKILLed while its vLLM loads; grpod B (another run directory, the same fixed
 `inference.port`) starts at once. Whichever way the race for the port goes, B never serves from
 A's orphan: either B fails with an error naming the port and the process that holds it, leaving
-nothing of its own behind and A's orphan untouched, or B's own vLLM won the port (A's orphan then
-exits for want of it, or takes the port once B's vLLM freed it) and B trains to its end. The deterministic form of the race (a foreign
+nothing of its own behind and A's orphan untouched, or B's own vLLM won the port (the server B
+declared healthy is one B launched; A's orphan is nobody's to supervise but the test's) and B
+trains to its end. The deterministic form of the race (a foreign
 server answering /health while this launch still loads) is in tests/inference/test_process.py.
 """
 
@@ -81,7 +82,7 @@ def test_stop_during_vllm_start_up_cancels_it_at_once(tmp_path, fault_model_dir,
         daemon.close()
 
 
-@pytest.mark.timeout(780)
+@pytest.mark.timeout(540)
 def test_a_killed_grpods_vllm_on_the_port_is_never_adopted(tmp_path, fault_model_dir, fault_case):
     row = fault_case("12 grpod SIGKILLed mid-start, a second grpod on the same port")
     with socket.socket() as sock:
@@ -109,15 +110,15 @@ def test_a_killed_grpods_vllm_on_the_port_is_never_adopted(tmp_path, fault_model
             assert healthy, finished.stderr[-3000:]
             assert {int(e["pid"]) for e in healthy} <= b_pgids, f"B declared healthy a server it did not launch: {healthy}"
             # vLLM binds with SO_REUSEADDR before its engine loads and takes the port for itself
-            # only when it listens, after: A's orphan either tried while B's held the port and
-            # exited for want of it, or was still loading when B stopped its own and took the
-            # freed port (a loaded machine). Neither is B's doing; the test stops it either way.
-            wait_until(
-                lambda: not group_processes(orphan) or _listens_on(orphan, port), 240,
-                "A's orphan to exit for want of the port or to take it once B's vLLM freed it",
-            )
-            fate = "took the freed port" if group_processes(orphan) else "exited"
-            row.notes = f"B's vLLM won the port; B trained and exited 0 in {finished.seconds:.1f} s; A's orphan {fate}"
+            # only when it listens, after: A's orphan may still be loading, may take the port B's
+            # vLLM freed, or may fail to listen and then linger (seen in CI: alive, not listening,
+            # 240 s after B's exit). None of it is B's doing: nothing supervises A's orphan but the
+            # test, which stops it. Its state is recorded, not asserted.
+            if not group_processes(orphan):
+                fate = "exited"
+            else:
+                fate = "listens on the port B freed" if _listens_on(orphan, port) else "alive, not listening"
+            row.notes = f"B's vLLM won the port; B trained and exited 0 in {finished.seconds:.1f} s; A's orphan: {fate}"
             return
         line = first_line_matching(finished.stderr, f"inference.port {port}")
         assert line, finished.stderr[-3000:]

@@ -98,6 +98,9 @@ def step_with_gradients(trainer, groups):
     return metrics, grads
 
 
+ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which the trainer keeps
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_micro_batch_split_gives_the_same_step(model_dir, aggregation):
     """Accumulating over micro-batches equals one big batch.
@@ -105,8 +108,10 @@ def test_micro_batch_split_gives_the_same_step(model_dir, aggregation):
     Tolerances (fp32; the splits differ only in summation order and padded shapes; measured
     differences are below 1e-6): the accumulated gradient of every tensor to 5e-6 relative (norm of
     the difference over the norm), which catches any normaliser error; the parameters after the
-    AdamW step to 5 % of one step (lr) absolute, because Adam's update g / (|g| + eps) turns
-    float noise on near-zero gradient entries into differences of a sizable fraction of lr.
+    AdamW step to 5 % of one step (lr) absolute where the gradient entry is at least 100x Adam's
+    eps. Below that, Adam's first update lr * g / (|g| + eps) turns float noise into a sizable
+    fraction of lr: measured, an entry of 1.65e-8 in one split and 2.15e-8 in another (the tensor's
+    norm agreeing to 5e-6) moved its weight by 0.62 and 0.68 lr. Those entries are held to one step.
     """
     lr = 2e-5
     groups = random_groups(seed=1)
@@ -130,7 +135,11 @@ def test_micro_batch_split_gives_the_same_step(model_dir, aggregation):
         for name, grad in grads.items():
             assert (grad - base_grads[name]).norm() <= 5e-6 * base_grads[name].norm(), name
         for name, value in after.items():
-            torch.testing.assert_close(value, base_params[name], rtol=0, atol=0.05 * lr, msg=name)
+            moved = (value - base_params[name]).abs()
+            assert moved.max() <= 1.01 * lr, name
+            grad = base_grads.get(name)
+            settled = grad.abs() >= 100 * ADAM_EPS if grad is not None else torch.ones_like(moved, dtype=torch.bool)
+            assert settled.any() and moved[settled].max() <= 0.05 * lr, name
 
 
 def test_gradient_checkpointing_gives_the_same_step(model_dir):
