@@ -107,6 +107,25 @@ def _source_alarm_row(alarm: dict | None) -> str | None:
     )
 
 
+def _evaluation_row(running: dict | None, last: dict | None) -> str | None:
+    if running:
+        where = "beside training" if running.get("beside_training") else "in line"
+        return f"running {running['running_s']} s ({running['when']}, step {running['step']}, {where})"
+    if last:
+        return f"last: accuracy {last.get('eval_accuracy', float('nan')):.3f} at step {last.get('step')} ({last.get('eval_s', '-')} s)"
+    return None
+
+
+def _core_loan_row(loan: dict | None) -> str | None:
+    if not loan:
+        return None
+    if not loan.get("enabled"):
+        return f"{loan.get('engine_threads')} (no loan: {loan.get('reason')})"
+    now = loan["borrowed_threads"] if loan.get("lent") else loan["engine_threads"]
+    return (f"{now} now; {loan['engine_threads']}, or {loan['borrowed_threads']} while the trainer waits "
+            f"({loan.get('loans')} loans, {loan.get('lent_s')} s)")
+
+
 def _render_status(result: dict) -> str:
     bridge = result.get("bridge") or {}
     vllm = bridge.get("vllm") or {}
@@ -132,6 +151,8 @@ def _render_status(result: dict) -> str:
         ("last step age (s)", hb.get("last_progress_age_s")),
         ("last heartbeat age (s)", hb.get("last_heartbeat_age_s")),
         ("last checkpoint", (result.get("last_checkpoint") or {}).get("path")),
+        ("evaluation", _evaluation_row(result.get("evaluation"), result.get("last_eval"))),
+        ("engine threads", _core_loan_row(result.get("core_loan"))),
     ]
     metrics = result.get("last_metrics") or {}
     for key in (

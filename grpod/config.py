@@ -79,6 +79,11 @@ class InferenceConfig(_Section):
     # "auto" = "uni" unless the engine's cores are pinned (inference.engines > 1, cpu_binds, or
     # VLLM_CPU_OMP_THREADS_BIND in inference.env). GPU: unused.
     cpu_executor: Literal["auto", "uni", "mp"] = "auto"
+    # CPU: while the trainer waits for rollouts, the engine runs on its threads plus the trainer's
+    # (train.threads), given back before the step trains (grpod.inference.cores). Needs one engine
+    # on this node with cpu_executor "uni" and the trainer on the CPU; "auto" = on for such an
+    # engine whose model has at least 64 MiB of weights (a tiny model's engine gains nothing).
+    borrow_trainer_cores: Literal["auto"] | bool = "auto"
     # API key required on every route when `host` is not a loopback address.
     api_key: str | None = None
     extra_args: list[str] = []
@@ -504,6 +509,10 @@ class EvalConfig(_Section):
     dataset: Path | None = None
     k: int = Field(0, ge=0)
     correct_threshold: float = 1.0
+    # Evaluate beside training: the step loop trains on while the engines decode the held-out
+    # set, keeping the evaluated version until it ends (a sync due meanwhile waits for it).
+    # false = the loop waits for each evaluation. The `shared` bridge always waits.
+    overlap: bool = True
 
 
 class ControlConfig(_Section):

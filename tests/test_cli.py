@@ -43,3 +43,15 @@ def test_status_says_how_many_trainer_ranks_and_whether_they_are_in_step():
     assert "2 (FSDP2 over gloo, torchrun restart 1)" in _render_status({"trainer_ranks": ranks})
     broken = _render_status({"trainer_ranks": ranks | {"out_of_step": "plan: Connection reset by peer"}})
     assert "OUT OF STEP since plan: Connection reset by peer" in broken
+
+
+def test_status_says_what_evaluation_runs_and_how_many_threads_the_engine_has():
+    running = {"when": "periodic", "step": 20, "running_s": 41.5, "beside_training": True}
+    assert "running 41.5 s (periodic, step 20, beside training)" in _render_status({"evaluation": running})
+    last = {"eval_accuracy": 0.25, "step": 15, "eval_s": 62.0}
+    assert "last: accuracy 0.250 at step 15 (62.0 s)" in _render_status({"evaluation": None, "last_eval": last})
+    loan = {"enabled": True, "reason": "on", "engine_threads": 1, "borrowed_threads": 2, "lent": True, "loans": 7,
+            "lent_s": 80.2}
+    assert "2 now; 1, or 2 while the trainer waits (7 loans, 80.2 s)" in _render_status({"core_loan": loan})
+    off = loan | {"enabled": False, "reason": "auto: 1.7 MiB of weights", "borrowed_threads": 1}
+    assert "1 (no loan: auto: 1.7 MiB of weights)" in _render_status({"core_loan": off})

@@ -30,6 +30,7 @@ from grpod.daemon.progress import RunProgress
 from grpod.daemon.ranks import under_torchrun
 from grpod.daemon.step_loop import StepLoop
 from grpod.inference import release
+from grpod.inference.cores import CoreLoan
 from grpod.inference.engine import InferenceEngine
 from grpod.inference.process import InferenceProcess, engine_env
 from grpod.inference.supervised import SupervisedInference
@@ -129,7 +130,10 @@ async def start_parts(
     if restored.checkpoint is not None:
         log.info("resumed", checkpoint=str(restored.checkpoint), step=restored.step,
                  policy_version=restored.policy_version, buffered_groups=len(restored.buffered))
-    bridge = build_bridge(cfg, run_dir, build_engines(cfg, run_dir), policy_version=restored.policy_version)
+    engines = build_engines(cfg, run_dir)
+    bridge = build_bridge(cfg, run_dir, engines, policy_version=restored.policy_version)
+    cores = CoreLoan.plan(cfg.inference, cfg.train, cfg.model.path, engines,
+                          gpu=release.nvidia_gpu_count() > 0, trainer_ranks=world is not None)
     reporter.attach(bridge=bridge)
     loaded: dict[str, object] = {}
 
@@ -166,7 +170,7 @@ async def start_parts(
                                rejections=rejections)
     loop = StepLoop(
         cfg, trainer=trainer, bridge=bridge, source=source, buffer=buffer, admission=admission, desk=desk,
-        progress=progress, heartbeat=heartbeat, reporter=reporter, store=store, run_dir=run_dir,
+        progress=progress, heartbeat=heartbeat, reporter=reporter, store=store, run_dir=run_dir, cores=cores,
     )
-    reporter.attach(source=source, admission=admission)
+    reporter.attach(source=source, admission=admission, evaluations=loop.evaluations, cores=cores)
     return RunParts(trainer, bridge, source, admission, loop)

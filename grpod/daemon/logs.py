@@ -125,14 +125,16 @@ class MetricsLog:
         self.path = path
         self.wandb = wandb
 
-    def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
+    def write(self, kind: str, step: int, values: dict[str, Any], *, log_step: int | None = None) -> None:
+        """Append one record at `step`; W&B logs it at `log_step` (default `step`: W&B keeps
+        only steps in increasing order)."""
         record = {**values, "kind": kind, "step": step, "time": time.time()}
         if not self.path.parent.is_dir():
             self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(record, default=float) + "\n")
         if self.wandb is not None:
-            self.wandb.log(kind, step, values)
+            self.wandb.log(kind, step if log_step is None else log_step, values)
 
     def close(self) -> None:
         if self.wandb is not None:

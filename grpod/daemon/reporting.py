@@ -63,9 +63,16 @@ class Reporter:
         self.source = None
         self.admission = None
         self.world = None  # grpod.training.distributed.TrainerWorld under torchrun
+        self.evaluations = None  # grpod.daemon.evaluation.Evaluations, the step loop's
+        self.cores = None  # grpod.inference.cores.CoreLoan, the step loop's
 
-    def attach(self, *, desk: OperatorDesk | None = None, bridge=None, source=None, admission=None, world=None) -> None:
+    def attach(
+        self, *, desk: OperatorDesk | None = None, bridge=None, source=None, admission=None, world=None,
+        evaluations=None, cores=None,
+    ) -> None:
         self.desk = desk or self.desk
+        self.evaluations = evaluations or self.evaluations
+        self.cores = cores or self.cores
         self.world = world or self.world
         self.bridge = bridge or self.bridge
         self.source = source or self.source
@@ -85,14 +92,16 @@ class Reporter:
         `weights_step` is the step whose weights it carries."""
         self.metrics.write("sync", self.progress.step, {**sync.as_dict(), "weights_step": weights_step})
 
-    def eval_done(self, result: dict[str, Any], when: str) -> None:
+    def eval_done(self, result: dict[str, Any], when: str, *, step: int) -> None:
+        """One `eval` line: `step` is the step whose policy was evaluated (an evaluation beside
+        training ends some steps later, `finished_step`; W&B gets it at that later step)."""
         p = self.progress
-        p.last_eval = {**result, "when": when, "step": p.step}
-        self.metrics.write("eval", p.step, p.last_eval)
+        p.last_eval = {**result, "when": when, "step": step, "finished_step": p.step}
+        self.metrics.write("eval", step, p.last_eval, log_step=p.step)
         log.info("eval", **p.last_eval)
         if self.cfg.run.progress:
             print(
-                f"eval ({when}, step {p.step}): accuracy {result['eval_accuracy']:.3f}"
+                f"eval ({when}, step {step}): accuracy {result['eval_accuracy']:.3f}"
                 + (f", mean@{result['eval_k']} {result['eval_mean_at_k']:.3f}" if "eval_mean_at_k" in result else "")
                 + f" on {result['eval_size']} held-out problems",
                 file=sys.stderr,
@@ -166,6 +175,10 @@ class Reporter:
             "heartbeat": self.heartbeat.describe(),
             "last_metrics": p.last_metrics,
             "last_eval": p.last_eval,
+            # The evaluation running now (its step, seconds so far, beside training or not), or None.
+            "evaluation": self.evaluations.describe() if self.evaluations is not None else None,
+            # The trainer's cores lent to a CPU engine while the loop waits for rollouts.
+            "core_loan": self.cores.describe() if self.cores is not None else None,
             "last_checkpoint": p.last_checkpoint,
             "config_changes": self.desk.config_changes[-10:] if self.desk else [],
             "run_dir": str(self.run_dir),

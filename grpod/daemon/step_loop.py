@@ -1,12 +1,15 @@
 """`StepLoop`: the training loop — one step after another until the run ends.
 
+    evaluate the starting policy (beside training, or in line: `Evaluations`)
     while steps remain:
         at the boundary: live settings, `ctl sync` / `ctl checkpoint`, wait while paused
-        batch     = the next train.groups_per_step groups from the rollout buffer
+        batch     = the next train.groups_per_step groups from the rollout buffer (a CPU
+                    engine holds the trainer's cores while the loop waits: `CoreLoan`)
         admitted  = validate → deduplicate → staleness (BatchAdmission)
         train     = plan, then per part: prepare (forward/backward/clip), fence(apply)
         sync      = the bridge's sync when due: whole, or its trainer half with the engines'
-                    half in the background (pipelined)
+                    half in the background (pipelined); deferred while an evaluation runs
+                    beside training, to the first step after it
         record    = metrics.jsonl, the progress line, alarms
         periodic  = checkpoint / evaluation every N steps
 
@@ -32,9 +35,11 @@ from anyio.abc import TaskGroup
 from grpod.bridges.base import BridgeFailed, StagedSync, SyncRecord
 from grpod.config import GrpodConfig
 from grpod.daemon.desk import OperatorDesk
+from grpod.daemon.evaluation import Evaluations
 from grpod.daemon.live import SettingChange
 from grpod.daemon.notify import Heartbeat
 from grpod.daemon.progress import RunProgress
+from grpod.inference.cores import CoreLoan
 from grpod.rollouts.admission import BatchAdmission
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.group import RolloutGroup
@@ -82,6 +87,7 @@ class StepLoop:
         reporter,
         store,
         run_dir: Path,
+        cores: CoreLoan | None = None,
     ) -> None:
         self.cfg = cfg
         self.trainer = trainer
@@ -95,8 +101,15 @@ class StepLoop:
         self.reporter = reporter
         self.store = store
         self.run_dir = run_dir
+        self.cores = cores or CoreLoan.off("not planned")
         self.source_exhausted = False
         self._work: TaskGroup | None = None
+        # A sync fell due while an evaluation held the engines' version: run at the next step.
+        self._sync_owed = False
+        self.evaluations = Evaluations(
+            cfg.eval, source=source, reporter=reporter, progress=progress,
+            beside_training=cfg.eval.overlap and bridge.pipelined,
+        )
 
     # ---- the loop -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -108,14 +121,20 @@ class StepLoop:
             self._work = work
             if self.cfg.source.overlap:
                 work.start_soon(self.fetch)
+            await self.evaluations.run("start", work)
             while self.progress.step < train.steps:
                 if not await self.at_boundary():
                     break
+                waited = time.perf_counter()
                 groups = await self.next_batch(train.groups_per_step)
                 if groups is None:
                     break
-                await self.step(groups)
+                await self.step(groups, waited_s=time.perf_counter() - waited)
                 await self.periodic()
+            if not self.desk.stop_requested:
+                # A stop abandons a running evaluation (cancelled below); any other end keeps it.
+                await self.evaluations.idle()
+                await self._pay_owed_sync()
             await self.bridge.settled()
             work.cancel_scope.cancel()
         self._work = None
@@ -127,6 +146,7 @@ class StepLoop:
         while not self.desk.stop_requested:
             self.desk.apply_changes(self.progress.step, self._apply_setting)
             for request in self.desk.take_requests("sync"):
+                await self.evaluations.idle()  # the engines keep an evaluation's version to its end
                 try:
                     record = await self.bridge.sync_now(forced=True)
                 except BridgeFailed as exc:
@@ -149,7 +169,14 @@ class StepLoop:
         return False
 
     async def next_batch(self, n: int) -> list[RolloutGroup] | None:
-        """The next step's `n` groups, or None when the run should end (stop, drained, exhausted)."""
+        """The next step's `n` groups, or None when the run should end (stop, drained, exhausted).
+        While it waits for them the engine holds the trainer's cores (`CoreLoan`)."""
+        if len(self.buffer) >= n and not self.desk.stop_requested and not self.desk.draining:
+            return await self.buffer.take_available(n)  # no wait: nothing to lend
+        async with self.cores.while_waiting():
+            return await self._wait_for_batch(n)
+
+    async def _wait_for_batch(self, n: int) -> list[RolloutGroup] | None:
         while not self.desk.stop_requested:
             if self.desk.draining or (self.source_exhausted and len(self.buffer) < n):
                 return await self.buffer.take_available(n) or None
@@ -168,7 +195,7 @@ class StepLoop:
                 return None
         return None
 
-    async def step(self, groups: list[RolloutGroup]) -> None:
+    async def step(self, groups: list[RolloutGroup], waited_s: float = 0.0) -> None:
         started = time.perf_counter()
         admitted = self.admission.admit(groups, self.bridge.policy.version)
         if self.cfg.run.record_rollouts and admitted.groups:
@@ -194,10 +221,14 @@ class StepLoop:
             "staleness_max": admitted.staleness_max,
             "policy_version": self.bridge.policy.version,
             "train_s": round(train_s, 4),
+            # Seconds the loop waited for this batch (the engines generating, or a pause).
+            "batch_wait_s": round(waited_s, 4),
             "step_s": round(time.perf_counter() - started, 4),
             "queue_depth": len(self.buffer),
             "group_ids": [g.group_id for g in admitted.groups],
             "sync_s": round(sync_s, 4) if sync_s is not None else None,
+            # The engines lag this step's weights by a sync an evaluation holds back.
+            "sync_deferred": self._sync_owed,
             # The dataset source's reward functions, each one's mean over the step's groups.
             **step_reward_metrics(groups),
             **self.source.stats.step_metrics(),
@@ -218,7 +249,14 @@ class StepLoop:
         again at the boundary). True when the step spent time on a sync."""
         step = self.progress.step
         requests = self.desk.take_requests("sync")
-        if requests or (not skipped and not fenced and self.bridge.sync_due(step)):
+        due = not skipped and not fenced and (self.bridge.sync_due(step) or self._sync_owed)
+        if requests or due:
+            if requests:
+                await self.evaluations.idle()  # the engines keep an evaluation's version to its end
+            elif self.evaluations.holds_syncs:
+                self._sync_owed = True
+                return False
+            self._sync_owed = False
             if self.cfg.source.overlap and self.bridge.pipelined and not requests:
                 # The trainer half now; the engines apply and probe while the next step trains.
                 staged = await self.bridge.stage_sync()
@@ -237,6 +275,13 @@ class StepLoop:
             return True
         return bool(fenced)
 
+    async def _pay_owed_sync(self) -> None:
+        """The sync deferred by an evaluation, once none runs (the run's end: the final
+        evaluation and checkpoint then see the trainer's last weights on the engines)."""
+        if self._sync_owed:
+            self._sync_owed = False
+            self.reporter.sync_done(await self.bridge.sync_now(), self.progress.step)
+
     async def _finish_sync(self, staged: StagedSync, step: int) -> None:
         with self.heartbeat.running():
             record = await self.bridge.finish_sync(staged)
@@ -247,8 +292,8 @@ class StepLoop:
         if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0:
             await self.checkpoint()
         if self.cfg.eval.every and step % self.cfg.eval.every == 0 and step < self.cfg.train.steps:
-            await self.bridge.settled()
-            await self.evaluate("periodic")
+            await self.bridge.settled()  # the engines serve the step's sync (when one was due)
+            await self.evaluations.run("periodic", self._work)
 
     # ---- what else the loop's task does with the trainer ------------------------------------
     async def checkpoint(self) -> dict[str, Any]:
@@ -277,16 +322,8 @@ class StepLoop:
         return info
 
     async def evaluate(self, when: str) -> None:
-        """Held-out evaluation of the policy the engines serve (skipped without eval.size)."""
-        if self.cfg.eval.size <= 0:
-            return
-        try:
-            result = await self.source.evaluate(self.cfg.eval.size, self.cfg.eval.max_tokens)
-        except Exception as exc:  # noqa: BLE001 — an evaluation failure is reported, not fatal
-            log.warning("eval_failed", when=when, error=str(exc))
-            return
-        if result is not None:
-            self.reporter.eval_done(result, when)
+        """Held-out evaluation of the policy the engines serve, in line (the run's last one)."""
+        await self.evaluations.run(when, None)
 
     async def fetch(self) -> None:
         """Keep the buffer filled (overlap mode) until cancelled, drained or the source ends."""

@@ -155,11 +155,9 @@ class Supervisor:
         tg.start_soon(self._watch_source)
         self.reporter.announce_inference()
         self.notifier.ready(f"step {self.progress.step}/{self.cfg.train.steps}, vLLM ready")
-        loop = self.parts.loop
-        await loop.evaluate("start")
         self.progress.phase = RunPhase.RUNNING
         try:
-            await loop.run()
+            await self.parts.loop.run()  # the start evaluation is its first act
         except* BridgeFailed as failed:  # anyio task groups always raise ExceptionGroups
             self._fail(f"bridge failed: {failed.exceptions[0]}")
 

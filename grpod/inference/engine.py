@@ -84,6 +84,8 @@ class InferenceEngine:
         self.version: int | None = None
         self.weights: Path | None = None
         self.outstanding = 0
+        # The compute threads last set (`set_threads`); None: the launch's own (OMP_NUM_THREADS).
+        self.threads: int | None = None
         # Out of the pool's syncs while being relaunched; rejoins after a passing probe.
         self.recovering = False
         self.restarts = 0
@@ -128,6 +130,7 @@ class InferenceEngine:
             raise
         self._stack = stack
         self.version, self.weights = version, Path(weights)
+        self.threads = None
         self.launches += 1
         event, self._next_launch = self._next_launch, anyio.Event()
         event.set()
@@ -139,6 +142,14 @@ class InferenceEngine:
         if stack is not None:
             with anyio.CancelScope(shield=True):
                 await stack.aclose()
+
+    async def set_threads(self, threads: int) -> None:
+        """Run the model on `threads` threads from its next engine step (a CPU engine launched with
+        grpod's worker extension: `grpod.inference.threads_ext`)."""
+        assert self.client is not None, f"{self.name}: set_threads while down"
+        self.threads = None  # unknown until the engine answers
+        (now,) = await self.client.collective_rpc("grpod_set_threads", args=[str(threads)])
+        self.threads = int(now)
 
     def spend_restart(self, reason: str) -> None:
         """Count one relaunch after a loss; RestartBudgetSpent once `inference.max_restarts` are spent."""
@@ -263,4 +274,5 @@ class InferenceEngine:
             "launches": self.launches,
             "outstanding": self.outstanding,
             "recovering": self.recovering,
+            "threads": self.threads,
         }

@@ -56,6 +56,7 @@ from grpod.config import InferenceConfig, ModelConfig
 from grpod.inference import release
 from grpod.inference.client import ForeignServerError, InferenceClient
 from grpod.inference.routes import FORK_ENGINE_CORE_ENV, LAUNCH_TOKEN_ENV, SERVED_MODEL_NAME
+from grpod.inference.threads_ext import THREADS_EXTENSION
 
 log = structlog.get_logger(__name__)
 
@@ -155,6 +156,8 @@ def server_argv(
             args += ["--lora-target-modules", *lora_target_modules]
     if lora_modules:
         args += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
+    if not worker_extension and not gpu and cpu_executor(cfg) == "uni":
+        worker_extension = THREADS_EXTENSION  # a mode without an extension: the thread setting alone
     if worker_extension:
         args += ["--worker-extension-cls", worker_extension]
     return args + list(extra_args or []) + list(cfg.extra_args)

@@ -18,8 +18,10 @@ No import side effects: this module changes nothing in vLLM until the method is 
 
 from __future__ import annotations
 
+from grpod.inference.threads_ext import EngineThreads
 
-class ReloadExtension:
+
+class ReloadExtension(EngineThreads):
     def grpod_reload_weights(self, weights_path: str) -> int:
         """vLLM's in-place reload from `weights_path`, then the embedding/head layers re-processed
         from their current weights. Returns how many layers were re-processed."""

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from grpod.inference.threads_ext import EngineThreads
 from grpod.weights.shared_layout import (
     SharedLayout,
     SharedLayoutError,
@@ -152,7 +153,7 @@ def shared_report(model: torch.nn.Module) -> dict:
     return {"pid": os.getpid(), "outside": outside}
 
 
-class SharedWeightsExtension:
+class SharedWeightsExtension(EngineThreads):
     """RPC methods vLLM's Worker gains (`collective_rpc(method, args=[...])`)."""
 
     def attach_shared(self, directory: str, verify_values: str = "true") -> dict:

@@ -120,10 +120,12 @@ def make_loop(cfg: GrpodConfig, trainer, *, bridge=None, source=None, vocab_size
     bridge = bridge or StandInBridge()
     source = source or ListSource()
     reporter.attach(desk=desk, bridge=bridge, source=source, admission=admission)
-    return StepLoop(
+    loop = StepLoop(
         cfg, trainer=trainer, bridge=bridge, source=source, buffer=buffer, admission=admission, desk=desk,
         progress=progress, heartbeat=heartbeat, reporter=reporter, store=MemoryStore(), run_dir=run_dir,
     )
+    reporter.attach(evaluations=loop.evaluations)
+    return loop
 
 
 @pytest.fixture()

@@ -268,3 +268,130 @@ async def test_the_fence_is_a_line_of_the_loop_and_its_syncs_are_recorded(loop_c
     records = loop.reporter.metrics.read()
     assert [r["kind"] for r in records] == ["sync", "sync", "step"]
     assert records[-1]["sync_s"] is not None
+
+
+class GatedEvalSource(IdleSource):
+    """A source whose evaluations run until the test opens `gate` (the test feeds the buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = anyio.Event()
+
+    async def evaluate(self, size: int, max_tokens: int):
+        self.evaluations.append(size)
+        await self.gate.wait()
+        return {"eval_accuracy": 0.5, "eval_size": size}
+
+
+async def settled_at(loop, step: int) -> None:
+    """Wait until the loop has finished `step` and everything is blocked again (a step's trainer
+    calls run in worker threads, which `wait_all_tasks_blocked` alone does not wait for)."""
+    with anyio.fail_after(30):
+        while loop.progress.step < step:
+            await anyio.sleep(0.01)
+    await anyio.wait_all_tasks_blocked()
+
+
+def evaluating_loop(loop_config, *overrides):
+    """A loop whose source's evaluations wait for the test, over a pipelined bridge whose syncs
+    finish at once; returns the loop, the bridge and the source."""
+    bridge, source = PipelinedBridge(), GatedEvalSource()
+    bridge.release.set()
+    loop = loop_with(loop_config, "source.overlap=true", "eval.size=4", *overrides, bridge=bridge, source=source)
+    return loop, bridge, source
+
+
+async def feed(loop, count: int, *, start: int = 0, until_step: int | None = None) -> None:
+    """Put `count` groups in the buffer, then (with `until_step`) wait until that step is done."""
+    for group in groups(count, start=start):
+        await loop.buffer.put(group)
+    if until_step is not None:
+        await settled_at(loop, until_step)
+
+
+async def test_an_evaluation_beside_training_holds_the_engines_version_and_the_sync_follows_it(loop_config):
+    loop, bridge, source = evaluating_loop(loop_config, "train.steps=4")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        await feed(loop, 4, until_step=2)
+        # The start evaluation runs; steps 1 and 2 trained beside it, their syncs held back.
+        assert source.evaluations == [4] and loop.progress.step == 2 and bridge.syncs == []
+        assert loop.reporter.status()["evaluation"]["when"] == "start"
+        source.gate.set()
+        await anyio.wait_all_tasks_blocked()
+        await feed(loop, 4, start=4)
+    records = loop.reporter.metrics.read()
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [s["sync_deferred"] for s in steps] == [True, True, False, False]
+    assert [s["policy_version"] for s in steps] == [0, 0, 0, 1], "the owed sync runs at step 3"
+    assert bridge.syncs == [(1, False), (2, False)]
+    (start_eval,) = [r for r in records if r["kind"] == "eval"]
+    assert (start_eval["step"], start_eval["finished_step"], start_eval["when"]) == (0, 2, "start")
+    assert start_eval["eval_s"] >= 0
+
+
+async def test_a_run_that_ends_during_an_evaluation_waits_for_it_then_syncs_what_it_held_back(loop_config):
+    loop, bridge, source = evaluating_loop(loop_config, "train.steps=1")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        await feed(loop, 2, until_step=1)
+        assert loop.progress.step == 1 and bridge.syncs == [] and source.evaluations == [4]
+        source.gate.set()
+    assert bridge.syncs == [(1, False)], "the sync the evaluation held back, once it ended"
+    assert [r["kind"] for r in loop.reporter.metrics.read()] == ["step", "eval", "sync"]
+
+
+async def test_a_stop_abandons_an_evaluation_running_beside_training(loop_config):
+    loop, _, source = evaluating_loop(loop_config, "train.steps=5")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        await anyio.wait_all_tasks_blocked()
+        loop.desk.request_stop("test")
+    assert source.evaluations == [4] and loop.evaluations.describe() is None
+    assert [r["kind"] for r in loop.reporter.metrics.read()] == [], "no result from an abandoned evaluation"
+
+
+async def test_without_eval_overlap_the_loop_waits_for_each_evaluation(loop_config):
+    loop, bridge, source = evaluating_loop(loop_config, "train.steps=1", "eval.overlap=false")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        await feed(loop, 2)
+        await anyio.wait_all_tasks_blocked()
+        assert loop.progress.step == 0 and source.evaluations == [4], "waiting for the start evaluation"
+        source.gate.set()
+    assert bridge.syncs == [(1, False)]
+    assert [r["kind"] for r in loop.reporter.metrics.read()] == ["eval", "step", "sync"]
+
+
+class ThreadsEngine:
+    """A local engine whose thread changes land in the trainer's event list (one timeline)."""
+
+    node, name = "local", "engine-0"
+
+    def __init__(self, events: list[str]) -> None:
+        self.client, self.threads, self.events = object(), None, events
+
+    async def set_threads(self, threads: int) -> None:
+        self.events.append(f"engine threads {threads}")
+        self.threads = threads
+
+
+async def test_the_engine_holds_the_trainers_cores_while_the_loop_waits_and_returns_them_before_training(loop_config):
+    from grpod.inference.cores import CoreLoan
+
+    trainer = FakeTrainer()
+    loop = loop_with(loop_config, "train.steps=2", "source.overlap=true", trainer=trainer)
+    loop.cores = CoreLoan([ThreadsEngine(trainer.events)], own=1, borrowed=2, reason="on")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        await anyio.wait_all_tasks_blocked()
+        assert trainer.events == ["engine threads 2"], "lent while no batch is there"
+        await loop.desk.ctl_pause({})  # two steps' worth arrive at once: the second waits for nothing
+        for group in groups(4):
+            await loop.buffer.put(group)
+        await anyio.wait_all_tasks_blocked()
+        await loop.desk.ctl_resume({})
+    assert trainer.events == ["engine threads 2", "engine threads 1", "plan", "prepare", "apply", "finish",
+                              "plan", "prepare", "apply", "finish"]
+    steps = [r for r in loop.reporter.metrics.read() if r["kind"] == "step"]
+    assert steps[0]["batch_wait_s"] > 0 and loop.cores.describe()["loans"] == 1

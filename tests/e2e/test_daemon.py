@@ -58,6 +58,11 @@ def first_run(tmp_path, warm_model_dir, run_dir) -> tuple[DaemonProcess, int]:
         "bridge.mode": "none",
         "bridge.reload": "in_place",
         "bridge.sync_every": 3,
+        # Evaluations beside training (issue #14), and the trainer's core lent to the engine while
+        # the loop waits (on for this tiny model only because it is forced).
+        "eval.size": 8,
+        "eval.every": 2,
+        "inference.borrow_trainer_cores": True,
     }
     config = write_config(tmp_path / "grpod.toml", settings)
     daemon = DaemonProcess(config, run_dir)
@@ -93,7 +98,9 @@ def first_run(tmp_path, warm_model_dir, run_dir) -> tuple[DaemonProcess, int]:
         assert not bad["ok"] and "unknown command" in bad["error"]
 
         # The unit's ExecStop: finish the step, final checkpoint, stop vLLM, exit 0.
-        daemon.wait_for(lambda s: s["step"] >= 4, 300, "step 4")
+        status = daemon.wait_for(lambda s: s["step"] >= 4, 300, "step 4")
+        loan = status["core_loan"]
+        assert loan["enabled"] and loan["borrowed_threads"] == loan["engine_threads"] + 1 and loan["loans"] >= 1, loan
         stop = subprocess.run(
             [sys.executable, "-m", "grpod", "ctl", "stop", "--config", str(config)],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -116,9 +123,18 @@ def first_run(tmp_path, warm_model_dir, run_dir) -> tuple[DaemonProcess, int]:
     scheduled = [r for r in syncs if not r["forced"]]
     assert scheduled and all(r["probe"]["max_abs_diff"] <= 0.02 for r in syncs), "scheduled syncs, probed"
     # sync_every = 3, pipelined (overlap on): every third step's weights reach vLLM, and the
-    # step's record holds the time it waited for the sync's trainer half.
-    assert {s for s in trained if s % 3 == 0} <= {r["weights_step"] for r in syncs}
-    assert all(r["sync_s"] is not None for r in records if r["step"] % 3 == 0)
+    # step's record holds the time it waited for the sync's trainer half; unless an evaluation
+    # held the engines' version then, and the sync came at the first step after it.
+    deferred = {r["step"] for r in records if r["sync_deferred"]}
+    assert {s for s in trained if s % 3 == 0} - deferred <= {r["weights_step"] for r in syncs}
+    assert all(r["sync_s"] is not None for r in records if r["step"] % 3 == 0 and r["step"] not in deferred)
+    for step in deferred:
+        after = [r for r in records if r["step"] > step and not r["sync_deferred"]]
+        assert not after or after[0]["sync_s"] is not None, f"the sync held back at step {step} followed the evaluation"
+    assert all(r["batch_wait_s"] >= 0 for r in records)
+    evals = [r for r in metrics(run_dir) if r["kind"] == "eval"]
+    assert [e["step"] for e in evals][:2] == [0, 2] and evals[-1]["when"] == "end", evals
+    assert all(e["finished_step"] >= e["step"] and e["eval_s"] > 0 and e["eval_size"] == 8 for e in evals)
     assert daemon.vllm_pgids == {first_vllm}, "in-place syncs never relaunch vLLM"
 
     final = _final_checkpoint(run_dir)

@@ -51,6 +51,24 @@ async def test_generate_gives_n_completions_with_one_logprob_per_token(vllm_serv
     assert again == completions, "a seeded request must repeat exactly"
 
 
+async def test_the_engine_runs_on_the_threads_it_is_given_while_it_serves(vllm_server):
+    """`grpod_set_threads` (the worker extension every CPU engine gets) changes the thread count
+    of the thread that runs the model, between requests, and sampling goes on unchanged."""
+    from grpod.inference.cores import engine_threads
+
+    own = engine_threads(vllm_server.cfg)
+    async with vllm_server.client() as client:
+        before = await client.generate(PROMPT, n=1, max_tokens=6, temperature=0.0)
+        try:
+            # vLLM's /collective_rpc answers each worker's result as a string.
+            assert await client.collective_rpc("grpod_set_threads", args=[str(own + 1)]) == [str(own + 1)]
+            assert [c.token_ids for c in await client.generate(PROMPT, n=1, max_tokens=6, temperature=0.0)] == [
+                c.token_ids for c in before
+            ]
+        finally:
+            assert await client.collective_rpc("grpod_set_threads", args=[str(own)]) == [str(own)], "the shared server restored"
+
+
 async def test_the_real_server_echoes_its_launch_token_and_a_stranger_is_refused(vllm_server):
     async with vllm_server.client() as client:
         assert client.launch_token and await client.health()

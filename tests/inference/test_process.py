@@ -56,7 +56,11 @@ def test_args_run_grpod_server_with_model_settings_on_cpu():
     lora_args = proc.build_args("/m", enable_lora=True)
     assert lora_args[lora_args.index("--served-model-name") + 1 : lora_args.index("--host")] == ["policy"]
     assert "--enforce-eager" in args
-    assert "--enable-lora" not in args and "--worker-extension-cls" not in args
+    assert "--enable-lora" not in args
+    # A mode without an extension of its own still gets the engine-threads one (grpod.inference.cores).
+    assert _value(args, "--worker-extension-cls") == "grpod.inference.threads_ext.EngineThreads"
+    pinned = InferenceProcess(InferenceConfig(cpu_executor="mp"), MODEL, Path("run"), gpu=False).build_args("/m")
+    assert "--worker-extension-cls" not in pinned, "a pinned Worker process never borrows cores"
 
 
 def test_args_on_gpu_size_kv_cache_by_memory_fraction():

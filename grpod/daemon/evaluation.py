@@ -1,0 +1,87 @@
+"""`Evaluations`: the run's held-out evaluations, as the step loop asks for them.
+
+An evaluation decodes the held-out set through the engines (the source's `evaluate`), so what it
+measures is the policy version the engines serve while it runs. It runs one of two ways:
+
+- beside training (`eval.overlap`, where the bridge ships a copy of the weights): a task of the
+  step loop's work group, while the loop goes on training. The engines keep the evaluated
+  version until it ends: a sync that falls due meanwhile waits (`holds_syncs`), and the loop runs
+  it at the first step after the evaluation, so the steps in between train on rollouts a version
+  or two older than usual (the importance-sampling correction covers them; `train.max_staleness`
+  still bounds them). On SmolLM2 here a 20-row evaluation shares the engine with the training
+  rollouts for 60-90 s, which the step loop used to wait out (459 of 850 s of one run).
+- in line: the loop waits for it. Always so with the `shared` bridge, whose every optimizer
+  update writes the weights the engines serve.
+
+One evaluation runs at a time: asking for the next while one runs waits for it. The record says
+which step's policy it measured (`step`), the version, and how long it took (`eval_s`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup
+
+from grpod.config import EvalConfig
+from grpod.daemon.progress import RunProgress
+
+log = structlog.get_logger(__name__)
+
+
+class Evaluations:
+    def __init__(self, cfg: EvalConfig, *, source, reporter, progress: RunProgress, beside_training: bool) -> None:
+        self.cfg = cfg
+        self.source = source
+        self.reporter = reporter
+        self.progress = progress
+        self.beside_training = beside_training
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._running: dict | None = None  # {"when", "step", "began"} of the one running
+
+    @property
+    def holds_syncs(self) -> bool:
+        """True while an evaluation runs beside training: the engines must keep its version."""
+        return self._running is not None and self.beside_training
+
+    def describe(self) -> dict | None:
+        """The running evaluation (`ctl status`), or None."""
+        if self._running is None:
+            return None
+        return {"when": self._running["when"], "step": self._running["step"],
+                "running_s": round(time.monotonic() - self._running["began"], 1), "beside_training": self.beside_training}
+
+    async def idle(self) -> None:
+        """Return once no evaluation runs (bounded by the evaluation's own request timeouts)."""
+        await self._idle.wait()
+
+    async def run(self, when: str, work: TaskGroup | None) -> None:
+        """Evaluate the served policy now: beside training in `work` (when given and allowed), or
+        in line. Skipped without `eval.size`."""
+        if self.cfg.size <= 0:
+            return
+        await self.idle()
+        self._running = {"when": when, "step": self.progress.step, "began": time.monotonic()}
+        self._idle = anyio.Event()
+        if self.beside_training and work is not None:
+            work.start_soon(self._evaluate)
+        else:
+            await self._evaluate()
+
+    async def _evaluate(self) -> None:
+        running = self._running
+        assert running is not None
+        try:
+            result = await self.source.evaluate(self.cfg.size, self.cfg.max_tokens)
+        except Exception as exc:  # noqa: BLE001 — an evaluation failure is reported, not fatal
+            log.warning("eval_failed", when=running["when"], step=running["step"], error=str(exc))
+            result = None
+        finally:
+            self._running = None
+            self._idle.set()
+        if result is not None:
+            seconds = round(time.monotonic() - running["began"], 3)
+            self.reporter.eval_done({**result, "eval_s": seconds}, running["when"], step=running["step"])

@@ -1,0 +1,151 @@
+"""`CoreLoan`: on a CPU machine, the trainer's cores go to the engine while the trainer waits.
+
+grpod runs a CPU engine on the cores the trainer leaves it (`OMP_NUM_THREADS` = cores - 1 on one
+machine, `process.default_env`) and the trainer on `train.threads`. With generation overlapped,
+the trainer is idle whenever it waits for the next batch: measured on SmolLM2-135M here, the
+trainer's process used 0.29 of a core over a run while the engine used 0.95 of one, so one core
+sat mostly idle. The loan gives the engine the trainer's threads for the wait (`lend`) and takes
+them back before the step trains (`reclaim`), through the engine's `grpod_set_threads`
+(`grpod.inference.threads_ext`), which acts between two engine steps. A reclaim therefore waits
+at most one engine step; an engine that does not answer within LOAN_TIMEOUT_S is left as it is
+(logged), and the loan is never a reason for a step to fail.
+
+Who may borrow (`inference.borrow_trainer_cores`):
+- one engine on this node, on the CPU, its worker inside EngineCore ("uni": its threads are not
+  pinned, and the call runs in the thread that runs the model), a trainer on the CPU in this one
+  process (trainer ranks under torchrun have the cores to themselves);
+- "auto" adds: a model of at least AUTO_MIN_WEIGHT_BYTES of weights. A tiny model's engine step
+  is Python-bound; a second thread does not speed it (measured: bench/results/core_loan.json).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from grpod.config import InferenceConfig, TrainConfig
+from grpod.inference.engine import InferenceEngine
+
+log = structlog.get_logger(__name__)
+
+# An engine that has not applied a thread change after this long is left as it is (logged).
+LOAN_TIMEOUT_S = 10.0
+# "auto": the weights a model needs before a second engine thread pays (64 MiB of safetensors).
+AUTO_MIN_WEIGHT_BYTES = 64 * 2**20
+
+
+def engine_threads(cfg: InferenceConfig) -> int:
+    """The threads a CPU engine runs on as grpod launches it (`OMP_NUM_THREADS` of its environment)."""
+    from grpod.inference.process import default_env
+
+    value = cfg.env.get("OMP_NUM_THREADS") or default_env(cfg, gpu=False).get("OMP_NUM_THREADS")
+    return int(value) if value and value.isdigit() else 1
+
+
+def weight_bytes(model_path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+
+
+class CoreLoan:
+    """Lends `borrowed - own` threads to `engines` while the trainer waits (see the module docstring).
+    Disabled (`engines` empty) it does nothing and says why (`reason`)."""
+
+    def __init__(self, engines: list[InferenceEngine], *, own: int, borrowed: int, reason: str) -> None:
+        self.engines = engines
+        self.own, self.borrowed = own, borrowed
+        self.reason = reason
+        self.lent = False
+        self.loans = 0
+        self.lent_s = 0.0
+        self._since: float | None = None
+
+    @classmethod
+    def plan(
+        cls, inference: InferenceConfig, train: TrainConfig, model_path: Path, engines: list[InferenceEngine],
+        *, gpu: bool, trainer_ranks: bool,
+    ) -> CoreLoan:
+        """The loan this run's config allows, or a disabled one saying why not."""
+        from grpod.inference.process import cpu_executor
+
+        setting = inference.borrow_trainer_cores
+        local = [engine for engine in engines if engine.node == "local"]
+        own = engine_threads(inference)
+        cores = os.cpu_count() or 1
+        borrowed = min(cores, own + (train.threads or cores))
+
+        def off(reason: str) -> CoreLoan:
+            return cls.off(reason, own=own)
+
+        if setting is False:
+            return off("inference.borrow_trainer_cores = false")
+        if gpu or train.device != "cpu":
+            return off("not a CPU engine and a CPU trainer")
+        if len(local) != 1 or cpu_executor(inference) != "uni":
+            return off("needs one engine on this node with its worker inside EngineCore (cpu_executor uni)")
+        if trainer_ranks:
+            return off("trainer ranks under torchrun use the cores")
+        if borrowed <= own:
+            return off(f"the engine already runs on {own} of {cores} cores")
+        if setting == "auto" and (size := weight_bytes(model_path)) < AUTO_MIN_WEIGHT_BYTES:
+            return off(f"auto: {size / 2**20:.1f} MiB of weights (a second engine thread pays from "
+                       f"{AUTO_MIN_WEIGHT_BYTES / 2**20:.0f} MiB)")
+        return cls(local, own=own, borrowed=borrowed, reason="on")
+
+    @classmethod
+    def off(cls, reason: str, *, own: int = 1) -> CoreLoan:
+        """A loan that lends nothing (`reason` says why)."""
+        return cls([], own=own, borrowed=own, reason=reason)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.engines)
+
+    @asynccontextmanager
+    async def while_waiting(self) -> AsyncIterator[None]:
+        """The engines hold the trainer's threads inside, and give them back on the way out."""
+        await self.lend()
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.reclaim()
+
+    async def lend(self) -> None:
+        if not self.enabled or self.lent:
+            return
+        self.lent, self.loans, self._since = True, self.loans + 1, time.monotonic()
+        await self._set_all(self.borrowed)
+
+    async def reclaim(self) -> None:
+        if not self.lent:
+            return
+        self.lent = False
+        if self._since is not None:
+            self.lent_s += time.monotonic() - self._since
+            self._since = None
+        await self._set_all(self.own)
+
+    async def _set_all(self, threads: int) -> None:
+        for engine in self.engines:
+            if engine.client is None or engine.threads == threads:
+                continue  # down (a relaunch starts on its own threads), or already there
+            with anyio.move_on_after(LOAN_TIMEOUT_S) as scope:
+                try:
+                    await engine.set_threads(threads)
+                except Exception as exc:  # noqa: BLE001 — the loan is an optimisation, never a failure
+                    log.warning("core_loan_failed", engine=engine.name, threads=threads, error=str(exc)[:300])
+            if scope.cancelled_caught:
+                log.warning("core_loan_failed", engine=engine.name, threads=threads,
+                            error=f"no answer within {LOAN_TIMEOUT_S:g} s")
+
+    def describe(self) -> dict[str, Any]:
+        lent_s = self.lent_s + (time.monotonic() - self._since if self._since is not None else 0.0)
+        return {"enabled": self.enabled, "reason": self.reason, "engine_threads": self.own,
+                "borrowed_threads": self.borrowed, "lent": self.lent, "loans": self.loans, "lent_s": round(lent_s, 1)}
