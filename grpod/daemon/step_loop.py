@@ -7,7 +7,8 @@
                     engine holds the trainer's cores while the loop waits: `CoreLoan`)
         admitted  = validate → deduplicate → staleness (BatchAdmission)
         train     = plan, then per part: prepare (forward/backward/clip), fence(apply)
-        sync      = the bridge's sync when due: whole, or its trainer half with the engines'
+        sync      = the bridge's sync when due (every bridge.sync_every steps, when a step
+                    trained since the last one): whole, or its trainer half with the engines'
                     half in the background (pipelined); deferred while an evaluation runs
                     beside training, to the first step after it
         record    = metrics.jsonl, the progress line, alarms
@@ -106,6 +107,10 @@ class StepLoop:
         self._work: TaskGroup | None = None
         # A sync fell due while an evaluation held the engines' version: run at the next step.
         self._sync_owed = False
+        # Steps trained since the engines last got the trainer's weights: a sync falls due on a
+        # step divisible by bridge.sync_every when any (a skipped batch changes nothing itself,
+        # but the steps before it may have: their sync is not lost).
+        self._unsynced = 0
         self.evaluations = Evaluations(
             cfg.eval, source=source, reporter=reporter, progress=progress,
             beside_training=cfg.eval.overlap and bridge.pipelined,
@@ -149,6 +154,7 @@ class StepLoop:
                 await self.evaluations.idle()  # the engines keep an evaluation's version to its end
                 try:
                     record = await self.bridge.sync_now(forced=True)
+                    self._unsynced = 0
                 except BridgeFailed as exc:
                     request.complete(error=str(exc))
                     raise
@@ -249,14 +255,18 @@ class StepLoop:
         again at the boundary). True when the step spent time on a sync."""
         step = self.progress.step
         requests = self.desk.take_requests("sync")
-        due = not skipped and not fenced and (self.bridge.sync_due(step) or self._sync_owed)
+        if fenced:
+            self._unsynced = 0  # every update of this step was a sync (`shared`)
+        elif not skipped:
+            self._unsynced += 1
+        due = self._unsynced > 0 and (self.bridge.sync_due(step) or self._sync_owed)
         if requests or due:
             if requests:
                 await self.evaluations.idle()  # the engines keep an evaluation's version to its end
             elif self.evaluations.holds_syncs:
                 self._sync_owed = True
                 return False
-            self._sync_owed = False
+            self._sync_owed, self._unsynced = False, 0
             if self.cfg.source.overlap and self.bridge.pipelined and not requests:
                 # The trainer half now; the engines apply and probe while the next step trains.
                 staged = await self.bridge.stage_sync()
@@ -279,7 +289,7 @@ class StepLoop:
         """The sync deferred by an evaluation, once none runs (the run's end: the final
         evaluation and checkpoint then see the trainer's last weights on the engines)."""
         if self._sync_owed:
-            self._sync_owed = False
+            self._sync_owed, self._unsynced = False, 0
             self.reporter.sync_done(await self.bridge.sync_now(), self.progress.step)
 
     async def _finish_sync(self, staged: StagedSync, step: int) -> None:

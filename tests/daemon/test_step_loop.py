@@ -188,6 +188,22 @@ async def test_an_exhausted_source_ends_the_run_once_the_buffer_is_used(loop_con
     assert loop.progress.stop_reason == "source exhausted"
 
 
+async def test_a_sync_due_at_a_skipped_batch_carries_the_steps_trained_before_it(loop_config):
+    """sync_every = 2: step 1 trains, steps 2-4 are skipped (every group invalid). The sync due at
+    step 2 still ships step 1's weights; at step 4 nothing trained since, so nothing is synced."""
+    batches = groups(8)
+    for group in batches[2:]:
+        group.scores = [float("nan")] * 2
+    bridge = StandInBridge(sync_every=2)
+    loop = loop_with(loop_config, "train.steps=4", bridge=bridge, source=ListSource(batches))
+    await loop.run()
+    steps = [r for r in loop.reporter.metrics.read() if r["kind"] == "step"]
+    assert [bool(s.get("skipped")) for s in steps] == [False, True, True, True]
+    assert bridge.syncs == [(1, False)], "step 2 ships step 1's update; step 4 has nothing new to ship"
+    assert steps[1]["sync_s"] is not None and steps[3]["sync_s"] is None
+    assert [s["policy_version"] for s in steps] == [0, 1, 1, 1]
+
+
 async def test_a_run_that_trained_nothing_fails(loop_config):
     bad = groups(2)
     for group in bad:
