@@ -2,9 +2,9 @@
 
 grpod runs a CPU engine on the cores the trainer leaves it (`OMP_NUM_THREADS` = cores - 1 on one
 machine, `process.default_env`) and the trainer on `train.threads`. With generation overlapped,
-the trainer is idle whenever it waits for the next batch: measured on SmolLM2-135M here, the
-trainer's process used 0.29 of a core over a run while the engine used 0.95 of one, so one core
-sat mostly idle. The loan gives the engine the trainer's threads for the wait (`lend`) and takes
+the trainer is idle whenever it waits for the next batch: in a 15-minute SmolLM2-135M run here
+(`bench/peers`, before the loan), the daemon used 0.45 of a core and the engine 0.97 between
+the first and the last step, so half a core sat idle. The loan gives the engine the trainer's threads for the wait (`lend`) and takes
 them back before the step trains (`reclaim`), through the engine's `grpod_set_threads`
 (`grpod.inference.threads_ext`), which acts between two engine steps. A reclaim therefore waits
 at most one engine step; an engine that does not answer within LOAN_TIMEOUT_S is left as it is
@@ -14,8 +14,11 @@ Who may borrow (`inference.borrow_trainer_cores`):
 - one engine on this node, on the CPU, its worker inside EngineCore ("uni": its threads are not
   pinned, and the call runs in the thread that runs the model), a trainer on the CPU in this one
   process (trainer ranks under torchrun have the cores to themselves);
-- "auto" adds: a model of at least AUTO_MIN_WEIGHT_BYTES of weights. A tiny model's engine step
-  is Python-bound; a second thread does not speed it (measured: bench/results/core_loan.json).
+- "auto" adds: a model of at least AUTO_MIN_WEIGHT_BYTES of weights. Measured here
+  (`bench/results/core_loan.json`): SmolLM2-135M (513 MiB) generated 1.17x the tokens/s on two
+  threads, the tiny built-in model (1.7 MiB) 0.77x: its engine step is Python-bound and a second
+  thread only adds synchronisation. Between the two nothing was measured; 64 MiB is a round
+  number between them, and `true` / `false` settle it for a model in that range.
 """
 
 from __future__ import annotations
