@@ -286,8 +286,8 @@ class StepLoop:
         return bool(fenced)
 
     async def _pay_owed_sync(self) -> None:
-        """The sync deferred by an evaluation, once none runs (the run's end: the final
-        evaluation and checkpoint then see the trainer's last weights on the engines)."""
+        """The sync deferred by an evaluation, once none runs: before the next evaluation, and at
+        the run's end (the final evaluation and checkpoint see the trainer's last weights)."""
         if self._sync_owed:
             self._sync_owed, self._unsynced = False, 0
             self.reporter.sync_done(await self.bridge.sync_now(), self.progress.step)
@@ -302,6 +302,11 @@ class StepLoop:
         if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0:
             await self.checkpoint()
         if self.cfg.eval.every and step % self.cfg.eval.every == 0 and step < self.cfg.train.steps:
+            # The evaluation measures this step's weights: the previous one ends first, and a sync
+            # it held back runs now (without this, evaluations back to back held every sync: 8
+            # syncs in 83 steps on SmolLM2 with 16 groups in flight).
+            await self.evaluations.idle()
+            await self._pay_owed_sync()
             await self.bridge.settled()  # the engines serve the step's sync (when one was due)
             await self.evaluations.run("periodic", self._work)
 

@@ -296,7 +296,7 @@ class GatedEvalSource(IdleSource):
     async def evaluate(self, size: int, max_tokens: int):
         self.evaluations.append(size)
         await self.gate.wait()
-        return {"eval_accuracy": 0.5, "eval_size": size}
+        return {"eval_accuracy": 0.5, "eval_size": size, "policy_version": self.policy.version}
 
 
 async def settled_at(loop, step: int) -> None:
@@ -313,6 +313,7 @@ def evaluating_loop(loop_config, *overrides):
     finish at once; returns the loop, the bridge and the source."""
     bridge, source = PipelinedBridge(), GatedEvalSource()
     bridge.release.set()
+    source.policy = bridge.policy  # what the engines serve when an evaluation begins
     loop = loop_with(loop_config, "source.overlap=true", "eval.size=4", *overrides, bridge=bridge, source=source)
     return loop, bridge, source
 
@@ -344,6 +345,21 @@ async def test_an_evaluation_beside_training_holds_the_engines_version_and_the_s
     (start_eval,) = [r for r in records if r["kind"] == "eval"]
     assert (start_eval["step"], start_eval["finished_step"], start_eval["when"]) == (0, 2, "start")
     assert start_eval["eval_s"] >= 0
+
+
+async def test_the_next_evaluation_measures_its_steps_weights_not_the_version_the_last_one_held(loop_config):
+    """eval.every = 2: the start evaluation holds steps 1-2's syncs; the step-2 evaluation waits for
+    it, then the held-back sync runs, so it evaluates step 2's weights (version 1)."""
+    loop, bridge, source = evaluating_loop(loop_config, "train.steps=3", "eval.every=2")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        await feed(loop, 4, until_step=2)
+        assert bridge.syncs == [] and source.evaluations == [4], "step 2's evaluation waits for the start one"
+        source.gate.set()
+        await feed(loop, 2, start=4)
+    evals = [r for r in loop.reporter.metrics.read() if r["kind"] == "eval"]
+    assert [(e["step"], e["policy_version"]) for e in evals] == [(0, 0), (2, 1)]
+    assert bridge.syncs[0] == (1, False), "the held-back sync, before the step-2 evaluation began"
 
 
 async def test_a_run_that_ends_during_an_evaluation_waits_for_it_then_syncs_what_it_held_back(loop_config):
