@@ -10,7 +10,7 @@
         sync      = the bridge's sync when due (every bridge.sync_every steps, when a step
                     trained since the last one): whole, or its trainer half with the engines'
                     half in the background (pipelined); deferred while an evaluation runs
-                    beside training, to the first step after it
+                    beside training, to the first step after it or the next evaluation
         record    = metrics.jsonl, the progress line, alarms
         periodic  = checkpoint / evaluation every N steps
 
@@ -105,7 +105,8 @@ class StepLoop:
         self.cores = cores or CoreLoan.off("not planned")
         self.source_exhausted = False
         self._work: TaskGroup | None = None
-        # A sync fell due while an evaluation held the engines' version: run at the next step.
+        # A sync fell due while an evaluation held the engines' version: it runs at the first step
+        # after the evaluation, or before the next one (`_end_evaluation`).
         self._sync_owed = False
         # Steps trained since the engines last got the trainer's weights: a sync falls due on a
         # step divisible by bridge.sync_every when any (a skipped batch changes nothing itself,
@@ -138,8 +139,7 @@ class StepLoop:
                 await self.periodic()
             if not self.desk.stop_requested:
                 # A stop abandons a running evaluation (cancelled below); any other end keeps it.
-                await self.evaluations.idle()
-                await self._pay_owed_sync()
+                await self._end_evaluation()
             await self.bridge.settled()
             work.cancel_scope.cancel()
         self._work = None
@@ -154,7 +154,7 @@ class StepLoop:
                 await self.evaluations.idle()  # the engines keep an evaluation's version to its end
                 try:
                     record = await self.bridge.sync_now(forced=True)
-                    self._unsynced = 0
+                    self._shipped()
                 except BridgeFailed as exc:
                     request.complete(error=str(exc))
                     raise
@@ -256,7 +256,7 @@ class StepLoop:
         step = self.progress.step
         requests = self.desk.take_requests("sync")
         if fenced:
-            self._unsynced = 0  # every update of this step was a sync (`shared`)
+            self._shipped()  # every update of this step was a sync (`shared`)
         elif not skipped:
             self._unsynced += 1
         due = self._unsynced > 0 and (self.bridge.sync_due(step) or self._sync_owed)
@@ -266,7 +266,7 @@ class StepLoop:
             elif self.evaluations.holds_syncs:
                 self._sync_owed = True
                 return False
-            self._sync_owed, self._unsynced = False, 0
+            self._shipped()
             if self.cfg.source.overlap and self.bridge.pipelined and not requests:
                 # The trainer half now; the engines apply and probe while the next step trains.
                 staged = await self.bridge.stage_sync()
@@ -285,11 +285,17 @@ class StepLoop:
             return True
         return bool(fenced)
 
-    async def _pay_owed_sync(self) -> None:
-        """The sync deferred by an evaluation, once none runs: before the next evaluation, and at
-        the run's end (the final evaluation and checkpoint see the trainer's last weights)."""
+    def _shipped(self) -> None:
+        """The engines get (or got) the trainer's weights: nothing unsynced, nothing owed."""
+        self._sync_owed, self._unsynced = False, 0
+
+    async def _end_evaluation(self) -> None:
+        """The running evaluation ends, then the sync it held back runs: before the next
+        evaluation, and at the run's end (the final evaluation and checkpoint see the trainer's
+        last weights)."""
+        await self.evaluations.idle()
         if self._sync_owed:
-            self._sync_owed, self._unsynced = False, 0
+            self._shipped()
             self.reporter.sync_done(await self.bridge.sync_now(), self.progress.step)
 
     async def _finish_sync(self, staged: StagedSync, step: int) -> None:
@@ -305,8 +311,7 @@ class StepLoop:
             # The evaluation measures this step's weights: the previous one ends first, and a sync
             # it held back runs now (without this, evaluations back to back held every sync: 8
             # syncs in 83 steps on SmolLM2 with 16 groups in flight).
-            await self.evaluations.idle()
-            await self._pay_owed_sync()
+            await self._end_evaluation()
             await self.bridge.settled()  # the engines serve the step's sync (when one was due)
             await self.evaluations.run("periodic", self._work)
 

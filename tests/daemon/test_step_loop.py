@@ -362,6 +362,25 @@ async def test_the_next_evaluation_measures_its_steps_weights_not_the_version_th
     assert bridge.syncs[0] == (1, False), "the held-back sync, before the step-2 evaluation began"
 
 
+async def test_an_operators_sync_at_the_boundary_pays_the_sync_an_evaluation_held_back(loop_config):
+    """sync_every = 2: step 2's sync is held back by the start evaluation; `ctl sync` while the
+    loop waits for a batch ships it, so step 3 owes nothing and the next sync is step 4's."""
+    loop, bridge, source = evaluating_loop(loop_config, "train.steps=4")
+    bridge.sync_every = 2
+    replies = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        await feed(loop, 4, until_step=2)
+        assert bridge.syncs == [] and loop._sync_owed
+        source.gate.set()
+        replies.append(await loop.desk.ctl_sync({}))
+        await feed(loop, 4, start=4)
+    assert replies[0]["forced"] and bridge.syncs == [(1, True), (2, False)]
+    steps = [r for r in loop.reporter.metrics.read() if r["kind"] == "step"]
+    assert [s["sync_s"] is not None for s in steps] == [False, False, False, True]
+    assert [s["sync_deferred"] for s in steps] == [False, True, False, False]
+
+
 async def test_a_run_that_ends_during_an_evaluation_waits_for_it_then_syncs_what_it_held_back(loop_config):
     loop, bridge, source = evaluating_loop(loop_config, "train.steps=1")
     async with anyio.create_task_group() as tg:
