@@ -22,7 +22,6 @@ the mapping and what could not be made equal.
 
 from __future__ import annotations
 
-import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,8 +102,7 @@ class Workload:
     def train_examples(self, count: int) -> list[Example]:
         """The first `count` prompts grpod's source draws, in its order."""
         if self.kind == "builtin":
-            seed = self.cfg.source.task_seed
-            return [self._builtin_example(self.source.task.sample(random.Random(f"{seed}:{i}"))) for i in range(count)]
+            return [self._builtin_example(self.source.problem_at(i)) for i in range(count)]
         order = self.source.peek_rows(count)
         if len(order) < count:
             raise WorkloadError(
@@ -189,8 +187,6 @@ def grpo_config_kwargs(cfg: GrpodConfig, completion_tokens: int) -> dict[str, An
         unsupported.append("train.advantages.overlong_buffer > 0")
     if loss.kl_coef > 0 and loss.kl_reference != "model":
         unsupported.append("train.loss.kl_coef > 0 against the inference logprobs (TRL: a reference model)")
-    if cfg.source.top_p != 1.0:
-        unsupported.append("source.top_p != 1")
     if unsupported:
         raise WorkloadError("no TRL mapping wired for: " + "; ".join(unsupported))
     batch = train.groups_per_step * cfg.source.group_size

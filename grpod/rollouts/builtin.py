@@ -73,10 +73,14 @@ class BuiltinSource(SamplingSource):
     def cursor(self) -> dict:
         return {"kind": self.kind, "next_index": self.next_index}
 
+    def problem_at(self, index: int) -> Problem:
+        """The stream's `index`-th problem: a function of source.task_seed and the index alone."""
+        return self.task.sample(random.Random(f"{self.src.task_seed}:{index}"))
+
     def _draw(self) -> tuple[int, Problem]:
         index = self.next_index
         self.next_index += 1
-        return index, self.task.sample(random.Random(f"{self.src.task_seed}:{index}"))
+        return index, self.problem_at(index)
 
     async def generate_group(self) -> RolloutGroup | None:
         index, problem = self._draw()

@@ -1,0 +1,107 @@
+"""The peer bench (bench/peers/): the grpod config restated for TRL (`workload.py`), and the
+figures `compare.py` reads from grpod's own run records. TRL itself (the optional `bench` extra)
+is not needed for either."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from grpod.daemon import logs
+from grpod.daemon.logs import MetricsLog
+from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.replay import record_groups
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"peers_{name}", ROOT / "bench" / "peers" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+workload = bench_module("workload")
+compare = bench_module("compare")
+
+
+def test_trl_gets_the_configs_batch_group_size_steps_and_lr_and_a_knob_it_lacks_is_refused():
+    cfg = workload.load(ROOT / "etc" / "grpod.toml", ["train.lr=3e-4", "train.steps=40"])
+    kwargs = workload.grpo_config_kwargs(cfg, completion_tokens=8)
+    batch = cfg.train.groups_per_step * cfg.source.group_size
+    assert kwargs["per_device_train_batch_size"] == kwargs["generation_batch_size"] == batch
+    assert kwargs["num_generations"] == cfg.source.group_size and kwargs["gradient_accumulation_steps"] == 1
+    assert (kwargs["learning_rate"], kwargs["max_steps"], kwargs["seed"]) == (3e-4, 40, cfg.run.seed)
+    assert kwargs["max_completion_length"] == 8 and kwargs["use_vllm"] is False
+    odd = workload.load(ROOT / "etc" / "grpod.toml", ["train.advantages.estimator=rloo", "train.advantages.std=population"])
+    with pytest.raises(workload.WorkloadError, match=r"estimator = 'rloo'.*std = 'population'"):
+        workload.grpo_config_kwargs(odd, completion_tokens=8)
+
+
+def test_trl_sees_grpods_prompt_tokens_held_out_rows_and_reward_on_the_smollm2_example(smollm2_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.chdir(ROOT)  # the example's paths are relative to the repository root
+    example = ROOT / "etc" / "examples" / "smollm2-dataset.toml"
+    cfg = workload.load(example, [f"model.path={smollm2_dir}", "source.dataset.epochs=1"])
+    work = workload.Workload(cfg, AutoTokenizer.from_pretrained(smollm2_dir))
+    train = work.train_examples(6)
+    work.check_prompt_tokens(train)  # TRL's chat rendering of each prompt is grpod's token ids
+    held_out = work.eval_examples()
+    assert len(held_out) == cfg.eval.size
+    rows = [json.loads(line) for line in Path(cfg.eval.dataset).read_text().splitlines()]
+    assert [e.columns["answer"] for e in held_out] == [r["answer"] for r in rows[: cfg.eval.size]]
+    first, second = held_out[0].columns, held_out[1].columns
+    texts = [f"That makes {first['answer']}.", f"That makes {int(second['answer']) + 1}."]
+    scores = work.scores([first, second], texts, [[1], [1]])
+    assert scores == [1.0, 0.0] and work.correct(scores[0]) and not work.correct(scores[1])
+    train_rows = len(Path(cfg.source.dataset.path).read_text().splitlines())
+    with pytest.raises(workload.WorkloadError, match=f"gives {train_rows} prompts, fewer than {train_rows + 1}"):
+        work.train_examples(train_rows + 1)
+
+
+def test_compare_reads_rates_thresholds_and_trls_final_accuracy_from_grpods_records(tmp_path, monkeypatch):
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(logs, "time", SimpleNamespace(time=lambda: clock.now))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    # Launch at 100 s; evaluations at 110 (step 0), 130 (step 2) and 150 (step 4); steps every 5 s.
+    for now, kind, step, values in [
+        (110.0, "eval", 0, {"eval_accuracy": 0.1, "when": "start"}),
+        (120.0, "step", 1, {"sampled_tokens": 100}),
+        (125.0, "step", 2, {"sampled_tokens": 220}),
+        (130.0, "eval", 2, {"eval_accuracy": 0.55, "when": "periodic"}),
+        (130.0, "step", 3, {"sampled_tokens": 340}),
+        (135.0, "step", 4, {"sampled_tokens": 460}),
+        (150.0, "eval", 4, {"eval_accuracy": 0.85, "when": "end"}),
+    ]:
+        clock.now = now
+        metrics.write(kind, step, values)
+    metrics.close()
+    for step in range(1, 5):
+        group = RolloutGroup(tokens=[[1, 2, 3]] * 2, loss_mask=[[0, 1, 1], [0, 1, 0]], scores=[1.0, 0.0])
+        record_groups(run_dir / "rollouts.jsonl", step, [group])  # 3 trained tokens a step
+
+    grpod = compare.Run(side="grpod", seed=0, run_dir=run_dir, launch=100.0)
+    compare._read_grpod(grpod)
+    assert grpod.first_step_s() == 20.0 and grpod.threshold_s(0.5) == 30.0 and grpod.threshold_s(0.9) is None
+    assert grpod.steps_per_s() == pytest.approx(3 / 15)
+    assert grpod.tokens_per_s() == pytest.approx(9 / 15), "trained tokens after the first step, over its span"
+    assert grpod.sampled_tokens_per_s() == pytest.approx(360 / 15)
+    assert grpod.accuracy_at_time(45.0) == 0.55 and grpod.accuracy_at_step(4) == 0.85
+
+    trl = compare.Run(side="trl", seed=0, run_dir=tmp_path, launch=0.0)
+    trl.evals = [{"step": 0, "time": 30.0, "accuracy": 0.1}, {"step": 5, "time": 120.0, "accuracy": 0.55}]
+    trl.steps = [{"step": 1, "time": 60.0, "tokens": 4}, {"step": 5, "time": 100.0, "tokens": 4}]
+    text, summary = compare.table([grpod, trl], ["grpod", "trl"], [0.5])
+    assert summary["rows"]["launch -> trl's final held-out accuracy 0.550 (s)"] == {"grpod": "30.0", "trl": "120.0"}
+    assert summary["rows"]["launch -> held-out accuracy >= 0.5 (s)"] == {"grpod": "30.0", "trl": "120.0"}
+    assert "| held-out accuracy at step 5 | - | 0.550 |" in text
