@@ -13,9 +13,10 @@ import hashlib
 import ipaddress
 import json
 import re
+import sys
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -35,7 +36,37 @@ class ConfigError(Exception):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Every section: unknown keys refused, values checked on assignment too (live changes), no
+    infinite or NaN float anywhere (TOML's `inf` / `nan`, a JSON `1e999`), and no boolean where a
+    number is expected (pydantic would read `true` as 1)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_number(cls, value: Any, info) -> Any:
+        if isinstance(value, bool) and info.field_name in _numeric_fields(cls):
+            raise ValueError(f"expected a number, not the boolean {str(value).lower()}")
+        return value
+
+
+_NUMERIC_FIELDS: dict[type, frozenset[str]] = {}
+
+
+def _numeric_fields(cls: type[BaseModel]) -> frozenset[str]:
+    """The fields of `cls` that hold an int or a float and no bool (computed once per class)."""
+    if cls not in _NUMERIC_FIELDS:
+        _NUMERIC_FIELDS[cls] = frozenset(
+            name for name, field in cls.model_fields.items()
+            if _holds(field.annotation, (int, float)) and not _holds(field.annotation, (bool,))
+        )
+    return _NUMERIC_FIELDS[cls]
+
+
+def _holds(annotation: Any, types: tuple[type, ...]) -> bool:
+    if annotation in types:
+        return True
+    return any(_holds(arg, types) for arg in get_args(annotation))
 
 
 class RunConfig(_Section):
@@ -180,7 +211,9 @@ class _SourceCommon(_Section):
 
     group_size: int = Field(8, ge=1)
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, gt=0)
+    # At least 0.01: vLLM samples greedily below 1e-5 and warns of numerical errors below 0.01,
+    # and the trainer divides logits by it (a tiny temperature overflows them).
+    temperature: float = Field(1.0, ge=0.01)
     # Only 1.0: the trainer computes full-vocabulary logprobs, so nucleus truncation would bias
     # every importance weight (refused rather than silently off-policy).
     top_p: float = Field(1.0, gt=0, le=1)
@@ -310,7 +343,8 @@ class LossConfig(_Section):
     # train.minibatches > 1): with one update the ratio is exactly 1.
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
-    kl_coef: float = Field(0.0, ge=0)
+    # At most 100 (typical values are 0.001 to 1): a huge coefficient overflows the loss.
+    kl_coef: float = Field(0.0, ge=0, le=100)
     kl_reference: Literal["inference", "model"] = "inference"
     # Estimator of KL(pi || ref) reported and added to the loss; all three get the same, exact
     # reverse-KL gradient (the per-token coefficient logp - logp_ref clamped to +-kl_clamp).
@@ -329,7 +363,7 @@ class LossConfig(_Section):
     )
     tis_cap: float = Field(2.0, gt=0)
     tis_floor: float = Field(0.0, ge=0)
-    entropy_coef: float = Field(0.0, ge=0)  # entropy bonus (0 = metric only)
+    entropy_coef: float = Field(0.0, ge=0, le=100)  # entropy bonus (0 = metric only); at most 100 like kl_coef
     mask_truncated: bool = False
     logprob_chunk_tokens: int = Field(1024, ge=1)
 
@@ -374,7 +408,8 @@ class LoraConfig(_Section):
 class TrainConfig(_Section):
     steps: int = Field(20, ge=1)
     groups_per_step: int = Field(8, ge=1)
-    lr: float = Field(2e-5, gt=0)
+    # At most 1: an optimizer step that moves every weight by more than 1 destroys any model.
+    lr: float = Field(2e-5, gt=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["constant", "cosine"] = "constant"
@@ -732,7 +767,19 @@ def parse_assignment(text: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word is taken as a string: --set bridge.mode=shared
+    except (ValueError, RecursionError) as exc:  # an integer of > 4300 digits, nesting too deep
+        raise ConfigError(f"--set {shown(text)}: unusable value: {str(exc)[:200]}") from None
     return path, value
+
+
+def shown(value: Any, limit: int = 200) -> str:
+    """`value`'s repr for a message, cut to `limit` characters (an integer too long for repr
+    is described, not printed)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<an integer of more than {sys.get_int_max_str_digits()} digits>"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def apply_override(tree: dict[str, Any], text: str) -> None:
@@ -770,7 +817,7 @@ def _describe(err: ValidationError, origin: str) -> str:
             where = f"{section}.{key}"
             msg = f"must be one of {', '.join(repr(a) for a in allowed)} (got {item['ctx'].get('tag')})"
         elif "input" in item and item["type"] != "value_error":
-            msg = f"{msg} (got {item['input']!r})"
+            msg = f"{msg} (got {shown(item['input'])})"
         lines.append(f"{origin}: {where}: {msg}")
     return "\n".join(lines)
 
@@ -795,10 +842,14 @@ def load_config(path: Path | str | None, overrides: list[str] = ()) -> GrpodConf
             raise ConfigError(f"{path}: config file not found") from None
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
         try:
             tree = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # an integer of > 4300 digits, nesting too deep
+            raise ConfigError(f"{path}: unusable TOML: {str(exc)[:200]}") from None
     for text in overrides:
         apply_override(tree, text)
     if overrides:

@@ -175,3 +175,60 @@ def test_dataset_reward_specs_are_checked_naming_the_key(rewards, fragment):
     ok = parse_config({"source": {"kind": "dataset", "dataset": {"path": "t.jsonl", "rewards": [
         {"function": "math", "weight": 0.5}, {"function": "regex_format", "pattern": "^\\d+$", "name": "fmt"}]}}})
     assert [r.metric_name for r in ok.source.dataset.rewards] == ["math", "fmt"]
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("train.lr=inf", "train.lr: Input should be a finite number"),
+        ("train.lr=nan", "train.lr: Input should be a finite number"),
+        ("train.lr=true", "train.lr: Value error, expected a number, not the boolean true"),
+        ("train.lr=2.0", "train.lr: Input should be less than or equal to 1"),
+        ("source.temperature=inf", "source.temperature: Input should be a finite number"),
+        ("source.temperature=1e-300", "source.temperature: Input should be greater than or equal to 0.01"),
+        ("train.loss.kl_coef=1e308", "train.loss.kl_coef: Input should be less than or equal to 100"),
+        ("train.loss.clip_high=-inf", "train.loss.clip_high: Input should be a finite number"),
+        ("source.fail_after_s=inf", "source.fail_after_s: Input should be a finite number"),
+        ("train.steps=false", "train.steps: Value error, expected a number, not the boolean false"),
+    ],
+)
+def test_no_infinite_nan_or_boolean_number_anywhere(tmp_path, override, fragment):
+    """Issue #30, 1: the values that destroyed a run live are refused at start-up, from the file
+    (TOML has `inf` and `nan`) and from --set alike."""
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
+        load_config(None, [override])
+    key, value = override.split("=")
+    section, _, name = key.rpartition(".")
+    path = tmp_path / "grpod.toml"
+    path.write_text(f"[{section}]\n{name} = {value}\n")
+    with pytest.raises(ConfigError, match=f"{path}: {key}"):
+        load_config(path)
+
+
+def test_assigned_values_are_checked_too():
+    """Live changes assign to the running config: JSON's 1e999 (inf) and a boolean are refused."""
+    import json
+
+    cfg = GrpodConfig()
+    with pytest.raises(ValueError, match="finite number"):
+        cfg.train.loss.clip_high = json.loads("1e999")
+    with pytest.raises(ValueError, match="not the boolean"):
+        cfg.train.lr = True
+    cfg.inference.borrow_trainer_cores = True  # a bool where the field takes one stays fine
+    assert cfg.train.loss.clip_high == 0.28 and cfg.train.lr == 2e-5
+
+
+def test_a_config_file_that_is_not_utf8_or_too_deep_is_a_config_error(tmp_path):
+    """Issue #30, 4: what SIGHUP re-reads is any file an editor left; each is a ConfigError."""
+    path = tmp_path / "grpod.toml"
+    path.write_bytes(b"[train]\nlr = 1e-4\n# \xff\xfe latin-1 \xe9\n")
+    with pytest.raises(ConfigError, match="not a UTF-8 text file"):
+        load_config(path)
+    path.write_text("[train]\nsteps = " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="unusable TOML"):
+        load_config(path)
+    path.write_text("x = " + "[" * 30000 + "]" * 30000 + "\n")
+    with pytest.raises(ConfigError, match=str(path)):
+        load_config(path)
+    with pytest.raises(ConfigError, match="unusable value: Exceeds the limit"):
+        load_config(None, ["train.lr=" + "9" * 5000])
