@@ -9,9 +9,16 @@ into state the step loop reads at its boundaries, and wakes the loop when it wai
   buffered, checkpoint, stop;
 - `sync` / `checkpoint`: a queue of boundary requests; each reply waits until the loop served it
   at the next step boundary (or at once when the loop is idle, waiting for data);
-- `set` and SIGHUP: live settings validated now (`grpod.daemon.live`), applied at the boundary,
-  numbered and kept for `ctl status` and the next checkpoint;
+- `set` and SIGHUP: live settings validated now (`grpod.daemon.live`) against the running config
+  with every change still pending in it (a second `set` of a key corrects the first), applied at
+  the boundary, numbered and kept for `ctl status` and the next checkpoint;
 - `stop`: `stopping`, set once with the first reason.
+
+Precedence of a setting, kept across reloads: the config file, then the `--set` overrides of
+`grpod start`, then `ctl set`. SIGHUP re-reads the file, applies the same `--set` overrides over
+it and every value set with `ctl set` over both, and queues what then differs from the running
+config: an unchanged file changes nothing, and a key set with `ctl set` keeps that value until
+the next `ctl set` of it (the reload logs such keys as `reload_kept_ctl_set`).
 
 Every change that needs the loop's attention sets one event (`attention`); the loop races its
 waits against it (`first_or_attention`) instead of polling, and any number of waiters can wait on
@@ -30,7 +37,7 @@ import structlog
 
 from grpod.config import ConfigError, GrpodConfig, load_config
 from grpod.daemon.control import ControlError
-from grpod.daemon.live import LIVE_KEYS, SettingChange, diff_file, plan_changes
+from grpod.daemon.live import LIVE_KEYS, SettingChange, diff_file, get_key, plan_changes
 from grpod.daemon.progress import RunProgress
 
 log = structlog.get_logger(__name__)
@@ -55,12 +62,16 @@ class BoundaryRequest:
 
 class OperatorDesk:
     def __init__(self, cfg: GrpodConfig, progress: RunProgress, *, config_path: Path | None = None,
-                 status: Callable[[], dict[str, Any]] = dict) -> None:
+                 overrides: list[str] = (), status: Callable[[], dict[str, Any]] = dict) -> None:
         """`cfg` is the running config (live changes are applied to it in place); `progress` the
-        run's (replies name the step); `status` answers `ctl status`."""
+        run's (replies name the step); `config_path` and `overrides` what `cfg` was loaded from
+        (the file SIGHUP re-reads, `grpod start --set`); `status` answers `ctl status`."""
         self.cfg = cfg
         self.progress = progress
         self.config_path = config_path
+        self.overrides = list(overrides)
+        # The values set with `ctl set`, by key: the last layer of every reload.
+        self.operator_values: dict[str, Any] = {}
         self._status = status
         self.paused = False
         self.draining = False
@@ -70,7 +81,8 @@ class OperatorDesk:
         self._resumed.set()
         self._attention = anyio.Event()
         self._requests: list[BoundaryRequest] = []
-        self._changes: list[tuple[SettingChange, str]] = []
+        # Accepted changes not applied yet, by key (one per key: the latest wins), in order.
+        self._changes: dict[str, tuple[SettingChange, str]] = {}
         self.config_changes: list[dict[str, Any]] = []
 
     # ---- what needs the loop --------------------------------------------------------------
@@ -131,7 +143,7 @@ class OperatorDesk:
         sections), call `on_change` for each (the trainer's learning rate), and record them."""
         applied = []
         while self._changes:
-            change, origin = self._changes.pop(0)
+            change, origin = self._changes.pop(next(iter(self._changes)))
             *sections, leaf = change.key.split(".")
             node: Any = self.cfg
             for part in sections:
@@ -169,19 +181,52 @@ class OperatorDesk:
             raise ControlError(request.error)
         return request.result or {}
 
+    def _plan(self, wanted: dict[str, Any], origin: str) -> list[SettingChange]:
+        """Validate `wanted` against the running config with the pending changes in it: the
+        changes `wanted` makes to what the next boundary would apply (ConfigError if refused)."""
+        pending = {key: change.new for key, (change, _) in self._changes.items()}
+        planned, _ = plan_changes(self.cfg, pending, origin)
+        return plan_changes(planned, wanted, origin)[1]
+
+    def _queue(self, changes: list[SettingChange], origin: str) -> list[SettingChange]:
+        """Queue `changes` (from `_plan`), each replacing a pending change of its key; a change back
+        to the running value withdraws the pending one. The changes as they will be applied."""
+        running = self.cfg.model_dump(mode="json")
+        queued = []
+        for change in changes:
+            self._changes.pop(change.key, None)
+            now = get_key(running, change.key)
+            if change.new != now:
+                queued.append(SettingChange(change.key, now, change.new))
+                self._changes[change.key] = (queued[-1], origin)
+        self.wake()
+        return queued
+
     def reload_file(self) -> None:
-        """SIGHUP: re-read the config file; queue the live subset, refuse the rest (logged)."""
+        """SIGHUP: re-read the config file, with the `--set` overrides and the `ctl set` values
+        over it (the precedence in the module docstring); queue the live keys that differ, refuse
+        the rest (logged). A file that cannot be used changes nothing and ends nothing."""
         if self.config_path is None:
             log.warning("reload_refused", reason="the daemon was started without --config")
             return
+        origin = f"SIGHUP {self.config_path}"
         try:
-            reloaded = load_config(self.config_path)
-            wanted = diff_file(self.cfg, reloaded)
+            reloaded = load_config(self.config_path, self.overrides)
+            layered = reloaded.model_dump(mode="json")
+            kept = sorted(key for key, value in self.operator_values.items() if get_key(layered, key) != value)
+            if self.operator_values:
+                reloaded, _ = plan_changes(reloaded, self.operator_values, origin)
+            pending = {key: change.new for key, (change, _) in self._changes.items()}
+            planned, _ = plan_changes(self.cfg, pending, origin)
+            wanted = diff_file(planned, reloaded)
             refused = sorted(key for key in wanted if key not in LIVE_KEYS)
             live = {key: value for key, value in wanted.items() if key in LIVE_KEYS}
-            _, changes = plan_changes(self.cfg, live, f"SIGHUP {self.config_path}")
+            changes = self._plan(live, origin)
         except ConfigError as exc:
             log.error("reload_refused", path=str(self.config_path), reason=str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 — a reload never ends the run; the log says why
+            log.exception("reload_refused", path=str(self.config_path), reason=f"{type(exc).__name__}: {exc}")
             return
         if refused:
             log.warning(
@@ -190,9 +235,11 @@ class OperatorDesk:
                 keys=refused,
                 reason="these keys cannot change while running (restart grpod to apply them)",
             )
-        log.info("reload_accepted", path=str(self.config_path), changes=[vars(c) for c in changes])
-        self._changes.extend((change, "SIGHUP") for change in changes)
-        self.wake()
+        if kept:
+            log.info("reload_kept_ctl_set", path=str(self.config_path), keys=kept,
+                     reason="set with `ctl set`, which takes precedence over the file and --set")
+        queued = self._queue(changes, "SIGHUP")
+        log.info("reload_accepted", path=str(self.config_path), changes=[vars(c) for c in queued])
 
     # ---- the control commands (`grpod ctl <name>`) ----------------------------------------
     @classmethod
@@ -238,17 +285,19 @@ class OperatorDesk:
         key, value = args.get("key"), args.get("value")
         if not isinstance(key, str) or "value" not in args:
             raise ControlError('expected args {"key": "train.lr", "value": 1e-5}')
+        replaced = self._changes.get(key)
         try:
-            _, changes = plan_changes(self.cfg, {key: value}, "ctl set")
+            changes = self._plan({key: value}, "ctl set")
         except ConfigError as exc:
             raise ControlError(str(exc)) from None
-        self._changes.extend((change, "ctl set") for change in changes)
-        self.wake()
-        return {
-            "accepted": [vars(c) for c in changes],
-            "effective": "at the next step boundary",
-            "unchanged": not changes,
-        }
+        if changes:
+            self.operator_values[key] = changes[0].new
+        self._queue(changes, "ctl set")
+        # `old` is what the next boundary would have applied (a pending value, else the running one).
+        reply = {"accepted": [vars(c) for c in changes], "effective": "at the next step boundary", "unchanged": not changes}
+        if changes and replaced is not None:
+            reply["replaced_pending"] = replaced[0].new
+        return reply
 
     async def ctl_stop(self, args: dict[str, Any]) -> dict[str, Any]:
         self.request_stop("ctl stop")

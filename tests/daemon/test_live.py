@@ -105,3 +105,73 @@ def test_sighup_with_broken_file_changes_nothing(desk):
     desk.reload_file()
     assert not desk.pending()
     assert json.dumps(desk.cfg.model_dump(mode="json"))
+
+
+def test_a_queued_set_is_corrected_by_the_next_one(desk):
+    """Issue #30, 6: a second `ctl set` of a key compares against the pending value, not the running
+    one: setting it back to the running value withdraws the pending change."""
+    assert anyio.run(desk.ctl_set, {"key": "train.loss.clip_high", "value": 5.0})["accepted"][0]["new"] == 5.0
+    reply = anyio.run(desk.ctl_set, {"key": "train.loss.clip_high", "value": 0.28})
+    assert not reply["unchanged"] and reply["replaced_pending"] == 5.0
+    assert reply["accepted"][0]["old"] == 5.0 and reply["accepted"][0]["new"] == 0.28
+    assert not desk.pending(), "back to the running value: nothing left to apply"
+    desk.boundary()
+    assert desk.cfg.train.loss.clip_high == 0.28 and desk.config_changes == []
+
+    anyio.run(desk.ctl_set, {"key": "train.lr", "value": 5e-4})
+    assert anyio.run(desk.ctl_set, {"key": "train.lr", "value": 5e-4})["unchanged"], "the pending value"
+    anyio.run(desk.ctl_set, {"key": "train.lr", "value": 7e-4})
+    desk.boundary()
+    assert desk.cfg.train.lr == 7e-4
+    assert [(c["old"], c["new"]) for c in desk.config_changes] == [(1e-4, 7e-4)], "one change, from the running value"
+
+
+def test_a_set_is_validated_with_the_pending_changes(desk):
+    """Cross-key rules see what the boundary will apply: tis_floor below a pending tis_cap."""
+    anyio.run(desk.ctl_set, {"key": "train.loss.clip_low", "value": 0.5})
+    with pytest.raises(ControlError, match="finite number"):
+        anyio.run(desk.ctl_set, {"key": "train.loss.clip_high", "value": json.loads("1e999")})
+    with pytest.raises(ControlError, match="boolean"):
+        anyio.run(desk.ctl_set, {"key": "train.lr", "value": True})
+    with pytest.raises(ControlError, match="less than or equal to 100"):
+        anyio.run(desk.ctl_set, {"key": "train.loss.kl_coef", "value": 1e308})
+    desk.boundary()
+    assert desk.cfg.train.loss.clip_low == 0.5 and desk.cfg.train.loss.clip_high == 0.28
+
+
+def test_sighup_keeps_set_overrides_and_ctl_set_values(tmp_path):
+    """Issue #30, 5: file < --set < ctl set, across reloads. An unchanged file changes nothing and
+    refuses nothing (a --set of a key that needs a restart is not a change); a ctl set value stays
+    when the file changes that key; the file's other changes apply."""
+    config = write_config(
+        tmp_path / "grpod.toml",
+        {"run.dir": str(tmp_path / "run"), "train.lr": 1e-4, "source.temperature": 1.0, "train.loss.clip_high": 0.28},
+    )
+    overrides = ["train.lr=3e-5", "metrics.prometheus_port=9400"]
+    cfg = load_config(config, overrides)
+    desk = OperatorDesk(cfg, RunProgress(cfg.train.steps), config_path=config, overrides=overrides)
+    anyio.run(desk.ctl_set, {"key": "train.loss.clip_high", "value": 0.4})
+    desk.apply_changes(1, lambda change: None)
+    with structlog.testing.capture_logs() as events:
+        desk.reload_file()
+    assert not desk.pending(), events
+    assert not [e for e in events if e["event"] == "reload_refused"], events
+    assert cfg.train.lr == 3e-5 and cfg.train.loss.clip_high == 0.4
+
+    config.write_text(config.read_text().replace("clip_high = 0.28", "clip_high = 0.3").replace("temperature = 1.0", "temperature = 0.7"))
+    with structlog.testing.capture_logs() as events:
+        desk.reload_file()
+    desk.apply_changes(2, lambda change: None)
+    assert cfg.source.temperature == 0.7, "the file's own change applies"
+    assert cfg.train.loss.clip_high == 0.4 and cfg.train.lr == 3e-5
+    (kept,) = [e for e in events if e["event"] == "reload_kept_ctl_set"]
+    assert kept["keys"] == ["train.loss.clip_high"]
+
+
+def test_sighup_with_a_file_that_is_not_utf8_changes_nothing(desk):
+    """Issue #30, 4: the reload is refused (logged); the daemon goes on."""
+    desk.config_path.write_bytes(b"[train]\nlr = 0.002\n# \xff\n")
+    with structlog.testing.capture_logs() as events:
+        desk.reload_file()
+    assert not desk.pending()
+    assert any(e["event"] == "reload_refused" and "UTF-8" in e["reason"] for e in events), events
