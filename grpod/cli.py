@@ -69,10 +69,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     from grpod.daemon.ranks import run_rank, under_torchrun
 
     if under_torchrun():  # one of several trainer ranks: rank 0 runs the daemon, the others follow
-        return run_rank(cfg, config_path=args.config)
+        return run_rank(cfg, config_path=args.config, overrides=overrides)
     from grpod.daemon.supervisor import run_daemon
 
-    return run_daemon(cfg, config_path=args.config)
+    return run_daemon(cfg, config_path=args.config, overrides=overrides)
 
 
 def cmd_agent(args: argparse.Namespace) -> int:

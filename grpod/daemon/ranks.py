@@ -38,7 +38,7 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def run_rank(cfg: GrpodConfig, config_path: Path | None = None) -> int:
+def run_rank(cfg: GrpodConfig, config_path: Path | None = None, overrides: list[str] = ()) -> int:
     """This process's part of the run: the daemon on rank 0, a follower elsewhere. Exit status
     as `grpod start`'s (a follower: 0 once released)."""
     from grpod.training.distributed import (
@@ -54,7 +54,7 @@ def run_rank(cfg: GrpodConfig, config_path: Path | None = None) -> int:
             from grpod.daemon.supervisor import run_daemon
 
             try:
-                return run_daemon(cfg, config_path=config_path)
+                return run_daemon(cfg, config_path=config_path, overrides=overrides)
             finally:
                 stop_followers(world)
         from grpod.daemon.logs import configure_logging

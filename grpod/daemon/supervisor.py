@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +40,8 @@ from grpod.daemon.progress import RunPhase, RunProgress
 from grpod.daemon.reporting import Reporter
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.validation import RejectionCounter
+from grpod.run.checkpoint import ResumeError
+from grpod.run.lock import RunDirInUse, RunDirLock
 
 log = structlog.get_logger(__name__)
 
@@ -62,7 +65,7 @@ def prepare_run_dir(path: Path) -> Path:
 
 
 class Supervisor:
-    def __init__(self, cfg: GrpodConfig, *, config_path: Path | None = None) -> None:
+    def __init__(self, cfg: GrpodConfig, *, config_path: Path | None = None, overrides: list[str] = ()) -> None:
         self.cfg = cfg
         self.run_dir = cfg.run.dir
         self.progress = RunProgress(cfg.train.steps)
@@ -78,7 +81,8 @@ class Supervisor:
             heartbeat=self.heartbeat, notifier=self.notifier, metrics=self.metrics,
             logprob_gap=self.logprob_gap, source_alarm=self.source_alarm, run_dir=self.run_dir,
         )
-        self.desk = OperatorDesk(cfg, self.progress, config_path=config_path, status=self.reporter.status)
+        self.desk = OperatorDesk(cfg, self.progress, config_path=config_path, overrides=overrides,
+                                 status=self.reporter.status)
         self.reporter.attach(desk=self.desk)
         self.parts = None  # grpod.daemon.components.RunParts once started
 
@@ -87,7 +91,23 @@ class Supervisor:
 
     # ---- the run ----------------------------------------------------------------------------
     async def run(self) -> int:
+        """The run, holding the run directory's lock (`RunDirLock`) from before its first write to
+        its end; a run directory another daemon holds is refused with exit status 2."""
         prepare_run_dir(self.run_dir)
+        lock = RunDirLock(self.run_dir)
+        try:
+            lock.acquire()
+        except RunDirInUse as exc:
+            print(f"grpod: {exc}", file=sys.stderr, flush=True)
+            self.progress.phase = RunPhase.STOPPED
+            self.progress.exit_code, self.progress.stop_reason = 2, str(exc)
+            return 2
+        try:
+            return await self._run_locked()
+        finally:
+            lock.release()
+
+    async def _run_locked(self) -> int:
         configure_logging(self.run_dir, self.cfg.run.log_level)
         log.info("daemon_starting", run_dir=str(self.run_dir), mode=self.cfg.bridge.mode, pid=os.getpid())
         control = ControlServer(self.cfg.socket_path, self.desk.handlers(), self.cfg.control.request_timeout_s)
@@ -116,6 +136,8 @@ class Supervisor:
             if failure is None:
                 raise
             self._fail(f"{type(failure).__name__}: {failure}")
+            if isinstance(failure, INPUT_ERRORS):
+                self.progress.exit_code = 2  # what to resume from is the operator's to fix
             await self._stop_inference()
         finally:
             self.notifier.close()
@@ -244,6 +266,10 @@ class Supervisor:
                 self.notifier.status(f"{step}, source delivering again")
 
 
+# Failures that are the operator's input, not the run's: exit status 2, as for a bad config.
+INPUT_ERRORS = (ResumeError,)
+
+
 def _unwrap(exc: BaseException) -> BaseException | None:
     """The first real error inside (possibly nested) exception groups; None for cancellation."""
     if isinstance(exc, BaseExceptionGroup):
@@ -257,5 +283,7 @@ def _unwrap(exc: BaseException) -> BaseException | None:
     return exc
 
 
-def run_daemon(cfg: GrpodConfig, config_path: Path | None = None) -> int:
-    return anyio.run(Supervisor(cfg, config_path=config_path).run)
+def run_daemon(cfg: GrpodConfig, config_path: Path | None = None, overrides: list[str] = ()) -> int:
+    """`grpod start`: `cfg` as loaded from `config_path` with the `--set` `overrides` (what a
+    reload re-applies)."""
+    return anyio.run(Supervisor(cfg, config_path=config_path, overrides=overrides).run)

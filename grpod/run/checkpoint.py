@@ -65,6 +65,11 @@ class ResumeError(CheckpointError):
     """`run.resume` names something that cannot be resumed from."""
 
 
+class NoUsableCheckpoint(ResumeError):
+    """run.resume = "auto" found checkpoints, and not one of them verifies: starting afresh would
+    silently throw the run away (and overwrite their names), so the start is refused."""
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     path: Path
@@ -366,7 +371,10 @@ def resolve_resume(root: Path, resume: str) -> CheckpointInfo | None:
     if resume == "never":
         return None
     if resume == "auto":
-        return latest_checkpoint(root)
+        latest = latest_checkpoint(root)
+        if latest is None and _step_dirs(Path(root)):
+            raise NoUsableCheckpoint(_none_usable(Path(root)))
+        return latest
     path = Path(resume).expanduser()
     if not path.exists():
         raise ResumeError(
@@ -382,6 +390,21 @@ def resolve_resume(root: Path, resume: str) -> CheckpointInfo | None:
         return verify_checkpoint(path)
     except CorruptCheckpointError as exc:
         raise ResumeError(f"run.resume = {resume!r}: cannot resume from it: {exc}") from None
+
+
+def _none_usable(root: Path) -> str:
+    lines = []
+    for _step, path in _step_dirs(root):
+        try:
+            verify_checkpoint(path)
+        except CorruptCheckpointError as exc:
+            lines.append(f"  {path.name}: {exc}")
+    return (
+        f"run.resume = 'auto': none of the {len(lines)} checkpoints under {root} can be resumed:\n"
+        + "\n".join(lines)
+        + "\nrepair or remove them, name a good checkpoint with run.resume = PATH (or --resume PATH), or "
+        "start afresh from step 0 with run.resume = \"never\" (--resume never), whose checkpoints replace these"
+    )
 
 
 def save_json(directory: Path, name: str, obj: Any) -> Path:

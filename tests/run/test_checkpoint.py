@@ -369,3 +369,20 @@ def test_repeated_sigkill_at_random_instants_never_exposes_a_broken_checkpoint(t
     clean_stale_temp(tmp_path)
     assert _hidden_dirs(tmp_path) == []
     assert all(verify_checkpoint(p) for p in tmp_path.glob("step-*"))
+
+
+def test_every_checkpoint_corrupt_refuses_auto_resume_naming_each(tmp_path: Path) -> None:
+    """Issue #30, 9: no silent fresh start over a run whose checkpoints are all damaged."""
+    from grpod.run.checkpoint import NoUsableCheckpoint
+
+    first, second = _write(tmp_path, 1), _write(tmp_path, 2)
+    (first / "model.bin").write_bytes(b"x")
+    (second / "manifest.json").unlink()
+    with pytest.raises(NoUsableCheckpoint) as caught:
+        resolve_resume(tmp_path, "auto")
+    message = str(caught.value)
+    assert "step-000001: " in message and "model.bin: size 1 bytes" in message
+    assert "step-000002: " in message and "manifest.json is missing" in message
+    assert 'run.resume = "never"' in message
+    assert resolve_resume(tmp_path, "never") is None, "an explicit fresh start stays possible"
+    assert resolve_resume(tmp_path / "empty", "auto") is None, "no checkpoint at all: a fresh run"
