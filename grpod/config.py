@@ -45,11 +45,15 @@ class _Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_number(cls, value: Any, info) -> Any:
-        if isinstance(value, bool) and info.field_name in _numeric_fields(cls):
-            raise ValueError(f"expected a number, not the boolean {str(value).lower()}")
+        if isinstance(value, int) and info.field_name in _numeric_fields(cls):
+            if isinstance(value, bool):
+                raise ValueError(f"expected a number, not the boolean {str(value).lower()}")
+            if abs(value) > _INT64_MAX:  # a counter or size beyond any use, and beyond torch's int64
+                raise ValueError(f"{value.bit_length()}-bit integer: out of range (at most {_INT64_MAX})")
         return value
 
 
+_INT64_MAX = 2**63 - 1
 _NUMERIC_FIELDS: dict[type, frozenset[str]] = {}
 
 

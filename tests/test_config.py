@@ -232,3 +232,9 @@ def test_a_config_file_that_is_not_utf8_or_too_deep_is_a_config_error(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="unusable value: Exceeds the limit"):
         load_config(None, ["train.lr=" + "9" * 5000])
+
+
+def test_an_integer_beyond_int64_is_refused():
+    with pytest.raises(ConfigError, match="bridge.sync_every: Value error, 200-bit integer: out of range"):
+        load_config(None, [f"bridge.sync_every={10**60}"])
+    assert load_config(None, [f"bridge.sync_every={2**63 - 1}"]).bridge.sync_every == 2**63 - 1

@@ -7,6 +7,12 @@ The socket is created with mode 0600 inside a directory that is not world-writab
 line, an unknown command or bad arguments gets an error reply and changes nothing; a handler that
 raises is answered with its message and never takes the daemon down. Each connection may send
 many requests; each line is answered in order.
+
+No request line, however malformed, ends the daemon: `decode_request` turns every way a line can
+fail to decode into an error reply — invalid UTF-8, invalid JSON, an integer longer than Python
+converts (`ValueError: Exceeds the limit (4300 digits)`), nesting deeper than the decoder recurses
+(`RecursionError`: 30,000 brackets fit in one line) — and a connection whose handling fails in any
+other way is logged and closed, never propagated into the server's task group.
 """
 
 from __future__ import annotations
@@ -80,9 +86,9 @@ class ControlServer:
         if line is None:
             return {"ok": False, "error": f"request longer than {MAX_LINE} bytes"}
         try:
-            request = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return {"ok": False, "error": f"malformed request: not a JSON line ({exc})"}
+            request = decode_request(line)
+        except ControlError as exc:
+            return {"ok": False, "error": str(exc)}
         if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
             return {"ok": False, "error": 'malformed request: expected {"cmd": NAME, "args": {...}}'}
         cmd = request["cmd"]
@@ -107,15 +113,19 @@ class ControlServer:
         return {"ok": True, "result": result}
 
     async def _serve_one(self, stream: SocketStream) -> None:
-        async with stream:
-            async for line in _read_lines(stream):
-                if line is not None and not line.strip():
-                    continue
-                reply = await self.dispatch(line)
-                try:
-                    await stream.send((json.dumps(reply, default=str) + "\n").encode())
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    return
+        try:
+            async with stream:
+                async for line in _read_lines(stream):
+                    if line is not None and not line.strip():
+                        continue
+                    reply = encode_reply(await self.dispatch(line))
+                    try:
+                        await stream.send(reply)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        return
+        except Exception:  # noqa: BLE001 — one connection's failure is never the daemon's
+            self.errors += 1
+            log.exception("control_connection_failed")
 
     async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,6 +150,27 @@ class ControlServer:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
+
+
+def decode_request(line: bytes) -> Any:
+    """One request line as JSON; ControlError saying what is wrong with it otherwise."""
+    try:
+        return json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ControlError(f"malformed request: not a JSON line ({exc})") from None
+    except RecursionError:
+        raise ControlError("malformed request: JSON nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than int() converts
+        raise ControlError(f"malformed request: {str(exc)[:200]}") from None
+
+
+def encode_reply(reply: dict[str, Any]) -> bytes:
+    """A reply as one JSON line; a reply that cannot be encoded becomes an error reply."""
+    try:
+        return (json.dumps(reply, default=str) + "\n").encode()
+    except (ValueError, TypeError, RecursionError) as exc:
+        error = {"ok": False, "error": f"the reply could not be encoded: {type(exc).__name__}: {str(exc)[:200]}"}
+        return (json.dumps(error) + "\n").encode()
 
 
 def _socket_alive(path: Path) -> bool:

@@ -135,3 +135,37 @@ def test_a_daemon_that_goes_away_mid_request_is_one_clear_error(tmp_path, ending
     finally:
         thread.join(10)
         server.close()
+
+
+def test_hostile_lines_under_the_limit_get_error_replies(tmp_path):
+    """Issue #30, 3: a 5000-digit integer and 30,000 nested brackets (60 KB, under MAX_LINE) killed
+    the daemon through the server's task group; each is an error reply, and the connection goes on."""
+    lines = (
+        b'{"cmd": "set", "args": {"key": "train.lr", "value": ' + b"9" * 5000 + b"}}\n"
+        + b"[" * 30000 + b"]" * 30000 + b"\n"
+        + b'{"cmd": "status", "args": {"v": ' + b"[" * 20000 + b"]" * 20000 + b"}}\n"
+        + b'{"cmd": "status"}\n'
+    )
+    replies = _with_server(tmp_path, lambda p: _raw(p, lines))
+    assert [r["ok"] for r in replies] == [False, False, False, True], replies
+    assert "Exceeds the limit" in replies[0]["error"]
+    assert "nested too deeply" in replies[1]["error"] and "nested too deeply" in replies[2]["error"]
+
+
+def test_a_reply_that_cannot_be_encoded_is_an_error_reply(tmp_path):
+    async def huge(args):
+        return {"value": 10**5000}
+
+    path = tmp_path / "run" / "grpod.sock"
+    result = {}
+
+    async def main():
+        server = ControlServer(path, {"status": huge}, request_timeout_s=5)
+        async with anyio.create_task_group() as tg:
+            await tg.start(server.serve)
+            result["replies"] = await anyio.to_thread.run_sync(_raw, path, b'{"cmd": "status"}\n{"cmd": "status"}\n')
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert [r["ok"] for r in result["replies"]] == [False, False]
+    assert "could not be encoded" in result["replies"][0]["error"]
