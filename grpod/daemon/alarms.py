@@ -1,5 +1,8 @@
 """The daemon's alarms: conditions that do not stop a run by themselves but must not go unnoticed.
 
+`CheckpointAlarm`: a checkpoint could not be written for want of disk space (the run trains on and
+retries at the next one).
+
 `LogprobGapAlarm`: the trainer and vLLM must compute the same logprobs; say so when they do not.
 
 Per step, `logprob_diff_mean` is the mean over loss tokens of (trainer - vLLM) logprob of the
@@ -123,5 +126,44 @@ class SourceErrorAlarm:
             "last_error": self.last_error,
             "alarm_after_s": self.alarm_after_s,
             "fail_after_s": self.fail_after_s,
+            "raised": self.raised,
+        }
+
+
+class CheckpointAlarm:
+    """A checkpoint that failed for want of disk space (`CheckpointDiskFull`) does not end the run
+    when it was a periodic or an operator's one: training goes on and the next checkpoint retries.
+    Until one succeeds the alarm is up: logged, printed on the console, in `ctl status`
+    (`alarms.checkpoint`) and in Prometheus (`grpod_alarm{alarm="checkpoint"}`)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.raised = 0
+        self.failures = 0
+        self.since_step: int | None = None
+        self.last_error: str | None = None
+
+    def failed(self, step: int, error: str) -> None:
+        self.failures += 1
+        self.last_error = error
+        if not self.active:
+            self.active, self.since_step = True, step
+            self.raised += 1
+        log.error("checkpoint_alarm", step=step, error=error, failures=self.failures)
+        print(f"grpod: ALARM at step {step}: checkpoint failed, training goes on and the next checkpoint retries: {error}",
+              file=sys.stderr, flush=True)
+
+    def written(self, step: int) -> None:
+        if self.active:
+            self.active, self.since_step = False, None
+            log.info("checkpoint_alarm_cleared", step=step)
+            print(f"grpod: checkpoint written at step {step} (alarm cleared)", file=sys.stderr, flush=True)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "active": self.active,
+            "since_step": self.since_step,
+            "failures": self.failures,
+            "last_error": self.last_error,
             "raised": self.raised,
         }

@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from grpod.config import LORA_MODES, GrpodConfig
-from grpod.daemon.alarms import LogprobGapAlarm, SourceErrorAlarm
+from grpod.daemon.alarms import CheckpointAlarm, LogprobGapAlarm, SourceErrorAlarm
 from grpod.daemon.desk import OperatorDesk
 from grpod.daemon.logs import MetricsLog
 from grpod.daemon.notify import Heartbeat, SystemdNotifier
@@ -57,6 +57,7 @@ class Reporter:
         self.metrics = metrics
         self.logprob_gap = logprob_gap
         self.source_alarm = source_alarm
+        self.checkpoint_alarm = CheckpointAlarm()
         self.run_dir = run_dir
         self.desk: OperatorDesk | None = None
         self.bridge = None
@@ -169,7 +170,11 @@ class Reporter:
             "accepted_groups": self.buffer.accepted,
             "rejected": self.rejections.as_dict(),
             "inference": self.inference_endpoint(),
-            "alarms": {"logprob_gap": self.logprob_gap.describe(), "source": self.source_alarm.describe()},
+            "alarms": {
+                "logprob_gap": self.logprob_gap.describe(),
+                "source": self.source_alarm.describe(),
+                "checkpoint": self.checkpoint_alarm.describe(),
+            },
             "staleness": self.admission.staleness.as_dict() if self.admission else None,
             "source": self._source_status(),
             "heartbeat": self.heartbeat.describe(),

@@ -46,7 +46,8 @@ from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.replay import record_groups
 from grpod.rollouts.rewards import step_reward_metrics
-from grpod.run.store import RunSnapshot
+from grpod.run.checkpoint import CheckpointDiskFull
+from grpod.run.store import BrokenTrainerState, RunSnapshot
 
 log = structlog.get_logger(__name__)
 
@@ -163,8 +164,13 @@ class StepLoop:
             for request in self.desk.take_requests("checkpoint"):
                 try:
                     info = await self.checkpoint()
+                except BrokenTrainerState as exc:
+                    request.complete(error=f"checkpoint failed: {exc}")
+                    raise  # the run stops: training on would only break more
                 except Exception as exc:  # noqa: BLE001 — reported to the operator, the run goes on
                     log.exception("checkpoint_failed")
+                    if isinstance(exc, CheckpointDiskFull):
+                        self.reporter.checkpoint_alarm.failed(self.progress.step, str(exc))
                     request.complete(error=f"checkpoint failed: {exc}")
                 else:
                     request.complete(info)
@@ -306,7 +312,10 @@ class StepLoop:
     async def periodic(self) -> None:
         step = self.progress.step
         if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0:
-            await self.checkpoint()
+            try:
+                await self.checkpoint()
+            except CheckpointDiskFull as exc:  # trains on; the next periodic checkpoint retries
+                self.reporter.checkpoint_alarm.failed(step, str(exc))
         if self.cfg.eval.every and step % self.cfg.eval.every == 0 and step < self.cfg.train.steps:
             # The evaluation measures this step's weights: the previous one ends first, and a sync
             # it held back runs now (without this, evaluations back to back held every sync: 8
@@ -335,6 +344,7 @@ class StepLoop:
         )
         path = await anyio.to_thread.run_sync(self.store.save, self.trainer, snapshot)
         self.heartbeat.progress()
+        self.reporter.checkpoint_alarm.written(snapshot.step)
         info = {"path": str(path), "step": snapshot.step, "seconds": round(time.perf_counter() - began, 3)}
         self.progress.last_checkpoint = {
             "path": str(path), "step": snapshot.step, "time": time.time(), "accepted": accepted,

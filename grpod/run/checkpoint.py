@@ -15,6 +15,11 @@ Guarantees of `write_checkpoint`, against a kill (SIGKILL, OOM) at any instant:
   `step-NNNNNN` is never half-deleted;
 - a checkpoint of the same step is replaced by renaming the old one aside first; if the process
   dies between the two renames, `clean_stale_temp` puts the old one back.
+A write that fails leaves nothing visible (its temporary directory is removed) and the newest
+complete checkpoint stays the newest. When it failed because the filesystem is full — an OSError
+ENOSPC, or torch's writer reporting the same as `[enforce fail at inline_container.cc] unexpected
+pos` with no errno — it is a `CheckpointDiskFull` naming the filesystem, the file and the space.
+
 A `step-NNNNNN` that still fails verification (disk corruption, a hand edit) is skipped by
 `latest_checkpoint` with a warning, which then falls back to the previous one.
 
@@ -29,6 +34,7 @@ child processes) then starts without paying torch's ~3 s import.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -59,6 +65,19 @@ class CheckpointError(Exception):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint directory is incomplete or its files do not match its manifest."""
+
+
+class CheckpointDiskFull(CheckpointError):
+    """A checkpoint write ran out of space; nothing of it is left, older checkpoints are intact."""
+
+    def __init__(self, message: str, *, mount: Path, path: Path) -> None:
+        super().__init__(message)
+        self.mount, self.path = mount, path
+
+
+# A failed write with less free space than this left on its filesystem ran out of it: a write
+# fills the filesystem up to its last block before it fails.
+DISK_FULL_FREE_BYTES = 1 << 20
 
 
 class ResumeError(CheckpointError):
@@ -176,7 +195,13 @@ def write_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
     tmpdir = root / f".tmp-{final.name}-{secrets.token_hex(4)}"
-    tmpdir.mkdir()
+    try:
+        tmpdir.mkdir()
+    except OSError as exc:
+        full = _disk_full(root, final, exc) if exc.errno in (errno.ENOSPC, errno.EDQUOT) else None
+        if full is not None:
+            raise full from exc
+        raise
     try:
         populate(tmpdir)
         files = _seal(tmpdir)
@@ -190,8 +215,11 @@ def write_checkpoint(
             "meta": meta,
         }
         _write_manifest(tmpdir, manifest)
-    except BaseException:
+    except BaseException as exc:
+        full = _disk_full(tmpdir, final, exc) if isinstance(exc, Exception) else None
         shutil.rmtree(tmpdir, ignore_errors=True)
+        if full is not None:
+            raise full from exc
         raise
     aside = None
     if final.exists():
@@ -211,6 +239,63 @@ def write_checkpoint(
     )
     _prune(root, keep_last=keep_last, keep=final)
     return final
+
+
+def _disk_full(tmpdir: Path, final: Path, exc: Exception) -> CheckpointDiskFull | None:
+    """`exc` as a CheckpointDiskFull when the write failed for want of space, else None. Looked at
+    before the partial write is removed (which frees the space again)."""
+    chain, seen = exc, []
+    while chain is not None and len(seen) < 10:
+        seen.append(chain)
+        chain = chain.__cause__ or chain.__context__
+    no_space = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in seen)
+    try:
+        fs = os.statvfs(tmpdir)
+    except OSError:
+        return None
+    free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+    if not no_space and free >= DISK_FULL_FREE_BYTES:
+        return None
+    mount = _mount_point(tmpdir)
+    path = _newest_file(tmpdir) or tmpdir
+    shown = final / path.relative_to(tmpdir) if path != tmpdir else final
+    return CheckpointDiskFull(
+        f"no space left on {mount} ({_fs_type(mount)}, {free} of {total} bytes free) writing {shown}: "
+        f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else '-'}; the checkpoint was not written "
+        "(older ones are intact): free space there",
+        mount=mount, path=shown,
+    )
+
+
+def _mount_point(path: Path) -> Path:
+    path = Path(os.path.realpath(path))
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _fs_type(mount: Path) -> str:
+    try:
+        with open("/proc/mounts") as fh:
+            found = [line.split()[2] for line in fh if len(line.split()) > 2 and line.split()[1] == str(mount)]
+    except OSError:
+        return "filesystem"
+    return found[-1] if found else "filesystem"
+
+
+def _newest_file(directory: Path) -> Path | None:
+    """The file written last under `directory` (the one a failed write was writing)."""
+    newest: tuple[int, Path] | None = None
+    for dirpath, _dirs, names in os.walk(directory):
+        for name in names:
+            path = Path(dirpath) / name
+            try:
+                mtime = path.stat().st_mtime_ns
+            except OSError:
+                continue
+            if newest is None or mtime >= newest[0]:
+                newest = (mtime, path)
+    return newest[1] if newest else None
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:

@@ -23,7 +23,9 @@ import structlog
 from grpod.config import GrpodConfig
 from grpod.rollouts.group import RolloutGroup
 from grpod.run.checkpoint import (
+    CheckpointError,
     clean_stale_temp,
+    latest_checkpoint,
     load_json,
     load_tensors_state,
     resolve_resume,
@@ -65,6 +67,48 @@ class RunSnapshot:
     buffered: list[RolloutGroup]
     source_cursor: dict[str, Any]
     extra: dict[str, Any]
+
+
+class BrokenTrainerState(CheckpointError):
+    """The trainer's weights or optimizer state hold non-finite values: no checkpoint of it is
+    written, whatever broke it (a setting, a bad batch, a numeric blow-up), and the run stops."""
+
+
+def nonfinite(tensors, where: str) -> str | None:
+    """The first floating tensor of `tensors` (name, tensor pairs) with a NaN or an infinity,
+    described; None when all are finite."""
+    import torch
+
+    for name, tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                return f"{where} {name!r} ({bad} of {tensor.numel()} values non-finite)"
+    return None
+
+
+def _state_tensors(obj, prefix: str = ""):
+    """(dotted name, tensor) of every tensor in a nested state dict."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _state_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _state_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+
+
+def _weight_tensors(model_dir: Path):
+    """(file: name, tensor) of every tensor in the safetensors files a trainer saved."""
+    from safetensors import safe_open
+
+    for path in sorted(model_dir.rglob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as fh:
+            for name in fh.keys():
+                yield f"{path.relative_to(model_dir.parent)}: {name}", fh.get_tensor(name)
 
 
 class ResumeMismatch(RuntimeError):
@@ -163,11 +207,23 @@ class RunStore:
         return trainer
 
     def save(self, trainer, snapshot: RunSnapshot) -> Path:
+        """Write a checkpoint of the trainer and `snapshot`. BrokenTrainerState, and nothing
+        written, when its weights (as saved) or its optimizer state hold a non-finite value."""
+
         def populate(tmp: Path) -> None:
             trainer.save_weights(tmp / "model")
+            state = trainer.state_dict()
+            broken = nonfinite(_state_tensors(state), "trainer state") or nonfinite(_weight_tensors(tmp / "model"), "weights")
+            if broken:
+                latest = latest_checkpoint(self.root)
+                raise BrokenTrainerState(
+                    f"checkpoint of step {snapshot.step} refused: the trainer is broken, {broken} (a setting such as "
+                    "train.lr, a bad batch or a numeric blow-up); the newest complete checkpoint stays "
+                    f"{latest.path if latest else '(none)'}: start grpod again to resume from it"
+                )
             if getattr(trainer, "sharded", False):
                 trainer.save_sharded(tmp / SHARDED_STATE)
-            save_tensors_state(tmp, "trainer_state.pt", trainer.state_dict())
+            save_tensors_state(tmp, "trainer_state.pt", state)
             save_json(tmp, "rng.json", capture_rng())
             save_json(
                 tmp,

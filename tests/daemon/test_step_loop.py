@@ -446,3 +446,58 @@ async def test_the_engine_holds_the_trainers_cores_while_the_loop_waits_and_retu
                               "plan", "prepare", "apply", "finish"]
     steps = [r for r in loop.reporter.metrics.read() if r["kind"] == "step"]
     assert steps[0]["batch_wait_s"] > 0 and loop.cores.describe()["loans"] == 1
+
+
+class FullDiskStore:
+    """A store whose disk is full for the first `failures` saves."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.saved = failures, []
+
+    def save(self, trainer, snapshot):
+        from pathlib import Path
+
+        from grpod.run.checkpoint import CheckpointDiskFull
+
+        if self.failures:
+            self.failures -= 1
+            path = Path(f"/run/x/step-{snapshot.step:06d}/trainer_state.pt")
+            raise CheckpointDiskFull(f"no space left on /run/x (tmpfs) writing {path}", mount=Path("/run/x"), path=path)
+        self.saved.append(snapshot.step)
+        return f"checkpoint-{snapshot.step}"
+
+
+async def test_a_periodic_checkpoint_out_of_space_raises_the_alarm_and_training_goes_on(loop_config):
+    """Issue #30, 8: the run trains on, the next periodic checkpoint retries and clears the alarm."""
+    loop = loop_with(loop_config, "train.steps=4", "checkpoint.every=1", source=ListSource(groups(8)))
+    loop.store = FullDiskStore(failures=2)
+    seen = []
+    real = loop.reporter.checkpoint_alarm.failed
+
+    def failed(step, error):
+        real(step, error)
+        seen.append(loop.reporter.status()["alarms"]["checkpoint"]["active"])
+
+    loop.reporter.checkpoint_alarm.failed = failed
+    await loop.run()
+    assert loop.progress.step == 4 and loop.progress.stop_reason == "steps done"
+    assert loop.store.saved == [3, 4] and seen == [True, True]
+    alarm = loop.reporter.status()["alarms"]["checkpoint"]
+    assert alarm == {"active": False, "since_step": None, "failures": 2, "raised": 1,
+                     "last_error": "no space left on /run/x (tmpfs) writing /run/x/step-000002/trainer_state.pt"}
+
+
+async def test_a_broken_trainer_stops_the_run_at_its_checkpoint(loop_config):
+    """Issue #30, 2: BrokenTrainerState is not survived like a full disk: the run stops with it."""
+    from grpod.run.store import BrokenTrainerState
+
+    class BrokenStore:
+        def save(self, trainer, snapshot):
+            raise BrokenTrainerState("checkpoint of step 1 refused: the trainer is broken")
+
+    loop = loop_with(loop_config, "train.steps=4", "checkpoint.every=1", source=ListSource(groups(8)))
+    loop.store = BrokenStore()
+    with pytest.raises(BaseException) as caught:
+        await loop.run()
+    assert "the trainer is broken" in repr(caught.value)
+    assert loop.progress.step == 1

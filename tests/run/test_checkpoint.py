@@ -386,3 +386,49 @@ def test_every_checkpoint_corrupt_refuses_auto_resume_naming_each(tmp_path: Path
     assert 'run.resume = "never"' in message
     assert resolve_resume(tmp_path, "never") is None, "an explicit fresh start stays possible"
     assert resolve_resume(tmp_path / "empty", "auto") is None, "no checkpoint at all: a fresh run"
+
+
+def _full_filesystem(monkeypatch, free: int) -> None:
+    real = os.statvfs
+
+    class Full:
+        def __init__(self, st):
+            self.f_frsize, self.f_blocks, self.f_bavail = 4096, st.f_blocks, free // 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Full(real(path)))
+
+
+@pytest.mark.parametrize("error", ["torch", "enospc"])
+def test_a_write_out_of_space_is_named_and_leaves_nothing(tmp_path: Path, monkeypatch, error) -> None:
+    """Issue #30, 8: torch's writer reports a full disk as `unexpected pos` with no errno; a plain
+    write as ENOSPC. Either is a CheckpointDiskFull naming the filesystem and the file; the older
+    checkpoint stays. (The filesystem's free space is faked here; the fault case fills a tmpfs.)"""
+    import errno
+
+    from grpod.run.checkpoint import CheckpointDiskFull
+
+    _write(tmp_path, 1)
+
+    def populate(directory: Path) -> None:
+        (directory / "model.bin").write_bytes(b"weights")
+        (directory / "trainer_state.pt").write_bytes(b"partial")
+        if error == "torch":
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 128 vs 64")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    _full_filesystem(monkeypatch, free=4096 if error == "torch" else 10 << 30)
+    with pytest.raises(CheckpointDiskFull) as caught:
+        write_checkpoint(tmp_path, 2, populate, {}, keep_last=3)
+    message = str(caught.value)
+    assert message.startswith("no space left on /") and "step-000002/trainer_state.pt" in message, message
+    assert caught.value.path == tmp_path / "step-000002" / "trainer_state.pt"
+    assert [c.step for c in list_checkpoints(tmp_path)] == [1] and _hidden_dirs(tmp_path) == []
+
+
+def test_a_failure_with_space_left_is_not_called_disk_full(tmp_path: Path, monkeypatch) -> None:
+    def populate(directory: Path) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+
+    _full_filesystem(monkeypatch, free=10 << 30)
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        write_checkpoint(tmp_path, 2, populate, {}, keep_last=3)

@@ -53,3 +53,32 @@ def test_a_resumed_trainer_continues_from_the_checkpoint(run):
     assert restored.weights == restored.checkpoint / "model"
     trainer = store.load_trainer(restored)
     assert trainer.model_path == restored.weights
+
+
+@pytest.mark.parametrize("broken", ["weights", "optimizer"])
+def test_a_broken_trainer_is_never_checkpointed(run, broken):
+    """Issue #30, 2: non-finite weights or optimizer state → BrokenTrainerState, nothing written,
+    the last good checkpoint stays the newest (and is named)."""
+    import torch
+
+    from grpod.run.checkpoint import latest_checkpoint
+    from grpod.run.store import BrokenTrainerState
+
+    cfg = load_config(None, run)
+    store = RunStore(cfg, cfg.run.dir)
+    trainer = store.load_trainer(store.resume_point())
+    param = trainer.trainable[0]
+    if broken == "weights":
+        with torch.no_grad():
+            param.view(-1)[0] = float("nan")
+    else:
+        trainer.optimizer.state[param] = {"step": torch.tensor(1.0), "exp_avg": torch.full_like(param, float("inf")),
+                                          "exp_avg_sq": torch.zeros_like(param)}
+    with pytest.raises(BrokenTrainerState) as caught:
+        store.save(trainer, RunSnapshot(4, 2, [], {"kind": "builtin", "next_index": 12}, {}))
+    message = str(caught.value)
+    assert "checkpoint of step 4 refused" in message and "non-finite" in message
+    assert ("weights" if broken == "weights" else "exp_avg") in message
+    assert "step-000003" in message, "names the checkpoint that stays the newest"
+    assert latest_checkpoint(store.root).step == 3
+    assert sorted(p.name for p in store.root.iterdir()) == ["step-000003"], "nothing of the refused write is left"
