@@ -37,17 +37,19 @@ class ConfigError(Exception):
 
 class _Section(BaseModel):
     """Every section: unknown keys refused, values checked on assignment too (live changes), no
-    infinite or NaN float anywhere (TOML's `inf` / `nan`, a JSON `1e999`), and no boolean where a
-    number is expected (pydantic would read `true` as 1)."""
+    infinite or NaN float anywhere (TOML's `inf` / `nan`, a JSON `1e999`), no boolean or string where
+    a number is expected (pydantic would read `true` as 1 and "1" as 1), no integer beyond int64."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_number(cls, value: Any, info) -> Any:
-        if isinstance(value, int) and info.field_name in _numeric_fields(cls):
+        if isinstance(value, (int, str)) and info.field_name in _numeric_fields(cls):
             if isinstance(value, bool):
                 raise ValueError(f"expected a number, not the boolean {str(value).lower()}")
+            if isinstance(value, str):  # pydantic would parse "1" or "1e-5": a number is written as one
+                raise ValueError(f"expected a number, not the string {shown(value, 40)}")
             if abs(value) > _INT64_MAX:  # a counter or size beyond any use, and beyond torch's int64
                 raise ValueError(f"{value.bit_length()}-bit integer: out of range (at most {_INT64_MAX})")
         return value
