@@ -207,8 +207,16 @@ class DatasetConfig(_Section):
     # Passes over the dataset, each in a new shuffled order; 0 = endless (train.steps ends the run).
     epochs: int = Field(0, ge=0)
     rewards: list[RewardFunctionConfig] = []
-    # A reward function running longer than this drops its group (`reward_timeout`).
+    # A reward call running longer than this drops its group (`reward_timeout`); its worker
+    # process is killed and replaced.
     reward_timeout_s: float = Field(30.0, gt=0)
+    # Worker processes that run the reward functions (unset: one per core, 2 to 8).
+    reward_workers: int | None = Field(None, ge=1, le=64)
+    # A reward worker using more memory than this fails its call (`reward_memory`) and is replaced.
+    reward_memory_mb: int = Field(2048, ge=64)
+    # How several functions' rewards make a score: "sum" (weighted; TRL's sum_then_normalize) or
+    # "normalize_then_sum" (each function's rewards normalised in the group first).
+    reward_aggregation: Literal["sum", "normalize_then_sum"] = "sum"
 
 
 class _SourceCommon(_Section):
@@ -361,7 +369,8 @@ class LossConfig(_Section):
     # (source.max_tokens; for Atropos, model.max_seq_len, which grpod registers as max_token_len).
     max_completion_tokens: int = Field(0, ge=0)
     # Correction of the trainer/vLLM mismatch with the weight rho = pi_old / pi_inference:
-    # token_truncate min(rho_t, cap); token_mask rho_t inside [tis_floor, tis_cap], else 0;
+    # token_truncate clamp(rho_t, tis_floor, cap) (tis_floor > 0 is TRL's clip_min); token_mask
+    # rho_t inside [tis_floor, tis_cap], else 0;
     # sequence_* the same with the sequence's product of token ratios; icepop a two-sided token
     # mask (needs tis_floor > 0); "off" no correction (weight 1).
     tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop", "off"] = (

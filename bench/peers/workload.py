@@ -9,7 +9,7 @@ module, which takes every task-defining value from grpod's own code rather than 
   (`DatasetSource.peek_rows`), the prompt as chat messages whose chat-template tokens are checked
   equal to the tokens grpod sends vLLM (`ArithmeticTask.prompt_for`, `DatasetItem.prompt_ids`);
 - the reward: `ArithmeticTask.score` (the builtin verifier) or the weighted sum of the dataset
-  source's reward functions (`load_reward_functions`, results checked by `checked_rewards`);
+  source's reward functions (called as TRL calls them, results checked by `checked_rewards`);
 - the held-out set: `ArithmeticTask.eval_set(eval.size)` or the first `eval.size` rows of
   `eval.dataset`, with grpod's completion budget for it and its correctness rule (score >= 1.0 for
   the builtin task, combined reward >= `eval.correct_threshold` for a dataset);
@@ -27,20 +27,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # the grpod of this checkout, whatever the venv's editable install points at
     sys.path.insert(0, str(ROOT))
 
 from grpod.config import GrpodConfig, load_config  # noqa: E402
 from grpod.rollouts.arithmetic import Problem, instruct_question  # noqa: E402
-from grpod.rollouts.dataset import read_rows  # noqa: E402
-from grpod.rollouts.rewards import checked_rewards  # noqa: E402
+from grpod.rollouts.dataset import prepare_dataset, read_rows  # noqa: E402
+from grpod.rollouts.rewards import TrainerState, checked_rewards, combine, resolve_function  # noqa: E402
 from grpod.rollouts.source import make_source  # noqa: E402
 from grpod.rollouts.validation import RejectionCounter  # noqa: E402
 
 # Keys TRL itself passes to reward functions or reads from a dataset row; a dataset column with one
 # of these names could not reach the reward unchanged.
 TRL_RESERVED = ("prompt", "completion", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
+
+
+async def _checked_inputs(cfg: GrpodConfig):
+    prepared = await prepare_dataset(cfg)
+    await prepared.scorer.aclose()
+    return prepared
 
 
 class WorkloadError(Exception):
@@ -70,7 +78,10 @@ class Workload:
             if self.source.task.prompt_style == "instruct":
                 self.eval_max_tokens = max(cfg.eval.max_tokens, self.source.max_tokens)
         elif kind == "dataset":
-            self.source = make_source(cfg, tokenizer, None, None, RejectionCounter())
+            # The rows as grpod's source checks and tokenizes them; the rewards are called here, in
+            # process, as TRL calls them (`scores`), so the reward workers are closed at once.
+            prepared = anyio.run(_checked_inputs, cfg)
+            self.source = make_source(cfg, tokenizer, None, None, RejectionCounter(), prepared)
             self.eval_max_tokens = max(cfg.eval.max_tokens, self.source.max_tokens)
             clash = [name for name in self.source.items[0].columns if name in TRL_RESERVED]
             if clash:
@@ -145,13 +156,14 @@ class Workload:
         names = [k for k in rows[0] if k != "prompt_text"]
         columns = {name: [r[name] for r in rows] for name in names}
         prompts = [r["prompt_text"] for r in rows]
-        combined = [0.0] * n
-        for function in self.source.functions:
-            rewards = checked_rewards(function.name, function.fn(prompts, texts, token_ids, **columns), n)
-            for i, reward in enumerate(rewards):
-                if reward is not None:
-                    combined[i] += function.weight * reward
-        return combined
+        functions = self.source.functions
+        per_function = [
+            checked_rewards(f.name, resolve_function(f.function, f.pattern)(
+                prompts=prompts, completions=texts, completion_ids=token_ids, trainer_state=TrainerState(), **columns), n)
+            for f in functions
+        ]
+        combined = combine(per_function, [f.weight for f in functions], self.cfg.source.dataset.reward_aggregation)
+        return [0.0 if score is None else score for score in combined]
 
     def correct(self, score: float) -> bool:
         threshold = 1.0 if self.kind == "builtin" else self.cfg.eval.correct_threshold

@@ -14,6 +14,7 @@ whatever was launched before the error propagates.
 from __future__ import annotations
 
 import time
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -109,7 +110,9 @@ async def start_parts(
     desk: OperatorDesk,
     heartbeat: Heartbeat,
     reporter,
+    resources: AsyncExitStack,
 ) -> RunParts:
+    """`resources` owns what lives as long as the run (the reward workers), closed after it."""
     began = time.perf_counter()
     phases = progress.startup
 
@@ -118,6 +121,14 @@ async def start_parts(
         phases[phase] = round(now - since, 3)
         return now
 
+    # The user's inputs first: a bad row or reward function stops the start before anything launches.
+    prepared = None
+    if cfg.source.kind == "dataset":
+        from grpod.rollouts.dataset import prepare_dataset
+
+        prepared = await prepare_dataset(cfg, log_path=run_dir / "rewards.log")
+        resources.push_async_callback(prepared.scorer.aclose)
+        began = mark("inputs_s", began)
     world = trainer_world()
     reporter.attach(world=world)
     store = RunStore(cfg, run_dir, build_trainer=trainer_builder(world))
@@ -145,7 +156,7 @@ async def start_parts(
         loaded["trainer"] = trainer
         # In a worker thread: the dataset source reads and tokenizes its whole file here.
         loaded["source"] = await anyio.to_thread.run_sync(
-            make_source, cfg, trainer.tokenizer, bridge.policy, restored.source_cursor, rejections
+            make_source, cfg, trainer.tokenizer, bridge.policy, restored.source_cursor, rejections, prepared
         )
         mark("source_s", t)
 

@@ -24,13 +24,14 @@ import os
 import signal
 import sys
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
 import structlog
 
 from grpod.bridges.base import BridgeFailed
-from grpod.config import GrpodConfig
+from grpod.config import ConfigError, GrpodConfig
 from grpod.daemon.alarms import LogprobGapAlarm, SourceErrorAlarm
 from grpod.daemon.control import ControlServer
 from grpod.daemon.desk import OperatorDesk
@@ -112,7 +113,7 @@ class Supervisor:
         log.info("daemon_starting", run_dir=str(self.run_dir), mode=self.cfg.bridge.mode, pid=os.getpid())
         control = ControlServer(self.cfg.socket_path, self.desk.handlers(), self.cfg.control.request_timeout_s)
         try:
-            async with anyio.create_task_group() as tg:
+            async with AsyncExitStack() as self.resources, anyio.create_task_group() as tg:
                 if self.cfg.metrics.wandb_project:
                     m = self.cfg.metrics
                     self.metrics.wandb = await anyio.to_thread.run_sync(
@@ -166,6 +167,7 @@ class Supervisor:
                 self.parts = await start_parts(
                     self.cfg, self.run_dir, progress=self.progress, buffer=self.buffer,
                     rejections=self.rejections, desk=self.desk, heartbeat=self.heartbeat, reporter=self.reporter,
+                    resources=self.resources,
                 )
                 self.heartbeat.progress()
                 tg.cancel_scope.cancel()
@@ -267,7 +269,7 @@ class Supervisor:
 
 
 # Failures that are the operator's input, not the run's: exit status 2, as for a bad config.
-INPUT_ERRORS = (ResumeError,)
+INPUT_ERRORS = (ResumeError, ConfigError)  # ConfigError: a dataset row, a reward function
 
 
 def _unwrap(exc: BaseException) -> BaseException | None:

@@ -33,6 +33,7 @@ samples at `source.temperature`. A completion is correct when its combined rewar
 
 from __future__ import annotations
 
+import json
 import random
 import tempfile
 from dataclasses import dataclass
@@ -42,30 +43,52 @@ from typing import Any
 import anyio
 import structlog
 
-from grpod.config import DatasetConfig, DatasetSourceConfig, EvalConfig
+from grpod.config import ConfigError, DatasetConfig, DatasetSourceConfig, EvalConfig, GrpodConfig
 from grpod.inference.policy import Policy
 from grpod.rollouts.builtin import EVAL_CONCURRENCY
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.rewards import (
+    CALL_KEYWORDS,
     EXTRA_KEY,
+    LOGGED_KEY,
+    UNSCORABLE,
     GroupRewards,
     RewardFailure,
     RewardFunction,
-    load_reward_functions,
-    score_group,
+    TrainerState,
+    reward_functions,
 )
 from grpod.rollouts.sampling_source import SamplingSource, SamplingStats
+from grpod.rollouts.scoring import PLACEHOLDER_COMPLETION, RewardCall, RewardScorer
 
 log = structlog.get_logger(__name__)
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-# Reward functions get these positionally; a column of the same name could not be passed.
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
+# Reward functions get these keywords; a column of the same name could not be passed.
+RESERVED_COLUMNS = CALL_KEYWORDS
+# A source failing the same way on every group says so once per this many seconds, with a count.
+WARNING_EVERY_S = 30.0
 
 
-class DatasetError(Exception):
+class DatasetError(ConfigError):
     """A dataset file that cannot be used; the message names the file, and the row and column."""
+
+
+@dataclass(frozen=True)
+class DatasetRow:
+    """A checked row: its prompt as messages (a string prompt is one user turn) and its columns."""
+
+    row: int  # 0-based position in the file
+    messages: list[dict[str, str]]
+    chat: bool  # a `messages` row (TRL's conversational format) rather than a string prompt
+    columns: dict[str, Any]
+
+    def reward_prompt(self, system_prompt: str | None) -> Any:
+        """`prompts[i]` as TRL gives it: the string prompt, or the messages the model saw."""
+        if not self.chat:
+            return self.messages[0]["content"]
+        return _with_system(self.messages, system_prompt)
 
 
 @dataclass(frozen=True)
@@ -74,12 +97,32 @@ class DatasetItem:
     prompt_ids: list[int]
     prompt_text: str
     columns: dict[str, Any]
+    chat: bool = False
+    reward_prompt: Any = None
 
 
 @dataclass
 class DatasetStats(SamplingStats):
     epoch: int = 0
     reward_s: float = 0.0
+
+
+def _first_bad_json_line(path: Path) -> str | None:
+    """Where a JSON Lines file stops being JSON Lines: "line N: why", or None."""
+    try:
+        with path.open("rb") as lines:
+            for number, raw in enumerate(lines, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    value = json.loads(raw)
+                except (ValueError, RecursionError) as exc:
+                    return f"line {number}: not JSON ({exc})"
+                if not isinstance(value, dict):
+                    return f"line {number}: a JSON {type(value).__name__}, expected an object (one row)"
+    except OSError as exc:
+        return f"cannot read: {exc}"
+    return None
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -89,6 +132,12 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         raise DatasetError(f"{path}: unknown dataset format {path.suffix!r}; use one of {', '.join(LOADERS)}")
     if not path.is_file():
         raise DatasetError(f"{path}: no such dataset file")
+    if path.stat().st_size == 0 or (loader == "json" and not path.read_bytes().strip()):
+        raise DatasetError(f"{path}: the file is empty (the dataset has no rows)")
+    if path.suffix.lower() == ".jsonl":
+        bad = _first_bad_json_line(path)
+        if bad is not None:
+            raise DatasetError(f"{path}: {bad}")
     import datasets
 
     datasets.disable_progress_bars()
@@ -97,13 +146,19 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         try:
             table = datasets.load_dataset(loader, data_files=str(path), split="train", cache_dir=cache, keep_in_memory=True)
         except Exception as exc:  # noqa: BLE001 — the loaders raise many types; the user needs the file named
-            raise DatasetError(f"{path}: cannot read as {loader}: {exc}") from exc
+            reasons = [str(e) for e in (exc, exc.__cause__, exc.__context__) if e is not None and str(e)]
+            raise DatasetError(f"{path}: cannot read as {loader}: {' <- '.join(dict.fromkeys(reasons)) or type(exc).__name__}") from exc
         return table.to_list()
 
 
-def _render(tokenizer, messages: list[dict[str, str]], system_prompt: str | None) -> str:
+def _with_system(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
     if system_prompt is not None and not (messages and messages[0]["role"] == "system"):
-        messages = [{"role": "system", "content": system_prompt}, *messages]
+        return [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
+def _render(tokenizer, messages: list[dict[str, str]], system_prompt: str | None) -> str:
+    messages = _with_system(messages, system_prompt)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return "\n\n".join(m["content"] for m in messages)
@@ -120,14 +175,9 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def load_items(
-    path: Path,
-    dcfg: DatasetConfig,
-    tokenizer,
-    functions: list[RewardFunction],
-    max_prompt_tokens: int,
-) -> list[DatasetItem]:
-    """Read, check and tokenize every row of `path`; a DatasetError names the first bad one."""
+def load_rows(path: Path, dcfg: DatasetConfig, functions: list[RewardFunction]) -> list[DatasetRow]:
+    """Read and check every row of `path` (no tokenizer needed: this runs before anything is
+    launched); a DatasetError names the first bad one."""
     path = Path(path)
     rows = read_rows(path)
     if not rows:
@@ -158,7 +208,7 @@ def load_items(
         if name not in names:
             users = [f.name for f in functions if name in f.needs_columns]
             raise DatasetError(f"{path}: reward functions {users} need a {name!r} column; the columns are {names}")
-    items = []
+    checked = []
     for index, row in enumerate(rows):
         where = f"{path}: row {index + 1}, column {column!r}"
         value = row.get(column)
@@ -175,16 +225,82 @@ def load_items(
         for name in needed:
             if row.get(name) is None:
                 raise DatasetError(f"{path}: row {index + 1}, column {name!r}: missing (reward functions need it)")
-        text = _render(tokenizer, messages, dcfg.system_prompt)
+        columns = {k: v for k, v in row.items() if k != column}
+        checked.append(DatasetRow(row=index, messages=messages, chat=chat, columns=columns))
+    return checked
+
+
+def tokenize_rows(
+    rows: list[DatasetRow], path: Path, dcfg: DatasetConfig, tokenizer, max_prompt_tokens: int
+) -> list[DatasetItem]:
+    """The checked rows rendered (chat template) and tokenized; a prompt too long is a DatasetError."""
+    items = []
+    for row in rows:
+        text = _render(tokenizer, row.messages, dcfg.system_prompt)
         ids = list(tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None)).input_ids)
         if len(ids) > max_prompt_tokens:
+            column = dcfg.messages_column if row.chat else dcfg.prompt_column
             raise DatasetError(
-                f"{where}: the prompt is {len(ids)} tokens; at most {max_prompt_tokens} fit "
-                "(model.max_seq_len minus source.max_tokens)"
+                f"{path}: row {row.row + 1}, column {column!r}: the prompt is {len(ids)} tokens; at most "
+                f"{max_prompt_tokens} fit (model.max_seq_len minus source.max_tokens)"
             )
-        columns = {k: v for k, v in row.items() if k != column}
-        items.append(DatasetItem(row=index, prompt_ids=ids, prompt_text=text, columns=columns))
+        items.append(DatasetItem(row=row.row, prompt_ids=ids, prompt_text=text, columns=row.columns, chat=row.chat,
+                                 reward_prompt=row.reward_prompt(dcfg.system_prompt)))
     return items
+
+
+def load_items(path: Path, dcfg: DatasetConfig, tokenizer, functions: list[RewardFunction],
+               max_prompt_tokens: int) -> list[DatasetItem]:
+    """Read, check and tokenize every row of `path`; a DatasetError names the first bad one."""
+    return tokenize_rows(load_rows(path, dcfg, functions), Path(path), dcfg, tokenizer, max_prompt_tokens)
+
+
+@dataclass
+class PreparedDataset:
+    """A dataset source's inputs, checked before anything is launched: the rows, the held-out
+    rows, and the started reward scorer (whose functions passed their start-up call)."""
+
+    rows: list[DatasetRow]
+    eval_rows: list[DatasetRow]
+    scorer: RewardScorer
+    warnings: list[str]
+
+
+async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None) -> PreparedDataset:
+    """Check a dataset source's inputs: rows, reward functions (imported in the reward workers and
+    called once on the first row). DatasetError / RewardLoadError (ConfigErrors: exit 2) name what
+    is wrong. The caller owns the returned scorer (`await prepared.scorer.aclose()`)."""
+    dcfg = cfg.source.dataset
+    functions = reward_functions(dcfg.rewards)
+    rows = await anyio.to_thread.run_sync(load_rows, dcfg.path, dcfg, functions)
+    eval_rows = []
+    if cfg.eval.dataset is not None:
+        eval_rows = await anyio.to_thread.run_sync(load_rows, cfg.eval.dataset, dcfg, functions)
+    scorer = RewardScorer(functions, aggregation=dcfg.reward_aggregation, timeout_s=dcfg.reward_timeout_s,
+                          workers=dcfg.reward_workers, memory_mb=dcfg.reward_memory_mb, log_path=log_path)
+    try:
+        await scorer.start()
+        first, n = rows[0], 2
+        call = RewardCall(
+            prompts=[first.reward_prompt(dcfg.system_prompt)] * n,
+            completions=[_completion(PLACEHOLDER_COMPLETION, first.chat)] * n,
+            completion_ids=[[0]] * n,
+            columns={name: [value] * n for name, value in first.columns.items()},
+            trainer_state=TrainerState(max_steps=cfg.train.steps),
+        )
+        warnings = await scorer.probe(call, f"{dcfg.path}: row {first.row + 1}")
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await scorer.aclose()
+        raise
+    for warning in warnings:
+        log.warning("reward_probe_warning", warning=warning[:500])
+    return PreparedDataset(rows=rows, eval_rows=eval_rows, scorer=scorer, warnings=warnings)
+
+
+def _completion(text: str, chat: bool) -> Any:
+    """`completions[i]` as TRL gives it: the text, or one assistant turn for conversational data."""
+    return [{"role": "assistant", "content": text}] if chat else text
 
 
 def epoch_order(size: int, seed: int, epoch: int) -> list[int]:
@@ -202,14 +318,17 @@ class DatasetSource(SamplingSource):
         tokenizer,
         policy: Policy,
         *,
+        prepared: PreparedDataset,
         eval_cfg: EvalConfig,
         max_seq_len: int,
         engine_wait_s: float,
         dynamic_sampling: DynamicSampling,
         cursor: dict | None = None,
+        steps: int = 0,
     ) -> None:
-        """`max_seq_len` bounds prompt + completion (`model.max_seq_len`); `engine_wait_s` is how
-        long a request waits for an available engine."""
+        """`prepared`: the checked rows and the started scorer (`prepare_dataset`); `max_seq_len`
+        bounds prompt + completion (`model.max_seq_len`); `engine_wait_s` is how long a request
+        waits for an available engine; `steps` is train.steps (`trainer_state.max_steps`)."""
         self.src = src
         self.dcfg = src.dataset
         self.eval_cfg = eval_cfg
@@ -217,19 +336,26 @@ class DatasetSource(SamplingSource):
         self.policy = policy
         self.engine_wait_s = engine_wait_s
         self.max_tokens = self.src.max_tokens
-        self.functions = load_reward_functions(self.dcfg.rewards)
+        self.steps = steps
+        self.scorer = prepared.scorer
+        self.functions = self.scorer.functions
         max_prompt = max_seq_len - self.max_tokens
-        self.items = load_items(self.dcfg.path, self.dcfg, tokenizer, self.functions, max_prompt)
+        self.items = tokenize_rows(prepared.rows, Path(self.dcfg.path), self.dcfg, tokenizer, max_prompt)
         self.eval_items: list[DatasetItem] = []
         if eval_cfg.dataset is not None:
-            self.eval_items = load_items(eval_cfg.dataset, self.dcfg, tokenizer, self.functions, max_prompt)
+            self.eval_items = tokenize_rows(prepared.eval_rows, Path(eval_cfg.dataset), self.dcfg, tokenizer, max_prompt)
         self.stats = DatasetStats()
         self.epoch = int((cursor or {}).get("epoch", 0))
         self.position = int((cursor or {}).get("position", 0))
         self._order_epoch, self._order = -1, []
         self.dynamic_sampling = dynamic_sampling
+        self._warned: dict[str, tuple[float, int]] = {}
         log.info("dataset_loaded", path=str(self.dcfg.path), rows=len(self.items), eval_rows=len(self.eval_items),
                  rewards=[f.name for f in self.functions], epoch=self.epoch, position=self.position)
+
+    async def aclose(self) -> None:
+        """Stop the reward workers (the daemon's shutdown)."""
+        await self.scorer.aclose()
 
     def cursor(self) -> dict:
         return {"kind": self.kind, "epoch": self.epoch, "position": self.position}
@@ -260,22 +386,35 @@ class DatasetSource(SamplingSource):
         self.epoch, self.position, self.stats.exhausted = saved
         return rows
 
-    async def score(self, item: DatasetItem, completions) -> GroupRewards:
-        """Combined rewards of `completions` of `item`; raises RewardFailure."""
+    async def score(self, item: DatasetItem, completions, version: int | None = None) -> GroupRewards:
+        """Rewards of `completions` of `item`, called as TRL calls them; raises RewardFailure."""
         n = len(completions)
-        columns = {name: [value] * n for name, value in item.columns.items()}
+        call = RewardCall(
+            prompts=[item.reward_prompt if item.reward_prompt is not None else item.prompt_text] * n,
+            completions=[_completion(c.text, item.chat) for c in completions],
+            completion_ids=[list(c.token_ids) for c in completions],
+            columns={name: [value] * n for name, value in item.columns.items()},
+            trainer_state=TrainerState(
+                global_step=self.policy.version if version is None else version, max_steps=self.steps,
+                policy_version=self.policy.version if version is None else version, epoch=float(self.epoch),
+            ),
+        )
         started = anyio.current_time()
         try:
-            return await score_group(
-                self.functions,
-                [item.prompt_text] * n,
-                [c.text for c in completions],
-                [list(c.token_ids) for c in completions],
-                columns,
-                self.dcfg.reward_timeout_s,
-            )
+            return await self.scorer.score(call)
         finally:
             self.stats.reward_s += anyio.current_time() - started
+
+    def _warn(self, reason: str, **fields: Any) -> None:
+        """One console line per reason per WARNING_EVERY_S, saying how many were not shown."""
+        now = anyio.current_time()
+        last, held = self._warned.get(reason, (None, 0))
+        if last is not None and now - last < WARNING_EVERY_S:
+            self._warned[reason] = (last, held + 1)
+            return
+        self._warned[reason] = (now, 0)
+        log.warning("reward_failed", reason=reason, **fields,
+                    **({"same_failures_not_shown": held} if held else {}))
 
     async def generate_group(self) -> RolloutGroup | None:
         drawn = self._draw()
@@ -286,14 +425,24 @@ class DatasetSource(SamplingSource):
         if sampled is None:
             return None
         try:
-            scored = await self.score(item, sampled.completions)
+            scored = await self.score(item, sampled.completions, sampled.version)
         except RewardFailure as failure:
             self.stats.failed(failure.reason, f"reward {failure.function}: {failure.detail}")
-            log.warning("reward_failed", reason=failure.reason, function=failure.function, error=failure.detail[:300],
-                        path=str(self.dcfg.path), row=item.row + 1)
+            self._warn(failure.reason, function=failure.function, error=failure.detail[:300],
+                       path=str(self.dcfg.path), row=item.row + 1)
             return None
-        return self.group(item.prompt_ids, sampled, scored.scores, f"dataset-{epoch}-{item.row}",
-                          extra={EXTRA_KEY: scored.means})
+        unscorable = scored.unscorable
+        if all(unscorable):
+            self.stats.drop(UNSCORABLE)
+            self._warn(UNSCORABLE, error="every reward function returned None for every completion",
+                       path=str(self.dcfg.path), row=item.row + 1)
+            return None
+        scorable = [s for s in scored.scores if s is not None]
+        # An unscorable completion's placeholder score is never read: `unscorable` leaves it out.
+        scores = [scorable[0] if s is None else s for s in scored.scores]
+        overrides = [{"unscorable": True} if u else {} for u in unscorable] if any(unscorable) else None
+        return self.group(item.prompt_ids, sampled, scores, f"dataset-{epoch}-{item.row}",
+                          extra={EXTRA_KEY: scored.means, LOGGED_KEY: scored.logged}, overrides=overrides)
 
     async def evaluate(self, size: int, max_tokens: int) -> dict:
         """pass@1 (greedy) and mean@k on the first `size` rows of eval.dataset."""
@@ -315,7 +464,7 @@ class DatasetSource(SamplingSource):
                 log.warning("eval_reward_failed", reason=failure.reason, function=failure.function, row=item.row + 1,
                             error=failure.detail[:300])
                 return 0
-            return sum(score >= threshold for score in scored.scores)
+            return sum(score is not None and score >= threshold for score in scored.scores)
 
         async def one(item: DatasetItem) -> None:
             nonlocal greedy_correct, sampled_correct

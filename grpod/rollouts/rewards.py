@@ -1,26 +1,40 @@
-"""Reward functions of the dataset source: loading them, calling them safely, combining them.
+"""Reward functions of the dataset source: loading them, calling them as TRL does, combining them.
 
-Signature (TRL's convention, so a reward function written for TRL's GRPOTrainer works here):
+Calling convention (TRL's `GRPOTrainer`, exactly, so a reward module written for TRL works here
+unchanged): one call per group and function, by keyword only,
 
-    f(prompts, completions, completion_ids, **columns) -> list[float | None]
+    f(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_metric=...,
+      log_extra=..., **columns) -> list[float | None]
 
-one call per group: `prompts[i]` is the prompt text the model saw (after the chat template),
-`completions[i]` the text of completion `i`, `completion_ids[i]` its token ids, and every other
-dataset column arrives as a keyword whose value is a list with the row's value repeated once per
-completion (`answer=["42", "42", ...]`). A function should accept `**kwargs` for columns it does
-not use. It returns one reward per completion; `None` means "does not apply to this completion"
-and counts as 0 in the combination.
+- `prompts[i]`: the row's prompt as the dataset has it: the prompt string, or for a `messages`
+  row the list of {role, content} messages (with `system_prompt` first when grpod added it);
+- `completions[i]`: the text of completion `i`, or for a `messages` row (conversational data)
+  `[{"role": "assistant", "content": text}]`;
+- `completion_ids[i]`: its token ids (what the engine sampled);
+- every other dataset column as a list with the row's value once per completion;
+- `trainer_state`: a `TrainerState` with TRL's `global_step` and `max_steps`, plus the
+  `policy_version` that sampled the group;
+- `log_metric(name, value)`: a scalar averaged into the step's `reward_log/<name>`; `log_extra`
+  is accepted and ignored (TRL's completions table).
+An `async def` function is awaited. A function should take `**kwargs` for what it does not use.
 
-Combination: the score of completion `i` is the weighted sum over the functions of
-`weight * reward_i` (None → 0).
+`None` means "this function does not apply to this completion" (TRL's semantics): it is left out
+of that function's mean and contributes nothing to the completion's score; a completion every
+function answers None is *unscorable*: it is left out of its group's baseline and spread and gets
+advantage 0 (override `unscorable`), never a 0 that would pull the baseline down. A group with no
+scorable completion is dropped (`reward_unscorable`).
 
-Failures never crash the daemon. A function that raises, runs past `reward_timeout_s`, returns
-something that is not a list of numbers, the wrong number of rewards, or NaN / infinity makes
-the whole group fail with a `RewardFailure` whose `reason` is one of `REWARD_FAILURE_REASONS`;
-the source drops the group and counts the reason. Each call runs in a worker thread
-(`anyio.to_thread.run_sync` with `abandon_on_cancel=True`) under `anyio.fail_after`: a function
-that hangs is abandoned — its thread keeps running in the background until it returns (Python
-cannot kill a thread), but the source stops waiting for it.
+Aggregation (`source.dataset.reward_aggregation`, TRL's `multi_objective_aggregation`):
+- `sum` (TRL's `sum_then_normalize`): score_i = sum_k w_k r_ik over the functions that applied;
+- `normalize_then_sum`: each function's rewards are first normalised in the group,
+  (r_ik - mean_k) / (std_k + 1e-4) (sample std, None left out), then weighted and summed; the
+  advantage estimator then normalises the sum as usual.
+
+Where the code runs: user functions and the `math` and `regex_format` builtins run in the
+daemon's `RewardPool` (worker processes: a hang is killed at `reward_timeout_s`, a crash or a
+memory blow-up costs one worker and one group, never the daemon; math-verify keeps its own
+timeouts there). `exact` and `last_number` are linear-time string checks and run in process.
+A failed call drops the group with its reason (`REWARD_FAILURE_REASONS`).
 
 Builtins (by name in `function`): `math` (math-verify: the completion's final answer equals the
 `answer` column, so "0.5" matches "\\boxed{\\frac{1}{2}}"), `exact` (the stripped completion
@@ -37,24 +51,34 @@ import numbers
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import anyio
-
 from grpod.config import RewardFunctionConfig
 
 # What `SourceStats.drop` counts when a reward function fails, by failure.
-REWARD_FAILURE_REASONS = ("reward_error", "reward_timeout", "reward_bad_type", "reward_bad_length", "reward_nan")
+REWARD_FAILURE_REASONS = (
+    "reward_error", "reward_timeout", "reward_crash", "reward_memory", "reward_overloaded",
+    "reward_bad_type", "reward_bad_length", "reward_nan",
+)
+# A group none of whose completions any function scored.
+UNSCORABLE = "reward_unscorable"
+AGGREGATIONS = ("sum", "normalize_then_sum")
 # Builtins that read the gold answer from this column.
 ANSWER_COLUMN = "answer"
+# Builtins that are linear-time string checks: they cannot hang, so they run in process.
+IN_PROCESS_BUILTINS = ("exact", "last_number")
+# The keywords a function gets besides the dataset's columns (a column may not take these names).
+CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+# normalize_then_sum's epsilon (TRL's).
+NORMALIZE_EPS = 1e-4
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
 class RewardLoadError(Exception):
-    """A reward function named in the config cannot be imported."""
+    """A reward function named in the config cannot be imported, or fails its start-up call."""
 
 
 class RewardFailure(Exception):
@@ -68,49 +92,84 @@ class RewardFailure(Exception):
 
 
 @dataclass(frozen=True)
-class RewardFunction:
-    name: str
-    weight: float
-    fn: Callable[..., Any]
-    # Dataset columns the function cannot do without (checked on every row at start-up).
-    needs_columns: tuple[str, ...] = ()
+class TrainerState:
+    """What TRL hands reward functions as `trainer_state` (the fields they read), and the version."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    policy_version: int = 0
+    epoch: float = 0.0
 
 
 @dataclass(frozen=True)
+class RewardFunction:
+    name: str
+    weight: float
+    function: str  # a builtin name, "package.module:attr" or "path/to/file.py:attr"
+    pattern: str | None = None
+    # Dataset columns the function cannot do without (checked on every row at start-up).
+    needs_columns: tuple[str, ...] = ()
+
+    @property
+    def in_process(self) -> bool:
+        return self.function in IN_PROCESS_BUILTINS
+
+    @property
+    def where(self) -> str:
+        """Where the user finds it: the builtin, or the file / module and attribute."""
+        return "builtin" if self.function in BUILTINS else self.function
+
+    def spec(self) -> dict[str, Any]:
+        return {"name": self.name, "function": self.function, "pattern": self.pattern}
+
+
+@dataclass
 class GroupRewards:
-    scores: list[float]
+    # One per completion; None = unscorable (every function answered None).
+    scores: list[float | None]
     # Per function: the mean of the rewards it gave (None excluded); absent when all were None.
     means: dict[str, float]
+    # What the functions logged with `log_metric`, averaged over the calls.
+    logged: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def unscorable(self) -> list[bool]:
+        return [score is None for score in self.scores]
 
 
 # ---- builtins -------------------------------------------------------------------------------
 
 
-def _answers(columns: dict[str, list]) -> list[Any]:
+def _answers(columns: dict[str, Any]) -> list[Any]:
     answers = columns.get(ANSWER_COLUMN)
     if answers is None:
         raise KeyError(f"this builtin needs an {ANSWER_COLUMN!r} column")
     return answers
 
 
-def math_reward(prompts, completions, completion_ids, **columns) -> list[float]:
+def _text(completion: Any) -> str:
+    """A completion's text: itself, or the content of a conversational [{role, content}] turn."""
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    return completion
+
+
+def math_reward(completions, **columns) -> list[float]:
     """1.0 when math-verify finds the completion's answer equal to the gold `answer`, else 0.0."""
     from math_verify import parse, verify
 
     rewards = []
     for completion, answer in zip(completions, _answers(columns), strict=True):
-        # math-verify's own timeout uses signal.alarm, which only works on the main thread; the
-        # source's reward_timeout_s bounds the call instead.
-        gold = parse(str(answer), parsing_timeout=None)
-        given = parse(completion, parsing_timeout=None)
-        rewards.append(1.0 if gold and given and verify(gold, given, timeout_seconds=None) else 0.0)
+        # math-verify's own timeouts (SIGALRM): this runs on a reward worker's main thread.
+        gold, given = parse(str(answer)), parse(_text(completion))
+        rewards.append(1.0 if gold and given and verify(gold, given) else 0.0)
     return rewards
 
 
-def exact_reward(prompts, completions, completion_ids, **columns) -> list[float]:
+def exact_reward(completions, **columns) -> list[float]:
     """1.0 when the stripped completion equals the stripped `answer`, else 0.0."""
     answers = _answers(columns)
-    return [1.0 if c.strip() == str(a).strip() else 0.0 for c, a in zip(completions, answers, strict=True)]
+    return [1.0 if _text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answers, strict=True)]
 
 
 def _number(text: str) -> float | None:
@@ -126,19 +185,20 @@ def last_number(text: str) -> float | None:
     return _number(found[-1]) if found else None
 
 
-def last_number_reward(prompts, completions, completion_ids, **columns) -> list[float]:
+def last_number_reward(completions, **columns) -> list[float]:
     """1.0 when the last number in the completion equals `answer` numerically, else 0.0."""
     rewards = []
     for completion, answer in zip(completions, _answers(columns), strict=True):
-        given, gold = last_number(completion), _number(str(answer).strip())
+        given, gold = last_number(_text(completion)), _number(str(answer).strip())
         rewards.append(1.0 if given is not None and gold is not None and math.isclose(given, gold, abs_tol=1e-9) else 0.0)
     return rewards
 
 
-def regex_format_reward(prompts, completions, completion_ids, *, pattern: str, **columns) -> list[float]:
-    """1.0 when the completion matches `pattern` (re.search, DOTALL), else 0.0."""
+def regex_format_reward(completions, *, pattern: str, **columns) -> list[float]:
+    """1.0 when the completion matches `pattern` (re.search, DOTALL), else 0.0. Backtracking: it
+    runs in the reward pool, where a catastrophic pattern costs a worker, not the daemon."""
     compiled = re.compile(pattern, re.DOTALL)
-    return [1.0 if compiled.search(c) else 0.0 for c in completions]
+    return [1.0 if compiled.search(_text(c)) else 0.0 for c in completions]
 
 
 BUILTINS: dict[str, Callable[..., Any]] = {
@@ -166,13 +226,13 @@ def import_function(spec: str) -> Callable[..., Any]:
             module = importlib.util.module_from_spec(loader_spec)
             try:
                 loader_spec.loader.exec_module(module)
-            except Exception as exc:  # noqa: BLE001 — any import-time error is the user's to see
+            except BaseException as exc:  # noqa: BLE001 — a SyntaxError, a raise or a sys.exit at import: the user's to see
                 raise RewardLoadError(f"reward function {spec!r}: importing {path} failed: {exc!r}") from exc
             sys.modules[module_name] = module
     else:
         try:
             module = importlib.import_module(target)
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001
             raise RewardLoadError(f"reward function {spec!r}: cannot import {target!r}: {exc!r}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
@@ -180,25 +240,32 @@ def import_function(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def load_reward_functions(configs: list[RewardFunctionConfig]) -> list[RewardFunction]:
-    functions = []
-    for cfg in configs:
-        if cfg.function in BUILTINS:
-            fn = BUILTINS[cfg.function]
-            if cfg.pattern is not None:
-                fn = partial(fn, pattern=cfg.pattern)
-            needs = (ANSWER_COLUMN,) if cfg.function in ("math", "exact", "last_number") else ()
-        else:
-            fn, needs = import_function(cfg.function), ()
-        functions.append(RewardFunction(name=cfg.metric_name, weight=cfg.weight, fn=fn, needs_columns=needs))
-    return functions
+def resolve_function(function: str, pattern: str | None = None) -> Callable[..., Any]:
+    """The callable of a builtin name or an import spec (what a reward worker runs)."""
+    if function in BUILTINS:
+        fn = BUILTINS[function]
+        return partial(fn, pattern=pattern) if pattern is not None else fn
+    return import_function(function)
 
 
-# ---- calling --------------------------------------------------------------------------------
+def reward_functions(configs: list[RewardFunctionConfig]) -> list[RewardFunction]:
+    """The configured functions (nothing imported here: the reward workers import them)."""
+    return [
+        RewardFunction(
+            name=cfg.metric_name, weight=cfg.weight, function=cfg.function, pattern=cfg.pattern,
+            needs_columns=(ANSWER_COLUMN,) if cfg.function in ("math", "exact", "last_number") else (),
+        )
+        for cfg in configs
+    ]
+
+
+# ---- checking and combining -----------------------------------------------------------------
 
 
 def checked_rewards(name: str, returned: Any, n: int) -> list[float | None]:
     """`returned` as `n` floats or Nones, or a RewardFailure saying what is wrong with it."""
+    if hasattr(returned, "tolist") and not isinstance(returned, (str, bytes)):  # numpy arrays, tensors
+        returned = returned.tolist()
     if isinstance(returned, (str, bytes, dict)) or not hasattr(returned, "__len__") or not hasattr(returned, "__iter__"):
         raise RewardFailure("reward_bad_type", name, f"returned {type(returned).__name__}, expected a list of {n} floats")
     values = list(returned)
@@ -209,8 +276,8 @@ def checked_rewards(name: str, returned: Any, n: int) -> list[float | None]:
         if value is None:
             rewards.append(None)
             continue
-        if not isinstance(value, numbers.Real):
-            raise RewardFailure("reward_bad_type", name, f"reward {i} is {value!r} ({type(value).__name__}), not a number")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise RewardFailure("reward_bad_type", name, f"reward {i} is {value!r:.80} ({type(value).__name__}), not a number")
         value = float(value)
         if not math.isfinite(value):
             raise RewardFailure("reward_nan", name, f"reward {i} is {value}")
@@ -218,56 +285,52 @@ def checked_rewards(name: str, returned: Any, n: int) -> list[float | None]:
     return rewards
 
 
-async def call_reward(
-    function: RewardFunction,
-    prompts: list[str],
-    completions: list[str],
-    completion_ids: list[list[int]],
-    columns: dict[str, list],
-    timeout_s: float,
-) -> list[float | None]:
-    """One function on one group, in a worker thread, bounded by `timeout_s` (then abandoned)."""
-    call = partial(function.fn, prompts, completions, completion_ids, **columns)
-    try:
-        with anyio.fail_after(timeout_s):
-            returned = await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
-    except TimeoutError:
-        raise RewardFailure("reward_timeout", function.name, f"no result after {timeout_s} s (its thread is abandoned)") from None
-    except Exception as exc:  # noqa: BLE001 — the user's code may raise anything; the group is dropped
-        raise RewardFailure("reward_error", function.name, f"raised {exc!r}") from exc
-    return checked_rewards(function.name, returned, len(completions))
+def _normalized(rewards: list[float | None]) -> list[float | None]:
+    """(r - mean) / (std + eps) over the rewards that are not None (sample std, TRL's nanstd)."""
+    given = [r for r in rewards if r is not None]
+    if not given:
+        return list(rewards)
+    mean = sum(given) / len(given)
+    std = math.sqrt(sum((r - mean) ** 2 for r in given) / (len(given) - 1)) if len(given) > 1 else 0.0
+    return [None if r is None else (r - mean) / (std + NORMALIZE_EPS) for r in rewards]
 
 
-async def score_group(
-    functions: list[RewardFunction],
-    prompts: list[str],
-    completions: list[str],
-    completion_ids: list[list[int]],
-    columns: dict[str, list],
-    timeout_s: float,
-) -> GroupRewards:
-    """The weighted sum of every function's rewards (None counts 0), and each function's mean."""
-    scores = [0.0] * len(completions)
-    means: dict[str, float] = {}
-    for function in functions:
-        rewards = await call_reward(function, prompts, completions, completion_ids, columns, timeout_s)
+def combine(per_function: list[list[float | None]], weights: list[float], aggregation: str) -> list[float | None]:
+    """Each completion's score from every function's rewards (see the module docstring); None
+    where every function answered None."""
+    if aggregation == "normalize_then_sum":
+        per_function = [_normalized(rewards) for rewards in per_function]
+    elif aggregation != "sum":
+        raise ValueError(f"unknown reward aggregation {aggregation!r}: use one of {AGGREGATIONS}")
+    scores: list[float | None] = []
+    for i in range(len(per_function[0]) if per_function else 0):
+        applied = [(w, rewards[i]) for w, rewards in zip(weights, per_function, strict=True) if rewards[i] is not None]
+        scores.append(sum(w * r for w, r in applied) if applied else None)
+    return scores
+
+
+def function_means(functions: list[RewardFunction], per_function: list[list[float | None]]) -> dict[str, float]:
+    means = {}
+    for function, rewards in zip(functions, per_function, strict=True):
         applied = [r for r in rewards if r is not None]
         if applied:
             means[function.name] = sum(applied) / len(applied)
-        for i, reward in enumerate(rewards):
-            if reward is not None:
-                scores[i] += function.weight * reward
-    return GroupRewards(scores=scores, means=means)
+    return means
 
 
 # Where a dataset group keeps its functions' means (RolloutGroup.extra), for `step_reward_metrics`.
 EXTRA_KEY = "reward_means"
+LOGGED_KEY = "reward_logged"
 
 
 def step_reward_metrics(groups) -> dict[str, float]:
-    """`reward/<name>`: each function's mean reward over a step's groups that carry one."""
+    """`reward/<name>`: each function's mean reward over a step's groups that carry one;
+    `reward_log/<name>`: what the functions logged with `log_metric`, averaged likewise."""
     sums: dict[str, list[float]] = {}
     for group in groups:
-        for name, mean in (group.extra or {}).get(EXTRA_KEY, {}).items():
-            sums.setdefault(name, []).append(mean)
-    return {f"reward/{name}": sum(values) / len(values) for name, values in sorted(sums.items())}
+        extra = group.extra or {}
+        for name, mean in extra.get(EXTRA_KEY, {}).items():
+            sums.setdefault(f"reward/{name}", []).append(mean)
+        for name, mean in extra.get(LOGGED_KEY, {}).items():
+            sums.setdefault(f"reward_log/{name}", []).append(mean)
+    return {key: sum(values) / len(values) for key, values in sorted(sums.items())}

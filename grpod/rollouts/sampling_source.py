@@ -89,9 +89,10 @@ class SamplingSource:
         scores: list[float],
         group_id: str,
         extra: dict[str, Any] | None = None,
+        overrides: list[dict[str, Any]] | None = None,
     ) -> RolloutGroup:
         """The group record of `sampled` completions of `prompt` (counted as generated); its
-        `extra` names the engine that sampled it."""
+        `extra` names the engine that sampled it; `overrides` are per completion."""
         completions = sampled.completions
         self.stats.generated += 1
         self.stats.succeeded()
@@ -107,6 +108,7 @@ class SamplingSource:
             source=self.kind,
             group_id=group_id,
             extra={"engine": sampled.engine, **(extra or {})},
+            overrides=overrides,
         )
 
     async def fill(self, buffer: RolloutBuffer, count: int) -> None:

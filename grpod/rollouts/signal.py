@@ -38,11 +38,31 @@ def source_advantages(group: RolloutGroup, cfg: AdvantageConfig) -> list[float] 
     return None
 
 
+def has_override(group: RolloutGroup, i: int, key: str) -> bool:
+    """Whether completion `i` of `group` carries the per-sequence override `key`."""
+    if not group.overrides or i >= len(group.overrides):
+        return False
+    return bool((group.overrides[i] or {}).get(key))
+
+
+def scored_indices(group: RolloutGroup) -> list[int]:
+    """The completions that have a score: not marked `unscorable` (every reward function of the
+    dataset source answered None, TRL's semantics): those are left out of every statistic."""
+    return [i for i in range(len(group.scores)) if not has_override(group, i, "unscorable")]
+
+
 def is_zero_variance(group: RolloutGroup, scores: list[float], cfg: AdvantageConfig) -> bool:
+    """Whether the group gives no advantage. Per estimator: `grpo` and `rloo` compare a completion
+    with its siblings, so equal scores carry nothing; `reinforce_pp` compares it with the whole
+    batch, so an all-correct group still carries signal (its advantage is r - batch mean) and is
+    never zero-variance by itself."""
     source = source_advantages(group, cfg)
     if source is not None:
         return all(a == 0.0 for a in source)
-    return max(scores) - min(scores) <= ZERO_VARIANCE_TOL
+    if cfg.estimator == "reinforce_pp":
+        return False
+    scored = [scores[i] for i in scored_indices(group)]
+    return not scored or max(scored) - min(scored) <= ZERO_VARIANCE_TOL
 
 
 def carries_signal(group: RolloutGroup, cfg: AdvantageConfig, completion_budget: int) -> bool:

@@ -92,9 +92,11 @@ def make_source(
     policy: Policy,
     cursor: dict[str, Any] | None,
     rejections: RejectionCounter,
+    prepared: Any = None,
 ) -> RolloutSource:
-    """The source `cfg.source.kind` names, handed its own section and the values it needs.
-    Blocking (the dataset source reads and tokenizes its file): run it in a worker thread."""
+    """The source `cfg.source.kind` names, handed its own section and the values it needs
+    (`prepared`: the dataset source's inputs, checked before launch by `prepare_dataset`).
+    Blocking (the dataset source tokenizes its rows): run it in a worker thread."""
     src = cfg.source
     if src.kind == "replay":
         from grpod.rollouts.replay import ReplaySource
@@ -123,8 +125,9 @@ def make_source(
         from grpod.rollouts.dataset import DatasetSource
 
         return DatasetSource(
-            src, tokenizer, policy, eval_cfg=cfg.eval, max_seq_len=cfg.model.max_seq_len,
+            src, tokenizer, policy, prepared=prepared, eval_cfg=cfg.eval, max_seq_len=cfg.model.max_seq_len,
             engine_wait_s=cfg.inference.start_timeout_s, dynamic_sampling=dynamic, cursor=cursor,
+            steps=cfg.train.steps,
         )
     from grpod.rollouts.builtin import BuiltinSource
 

@@ -29,6 +29,12 @@ all of them are zero. Groups without them fall back to the scores.
 
 A per-sequence override `{"set_advantage_to_zero": true}` zeroes that completion's advantage after
 the group statistics are computed: it still shapes its siblings' baseline but gets no gradient push.
+`{"unscorable": true}` (every reward function answered None) leaves the completion out of every
+statistic (group mean and std, batch and pooled spreads, zero variance) and gives it advantage 0,
+as TRL does with its NaN rewards.
+
+Zero variance is estimator-aware (`grpod.rollouts.signal.is_zero_variance`): under `reinforce_pp`
+the baseline is the batch's, so no group is dropped for equal scores of its own.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from dataclasses import dataclass, field
 
 from grpod.config import AdvantageConfig
 from grpod.rollouts.group import RolloutGroup
-from grpod.rollouts.signal import is_zero_variance, shaped_scores, source_advantages
+from grpod.rollouts.signal import has_override, is_zero_variance, scored_indices, shaped_scores, source_advantages
 
 EPS = 1e-6
 
@@ -64,12 +70,6 @@ def _std(values: list[float], kind: str) -> float:
     if kind == "sample":
         return math.sqrt(squares / (len(values) - 1)) if len(values) > 1 else 0.0
     return math.sqrt(squares / len(values))
-
-
-def _overridden_to_zero(group: RolloutGroup, i: int) -> bool:
-    if not group.overrides or i >= len(group.overrides):
-        return False
-    return bool((group.overrides[i] or {}).get("set_advantage_to_zero"))
 
 
 def _from_scores(scores: list[float], cfg: AdvantageConfig, batch: tuple[float, float], pooled_std: float) -> list[float]:
@@ -101,7 +101,9 @@ def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig, complet
         result.groups.append(group)
         kept_scores.append(scores)
 
-    from_scores = [s for g, s in zip(result.groups, kept_scores) if source_advantages(g, cfg) is None]
+    # Each kept group's scored completions (unscorable ones are in no statistic).
+    scored = [[scores[i] for i in scored_indices(g)] for g, scores in zip(result.groups, kept_scores)]
+    from_scores = [s for g, s in zip(result.groups, scored) if source_advantages(g, cfg) is None and s]
     every = [r for scores in from_scores for r in scores]
     residuals = [r - _mean(scores) for scores in from_scores for r in scores]
     batch = (_mean(every), _std(every, cfg.std)) if every else (0.0, 0.0)
@@ -110,9 +112,15 @@ def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig, complet
     for group, scores in zip(result.groups, kept_scores, strict=True):
         advantages = source_advantages(group, cfg)
         if advantages is None:
-            advantages = _from_scores(scores, cfg, batch, pooled_std)
+            indices = scored_indices(group)
+            advantages = [0.0] * len(scores)
+            if indices:
+                for i, a in zip(indices, _from_scores([scores[i] for i in indices], cfg, batch, pooled_std)):
+                    advantages[i] = a
         advantages = [
-            0.0 if _overridden_to_zero(group, i) else a * group.weight for i, a in enumerate(advantages)
+            0.0 if has_override(group, i, "set_advantage_to_zero") or has_override(group, i, "unscorable")
+            else a * group.weight
+            for i, a in enumerate(advantages)
         ]
         result.advantages.append(advantages)
     return result

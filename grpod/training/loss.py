@@ -43,9 +43,9 @@ the clip (and the clip metrics) mean what PPO means.
 The trainer/inference mismatch. vLLM's logprobs logp_inf reflect both numerical differences and
 staleness (async rollouts from older versions). `tis_mode` corrects for them with rho:
 
-    token_truncate     w_t = min(rho_t, C)                              (Yao et al.'s TIS)
+    token_truncate     w_t = clamp(rho_t, F, C)                         (Yao et al.'s TIS; F = 0: no floor)
     token_mask         w_t = rho_t if F <= rho_t <= C else 0
-    sequence_truncate  w_t = min(rho_s, C),  rho_s = prod over s's tokens of rho_t
+    sequence_truncate  w_t = clamp(rho_s, F, C),  rho_s = prod over s's tokens of rho_t
     sequence_mask      w_t = rho_s if F <= rho_s <= C else 0
     icepop             token_mask with a required floor F > 0 (a two-sided token mask)
     off                w_t = 1
@@ -59,7 +59,8 @@ The KL penalty toward a reference (vLLM's logprobs or a frozen model), d_t = log
 
     k1: K = d        k2: K = d^2 / 2        k3: K = exp(-d) + d - 1
 
-K is what is reported and added to the loss value. Its gradient is the same for the three: the
+K is what is reported and added to the loss value (k3's value clamped to at most kl_clamp: exp
+overflows for one badly mismatched token). Its gradient is the same for the three: the
 exact score-function gradient of KL(pi || ref), clamp(d, -kl_clamp, kl_clamp) grad logp (a
 sample's k3 differentiated as it stands would give the gradient of KL(ref || pi) instead). The
 tokens were sampled from pi_inference, so K is weighted like the objective: by w_t, and by sg(r_t)
@@ -217,7 +218,9 @@ def kl_penalty(logprobs: Tensor, reference_logprobs: Tensor, estimator: str, cla
     elif estimator == "k2":
         value = 0.5 * d * d
     elif estimator == "k3":
-        value = k3_kl(logprobs.detach(), reference_logprobs.detach())
+        # exp(d) overflows for one badly mismatched token (d = -92 logged loss = inf): the value is
+        # clamped like its gradient (verl clamps it to +-10 too).
+        value = k3_kl(logprobs.detach(), reference_logprobs.detach()).clamp(max=clamp)
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
     return value + d.clamp(-clamp, clamp) * (logprobs - logprobs.detach())
@@ -249,8 +252,10 @@ def mismatch_weights(
     if mode == "off":
         return MismatchWeights(torch.ones_like(rho), rho, nothing, nothing)
     if mode.endswith("truncate"):
-        truncated = has_inference & (rho > cap)
-        return MismatchWeights(torch.where(has_inference, rho.clamp(max=cap), 1.0), rho, truncated, nothing)
+        # tis_floor > 0 also raises small weights to the floor (TRL's clip_min).
+        truncated = has_inference & ((rho > cap) | (rho < floor))
+        clamped = rho.clamp(min=floor if floor > 0 else None, max=cap)
+        return MismatchWeights(torch.where(has_inference, clamped, 1.0), rho, truncated, nothing)
     if mode.endswith("mask") or mode == "icepop":
         masked = has_inference & ((rho > cap) | (rho < floor))
         weights = torch.where(has_inference, torch.where(masked, 0.0, rho), 1.0)

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from grpod.config import parse_config
 from grpod.rollouts.buffer import RolloutBuffer
+from grpod.rollouts.dataset import prepare_dataset
 from grpod.rollouts.source import make_source
 from grpod.rollouts.validation import RejectionCounter
 from tests.rollouts.conftest import scripted_policy
@@ -70,10 +71,14 @@ async def test_raising_reward_drops_its_groups_and_the_source_keeps_going(vllm_s
 
     async with vllm_server.client() as client:
         policy, _ = scripted_policy(client, version=0)  # the session's real server, always open
-        source = make_source(cfg, tokenizer, policy, None, RejectionCounter())
-        with anyio.fail_after(180):
-            await source.run(buffer, may_generate)  # one epoch, then it returns
-            result = await source.evaluate(cfg.eval.size, cfg.eval.max_tokens)
+        prepared = await prepare_dataset(cfg)
+        source = make_source(cfg, tokenizer, policy, None, RejectionCounter(), prepared)
+        try:
+            with anyio.fail_after(180):
+                await source.run(buffer, may_generate)  # one epoch, then it returns
+                result = await source.evaluate(cfg.eval.size, cfg.eval.max_tokens)
+        finally:
+            await source.aclose()
     groups = await buffer.take_available(len(buffer))
 
     assert source.stats.exhausted and source.cursor() == {"kind": "dataset", "epoch": 1, "position": 0}

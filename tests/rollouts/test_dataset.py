@@ -1,5 +1,8 @@
 """The dataset source without vLLM: loading the three formats, row errors, order and cursor,
-epochs, reward failures dropping groups, evaluation. A scripted client stands in for vLLM."""
+epochs, reward failures dropping groups, evaluation. A scripted client stands in for vLLM.
+
+A source whose functions run in the reward pool lives in one event loop (its workers' pipes do):
+those tests run their whole body in one `anyio.run` and close the source at its end."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from grpod.config import ConfigError, parse_config
 from grpod.inference.client import Completion
 from grpod.models.tiny import build_tokenizer
 from grpod.rollouts.buffer import RolloutBuffer
-from grpod.rollouts.dataset import DatasetError, DatasetSource, read_rows
+from grpod.rollouts.dataset import DatasetError, DatasetSource, prepare_dataset, read_rows
 from grpod.rollouts.source import make_source
 from grpod.rollouts.validation import RejectionCounter
 from tests.rollouts.conftest import scripted_policy
@@ -56,10 +59,20 @@ def right_answer(prompt_text: str) -> str:
     return str(2 * a)
 
 
-def source(tokenizer, cfg, answer_for=right_answer, cursor=None) -> DatasetSource:
+async def open_source(tokenizer, cfg, answer_for=right_answer, cursor=None) -> DatasetSource:
+    """The source of `cfg`, its inputs checked as the daemon checks them (`prepare_dataset`);
+    the caller closes it (`await src.aclose()`) when its functions run in the reward pool."""
     client = ScriptedClient(tokenizer, answer_for)
-    src = make_source(cfg, tokenizer, scripted_policy(client, version=3)[0], cursor, RejectionCounter())
+    prepared = await prepare_dataset(cfg)
+    src = make_source(cfg, tokenizer, scripted_policy(client, version=3)[0], cursor, RejectionCounter(), prepared)
     src.client = client
+    return src
+
+
+def source(tokenizer, cfg, answer_for=right_answer, cursor=None) -> DatasetSource:
+    """`open_source` for in-process functions (exact, last_number): no worker, any event loop."""
+    src = anyio.run(open_source, tokenizer, cfg, answer_for, cursor)
+    assert src.scorer.pool is None, "a pooled source must run in one event loop: use open_source"
     return src
 
 
@@ -192,8 +205,15 @@ def test_a_finite_number_of_epochs_exhausts_the_source(tmp_path, tokenizer):
 def test_a_group_is_scored_tagged_and_carries_each_functions_mean(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "t.jsonl", ROWS)
     cfg = config(path, rewards=[{"function": "exact", "weight": 2.0}, {"function": "regex_format", "pattern": "^1"}])
-    src = source(tokenizer, cfg, answer_for=lambda text: "14")
-    groups = [anyio.run(src.generate_group) for _ in range(12)]
+
+    async def main():
+        src = await open_source(tokenizer, cfg, answer_for=lambda text: "14")
+        try:
+            return src, [await src.generate_group() for _ in range(12)]
+        finally:
+            await src.aclose()
+
+    src, groups = anyio.run(main)
     by_row = {int(g.group_id.split("-")[-1]): g for g in groups}
     assert by_row[7].scores == [2.0 + 1.0, 2.0 + 1.0]  # 7+7 = 14 and starts with 1
     assert by_row[3].scores == [1.0, 1.0]  # wrong answer, right format
@@ -209,7 +229,7 @@ def test_reward_failures_drop_the_group_with_their_reason_and_the_source_goes_on
     path = write_jsonl(tmp_path / "t.jsonl", ROWS)
     module = tmp_path / "flaky.py"
     module.write_text(
-        "import math\n"
+        "import math, os, time\n"
         "def flaky(prompts, completions, completion_ids, answer, **kw):\n"
         "    if answer[0] == '4':\n"
         "        raise ValueError('no fours')\n"
@@ -220,21 +240,26 @@ def test_reward_failures_drop_the_group_with_their_reason_and_the_source_goes_on
         "    if answer[0] == '10':\n"
         "        return ['high', 'low']\n"
         "    if answer[0] == '12':\n"
-        "        RELEASE.wait(30)\n"
+        "        time.sleep(60)\n"
+        "    if answer[0] == '14':\n"
+        "        os._exit(3)\n"
         "    return [1.0] * len(completions)\n"
     )
-    src = source(tokenizer, config(path, dataset={"reward_timeout_s": 0.3},
-                                   rewards=[{"function": f"{module}:flaky"}]))
-    release = threading.Event()
-    src.functions[0].fn.__globals__["RELEASE"] = release
-    try:
-        groups = [anyio.run(src.generate_group) for _ in range(12)]
-    finally:
-        release.set()
-    assert sum(g is None for g in groups) == 5
-    assert src.stats.generated == 7 and src.stats.dropped == 5
+    cfg = config(path, dataset={"reward_timeout_s": 1.0, "reward_workers": 2}, rewards=[{"function": f"{module}:flaky"}])
+
+    async def main():
+        src = await open_source(tokenizer, cfg)
+        try:
+            with anyio.fail_after(60):
+                return src, [await src.generate_group() for _ in range(12)]
+        finally:
+            await src.aclose()
+
+    src, groups = anyio.run(main)
+    assert sum(g is None for g in groups) == 6
+    assert src.stats.generated == 6 and src.stats.dropped == 6
     assert src.stats.drop_reasons == {"reward_error": 1, "reward_nan": 1, "reward_bad_length": 1,
-                                      "reward_bad_type": 1, "reward_timeout": 1}
+                                      "reward_bad_type": 1, "reward_timeout": 1, "reward_crash": 1}
     assert all(g.scores == [1.0, 1.0] for g in groups if g is not None)
 
 
@@ -289,7 +314,14 @@ def test_the_shipped_example_task_is_reproducible_loads_and_scores(tmp_path, tok
     cfg.eval.dataset = EXAMPLE / "arith-word" / "eval.jsonl"
     cfg.source.dataset.rewards[0].function = f"{EXAMPLE / 'arith-word' / 'rewards.py'}:correct"
     answer = held_out[0]["answer"]
-    src = source(tokenizer, cfg, answer_for=lambda text: f"So the answer is {answer}.")
+
+    async def main():
+        src = await open_source(tokenizer, cfg, answer_for=lambda text: f"So the answer is {answer}.")
+        try:
+            return src, await src.evaluate(1, 8)
+        finally:
+            await src.aclose()
+
+    src, result = anyio.run(main)
     assert len(src.items) == 2000 and len(src.eval_items) == 100
-    result = anyio.run(src.evaluate, 1, 8)
     assert result["eval_accuracy"] == 1.0 and result["eval_mean_at_k"] == 1.0

@@ -1,9 +1,11 @@
-"""Reward functions: loading by name / import path / file path, the builtins, the weighted sum,
-and every failure mode turned into a RewardFailure with its reason."""
+"""Reward functions: TRL's calling convention (keywords, conversational data, async functions,
+None), the builtins, the two aggregations, the start-up probe, and every failure mode turned into
+a RewardFailure with its reason. The functions run in a real `RewardPool` (worker processes)."""
 
 from __future__ import annotations
 
-import threading
+import math
+from pathlib import Path
 
 import anyio
 import pytest
@@ -12,15 +14,46 @@ from grpod.config import RewardFunctionConfig
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.rewards import (
     RewardFailure,
-    RewardFunction,
     RewardLoadError,
+    TrainerState,
+    checked_rewards,
+    combine,
+    import_function,
     last_number,
-    load_reward_functions,
-    score_group,
+    reward_functions,
     step_reward_metrics,
 )
+from grpod.rollouts.scoring import RewardCall, RewardScorer
 
 pytestmark = pytest.mark.anyio
+
+# A reward module written exactly as TRL's documentation writes them (keyword call, **kwargs,
+# an async function, one answering None for some completions).
+TRL_STYLE = '''
+import asyncio
+
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion)) for completion in completions]
+
+def correct(prompts, completions, completion_ids, answer, **kwargs):
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+async def async_len(completions, **kwargs):
+    await asyncio.sleep(0)
+    return [float(len(c)) for c in completions]
+
+def only_numbers(completions, trainer_state, **kwargs):
+    assert trainer_state.global_step >= 0 and trainer_state.max_steps >= 0
+    return [1.0 if c.strip().isdigit() else None for c in completions]
+
+def logs(completions, log_metric, **kwargs):
+    log_metric("length", sum(len(c) for c in completions) / len(completions))
+    return [0.0] * len(completions)
+
+def spy(prompts, completions, completion_ids, **kwargs):
+    return [float(len(prompts) == len(completions) and kwargs["topic"] == ["sums"] * len(completions)
+                  and completion_ids[0] == [1, 2])] * len(completions)
+'''
 
 
 @pytest.fixture
@@ -28,15 +61,66 @@ def anyio_backend():
     return "asyncio"
 
 
-def _functions(*specs: dict) -> list[RewardFunction]:
-    return load_reward_functions([RewardFunctionConfig(**spec) for spec in specs])
+@pytest.fixture
+def module(tmp_path) -> Path:
+    path = tmp_path / "trl_style.py"
+    path.write_text(TRL_STYLE)
+    return path
 
 
-async def _score(functions, completions, timeout_s=5.0, **columns):
+def _functions(*specs: dict):
+    return reward_functions([RewardFunctionConfig(**spec) for spec in specs])
+
+
+def _call(completions, prompts=None, **columns) -> RewardCall:
     n = len(completions)
-    return await score_group(
-        functions, ["q"] * n, completions, [[1, 2]] * n, {k: [v] * n for k, v in columns.items()}, timeout_s
+    return RewardCall(prompts=prompts or ["q"] * n, completions=completions, completion_ids=[[1, 2]] * n,
+                      columns={k: [v] * n for k, v in columns.items()}, trainer_state=TrainerState(global_step=3, max_steps=9))
+
+
+async def _score(functions, completions, *, aggregation="sum", timeout_s=5.0, prompts=None, **columns):
+    scorer = RewardScorer(functions, aggregation=aggregation, timeout_s=timeout_s, workers=2, memory_mb=1024)
+    await scorer.start()
+    try:
+        return await scorer.score(_call(completions, prompts, **columns))
+    finally:
+        await scorer.aclose()
+
+
+async def test_a_trl_style_module_works_unchanged(module):
+    functions = _functions(
+        {"function": f"{module}:reward_len"}, {"function": f"{module}:correct"}, {"function": f"{module}:async_len"},
+        {"function": f"{module}:only_numbers"}, {"function": f"{module}:logs"}, {"function": f"{module}:spy"},
     )
+    result = await _score(functions, ["7", "eight"], answer="7", topic="sums")
+    # reward_len + correct + async_len + only_numbers (None for "eight") + logs + spy
+    assert result.scores == [-19 + 1 + 1 + 1 + 0 + 1, -15 + 0 + 5 + 0 + 1]
+    assert result.means["only_numbers"] == 1.0  # the None is left out of the function's mean
+    assert result.logged == {"length": 3.0}
+
+
+async def test_trls_shipped_reward_functions_run_on_conversational_data():
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    del accuracy_reward, think_format_reward  # imported above to fail loudly if TRL moved them
+    functions = _functions({"function": "trl.rewards:think_format_reward"}, {"function": "trl.rewards:accuracy_reward"})
+    completions = [[{"role": "assistant", "content": "<think>\nadd\n</think>\nso $\\boxed{\\frac{1}{2}}$"}],
+                   [{"role": "assistant", "content": "no tags, 3"}]]
+    prompts = [[{"role": "user", "content": "half?"}]] * 2
+    result = await _score(functions, completions, prompts=prompts, solution="$0.5$")
+    assert result.scores == [2.0, 0.0]
+
+
+def test_none_is_left_out_and_an_all_none_completion_is_unscorable():
+    assert combine([[1.0, None, None], [0.5, 2.0, None]], [1.0, 0.5], "sum") == [1.25, 1.0, None]
+
+
+def test_normalize_then_sum_normalises_each_function_in_the_group_first():
+    per_function = [[0.0, 1.0, 1.0, None], [10.0, 30.0, 20.0, 20.0]]
+    scores = combine(per_function, [1.0, 2.0], "normalize_then_sum")
+    first = [(r - 2 / 3) / (math.sqrt(1 / 3) + 1e-4) for r in (0.0, 1.0, 1.0)]
+    second = [(r - 20.0) / (math.sqrt(200 / 3) + 1e-4) for r in (10.0, 30.0, 20.0, 20.0)]
+    assert scores == pytest.approx([first[0] + 2 * second[0], first[1] + 2 * second[1], first[2] + 2 * second[2], 2 * second[3]])
 
 
 async def test_math_builtin_accepts_a_latex_gold_answer_for_a_decimal_completion():
@@ -45,11 +129,12 @@ async def test_math_builtin_accepts_a_latex_gold_answer_for_a_decimal_completion
     assert result.scores == [1.0, 0.0, 0.0]
 
 
-async def test_exact_and_last_number_builtins():
-    exact = await _score(_functions({"function": "exact"}), [" 42\n", "42.0", "x42"], answer="42")
-    assert exact.scores == [1.0, 0.0, 0.0]
-    last = await _score(_functions({"function": "last_number"}), ["3 + 39 = 42", "42.0", "42 then 7", "none"], answer="42")
-    assert last.scores == [1.0, 1.0, 0.0, 0.0]
+async def test_exact_and_last_number_builtins_run_in_process():
+    functions = _functions({"function": "exact"}, {"function": "last_number"})
+    scorer = RewardScorer(functions, aggregation="sum", timeout_s=1.0, workers=1, memory_mb=256)
+    assert scorer.pool is None  # linear-time checks: no worker needed
+    exact = await scorer.score(_call([" 42\n", "42.0", "x42"], answer="42"))
+    assert exact.means == {"exact": pytest.approx(1 / 3), "last_number": 1.0}  # "x42" ends in 42
     assert last_number("total: 1,234.5 apples") == 1234.5
     assert last_number("it is -7") == -7
 
@@ -60,93 +145,130 @@ async def test_regex_format_builtin_uses_the_functions_pattern():
     assert result.scores == [1.0, 0.0]
 
 
-async def test_functions_combine_as_a_weighted_sum_and_none_counts_zero(tmp_path):
-    module = tmp_path / "user_rewards.py"
-    module.write_text(
-        "def partial(prompts, completions, completion_ids, answer, **kw):\n"
-        "    return [None if c == 'skip' else 2.0 for c in completions]\n"
-    )
-    functions = _functions(
-        {"function": "exact", "weight": 0.5},
-        {"function": f"{module}:partial", "weight": 0.25},
-    )
-    result = await _score(functions, ["7", "8", "skip"], answer="7")
-    assert result.scores == [0.5 * 1 + 0.25 * 2, 0.25 * 2, 0.0]
-    # A function's mean excludes the completions it did not apply to.
-    assert result.means == {"exact": pytest.approx(1 / 3), "partial": 2.0}
+async def test_a_catastrophic_regex_costs_a_worker_not_the_event_loop():
+    functions = _functions({"function": "regex_format", "pattern": r"^(a+)+$"})
+    ticks = 0
 
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
 
-async def test_columns_arrive_as_lists_one_entry_per_completion(tmp_path):
-    module = tmp_path / "spy.py"
-    module.write_text(
-        "SEEN = {}\n"
-        "def spy(prompts, completions, completion_ids, **columns):\n"
-        "    SEEN.update(prompts=prompts, completions=completions, ids=completion_ids, columns=columns)\n"
-        "    return [1.0] * len(completions)\n"
-    )
-    (function,) = _functions({"function": f"{module}:spy"})
-    await _score([function], ["a", "b"], answer="1", topic="sums")
-    seen = function.fn.__globals__["SEEN"]
-    assert seen["prompts"] == ["q", "q"] and seen["completions"] == ["a", "b"] and seen["ids"] == [[1, 2], [1, 2]]
-    assert seen["columns"] == {"answer": ["1", "1"], "topic": ["sums", "sums"]}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        with pytest.raises(RewardFailure) as failure:
+            await _score(functions, ["a" * 40 + "b"], timeout_s=0.5)
+        tg.cancel_scope.cancel()
+    assert failure.value.reason == "reward_timeout"
+    assert ticks >= 20  # the loop kept running while the regex spun (0.5 s at least)
 
 
 def test_a_function_is_loaded_by_module_path():
-    (function,) = _functions({"function": "grpod.rollouts.rewards:exact_reward", "name": "mine"})
-    assert function.name == "mine" and function.fn.__name__ == "exact_reward"
+    assert import_function("grpod.rollouts.rewards:exact_reward").__name__ == "exact_reward"
 
 
-def test_unloadable_functions_are_load_errors_naming_the_spec(tmp_path):
-    with pytest.raises(RewardLoadError, match="no file"):
-        _functions({"function": f"{tmp_path}/absent.py:f"})
-    with pytest.raises(RewardLoadError, match="cannot import 'no_such_pkg_xyz.mod'"):
-        _functions({"function": "no_such_pkg_xyz.mod:f"})
+async def test_unloadable_functions_are_load_errors_naming_the_spec(tmp_path):
     (tmp_path / "m.py").write_text("x = 1\n")
-    with pytest.raises(RewardLoadError, match="no callable 'f'"):
-        _functions({"function": f"{tmp_path}/m.py:f"})
-
-
-def _user(tmp_path, body: str) -> list[RewardFunction]:
-    module = tmp_path / "bad_rewards.py"
-    module.write_text("import math, time\n" + body)
-    return _functions({"function": f"{module}:bad"})
+    (tmp_path / "syntax.py").write_text("def f(:\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(4)\n")
+    cases = {
+        f"{tmp_path}/absent.py:f": "no file",
+        "no_such_pkg_xyz.mod:f": "cannot import 'no_such_pkg_xyz.mod'",
+        f"{tmp_path}/m.py:f": "no callable 'f'",
+        f"{tmp_path}/syntax.py:f": "SyntaxError",
+        f"{tmp_path}/exits.py:f": r"SystemExit\(4\)",
+    }
+    for spec, expected in cases.items():
+        scorer = RewardScorer(_functions({"function": spec}), aggregation="sum", timeout_s=1, workers=1, memory_mb=512)
+        with pytest.raises(RewardLoadError, match=expected):
+            await scorer.start()
+        assert scorer.pool.pids() == []  # nothing left running
 
 
 @pytest.mark.parametrize(
     ("body", "reason", "detail"),
     [
-        ("def bad(prompts, completions, completion_ids, **kw):\n    raise KeyError('gold')\n", "reward_error", "KeyError"),
-        ("def bad(prompts, completions, completion_ids, **kw):\n    return [math.nan] * len(completions)\n", "reward_nan", "nan"),
-        ("def bad(prompts, completions, completion_ids, **kw):\n    return [math.inf] * len(completions)\n", "reward_nan", "inf"),
-        ("def bad(prompts, completions, completion_ids, **kw):\n    return [1.0]\n", "reward_bad_length", "1 rewards for 3"),
-        ("def bad(prompts, completions, completion_ids, **kw):\n    return ['1'] * len(completions)\n", "reward_bad_type", "'1'"),
-        ("def bad(prompts, completions, completion_ids, **kw):\n    return 1.0\n", "reward_bad_type", "float"),
+        ("def bad(completions, **kw):\n    raise KeyError('gold')\n", "reward_error", "KeyError"),
+        ("def bad(completions, **kw):\n    raise SystemExit(3)\n", "reward_error", "SystemExit(3)"),
+        ("def bad(completions, **kw):\n    raise KeyboardInterrupt\n", "reward_error", "KeyboardInterrupt"),
+        ("def bad(completions, **kw):\n    return [math.nan] * len(completions)\n", "reward_nan", "nan"),
+        ("def bad(completions, **kw):\n    return [1.0]\n", "reward_bad_length", "1 rewards for 3"),
+        ("def bad(completions, **kw):\n    return ['1'] * len(completions)\n", "reward_bad_type", "'1'"),
+        ("def bad(completions, **kw):\n    return 1.0\n", "reward_bad_type", "float"),
+        ("def bad(completions, **kw):\n    time.sleep(60)\n", "reward_timeout", "no result after 0.5 s"),
+        ("def bad(completions, **kw):\n    os._exit(9)\n", "reward_crash", "exited with status 9"),
+        ("def bad(completions, **kw):\n    ctypes.string_at(0)\n", "reward_crash", "SIGSEGV"),
+        ("def bad(completions, **kw):\n    x = []\n    while True:\n        x.append(bytearray(10**7))\n",
+         "reward_memory", "reward_memory_mb"),
     ],
 )
 async def test_each_failure_mode_is_a_reward_failure_with_its_reason(tmp_path, body, reason, detail):
-    with pytest.raises(RewardFailure) as failure:
-        await _score(_user(tmp_path, body), ["a", "b", "c"])
-    assert failure.value.reason == reason
-    assert failure.value.function == "bad"
-    assert detail in str(failure.value)
-
-
-async def test_a_hung_function_times_out_and_is_abandoned(tmp_path):
-    release = threading.Event()
-    functions = _user(tmp_path, "def bad(prompts, completions, completion_ids, **kw):\n    EVENT.wait(30)\n    return [1.0]\n")
-    functions[0].fn.__globals__["EVENT"] = release
+    module = tmp_path / "bad_rewards.py"
+    module.write_text("import ctypes, math, os, time\n" + body)
+    scorer = RewardScorer(_functions({"function": f"{module}:bad"}), aggregation="sum", timeout_s=0.5, workers=1,
+                          memory_mb=300)
+    await scorer.start()
     try:
-        with anyio.fail_after(10):  # the source stops waiting after reward_timeout_s, not 30 s
-            with pytest.raises(RewardFailure) as failure:
-                await _score(functions, ["a"], timeout_s=0.2)
-        assert failure.value.reason == "reward_timeout"
+        with anyio.fail_after(20), pytest.raises(RewardFailure) as failure:
+            await scorer.score(_call(["a", "b", "c"]))
+        assert failure.value.reason == reason and failure.value.function == "bad"
+        assert detail in str(failure.value)
+        # The pool is whole again: a worker answers the next call (and fails it the same way).
+        assert len(scorer.pool.pids()) == 1
     finally:
-        release.set()
+        await scorer.aclose()
+    assert scorer.pool.pids() == []
 
 
-def test_step_metrics_average_each_functions_group_means():
-    def group(means):
-        return RolloutGroup(tokens=[[1]], loss_mask=[[1]], scores=[0.0], extra={"reward_means": means} if means else {})
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("def f(prompts, completions, completion_ids, answer):\n    return [0.0] * len(completions)\n",
+         "unexpected keyword argument 'trainer_state'"),
+        ("def f(completions, **kw):\n    return 1.0\n", "returned float"),
+        ("def f(completions, **kw):\n    import no_such_module_xyz\n", "No module named 'no_such_module_xyz'"),
+    ],
+)
+async def test_the_probe_stops_a_function_written_for_another_call(tmp_path, body, expected):
+    module = tmp_path / "wrong.py"
+    module.write_text(body)
+    scorer = RewardScorer(_functions({"function": f"{module}:f"}), aggregation="sum", timeout_s=2, workers=1, memory_mb=512)
+    await scorer.start()
+    try:
+        with pytest.raises(RewardLoadError) as err:
+            await scorer.probe(_call(["0", "0"], answer="1"), "train.jsonl: row 1")
+    finally:
+        await scorer.aclose()
+    message = str(err.value)
+    assert "'f'" in message and str(module) in message and "row 1" in message and expected in message
+    assert "f(prompts=..., completions=..." in message  # what grpod expected
 
-    metrics = step_reward_metrics([group({"a": 1.0, "b": 0.0}), group({"a": 0.0}), group(None)])
-    assert metrics == {"reward/a": 0.5, "reward/b": 0.0}
+
+async def test_the_probe_only_warns_when_a_function_rejects_the_placeholder(tmp_path):
+    module = tmp_path / "picky.py"
+    module.write_text("def f(completions, **kw):\n    return [float(int(c) / 0) for c in completions]\n")
+    scorer = RewardScorer(_functions({"function": f"{module}:f"}), aggregation="sum", timeout_s=2, workers=1, memory_mb=512)
+    await scorer.start()
+    try:
+        warnings = await scorer.probe(_call(["0", "0"]), "train.jsonl: row 1")
+    finally:
+        await scorer.aclose()
+    assert len(warnings) == 1 and "ZeroDivisionError" in warnings[0]
+
+
+def test_checked_rewards_takes_arrays_and_refuses_booleans():
+    import numpy as np
+
+    assert checked_rewards("f", np.array([1.0, 0.5]), 2) == [1.0, 0.5]
+    with pytest.raises(RewardFailure, match="not a number"):
+        checked_rewards("f", [True, False], 2)
+
+
+def test_step_metrics_average_each_functions_group_means_and_logged_values():
+    def group(means, logged=None):
+        extra = ({"reward_means": means} if means else {}) | ({"reward_logged": logged} if logged else {})
+        return RolloutGroup(tokens=[[1]], loss_mask=[[1]], scores=[0.0], extra=extra)
+
+    metrics = step_reward_metrics([group({"a": 1.0, "b": 0.0}, {"len": 4.0}), group({"a": 0.0}, {"len": 2.0}), group(None)])
+    assert metrics == {"reward/a": 0.5, "reward/b": 0.0, "reward_log/len": 3.0}

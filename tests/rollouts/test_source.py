@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import anyio
 import pytest
 
 from grpod.config import load_config
@@ -32,14 +33,15 @@ def test_the_atropos_source_counts_conversion_rejects_in_the_daemons_counter(run
 
 def test_the_dataset_source_is_made_from_the_config_and_resumes_its_cursor(run, tmp_path):
     from grpod.models.tiny import build_tokenizer
-    from grpod.rollouts.dataset import DatasetSource
+    from grpod.rollouts.dataset import DatasetSource, prepare_dataset
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(5)))
     cfg = load_config(None, [*run, "source.kind=dataset", f"source.dataset.path={str(data)!r}",
                              'source.dataset.rewards=[{function = "last_number"}]'])
     cursor = {"kind": "dataset", "epoch": 2, "position": 3}
-    source = make_source(cfg, build_tokenizer(), SimpleNamespace(version=0), cursor, RejectionCounter())
+    prepared = anyio.run(prepare_dataset, cfg)
+    source = make_source(cfg, build_tokenizer(), SimpleNamespace(version=0), cursor, RejectionCounter(), prepared)
     assert isinstance(source, DatasetSource) and source.cursor() == cursor and len(source.items) == 5
     # A checkpoint of the builtin run is not resumed by a dataset run.
     with pytest.raises(ResumeMismatch, match="source_kind: checkpoint 'builtin', config 'dataset'"):

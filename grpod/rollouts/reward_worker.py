@@ -1,0 +1,148 @@
+"""A reward worker: one child process of the daemon's `RewardPool` that runs user reward code.
+
+Run as `python -m grpod.rollouts.reward_worker '<json list of function specs>' <memory_mb>`. It
+imports every function once, says so (or why not) in its first frame, then answers calls one at a
+time until its standard input closes. Frames both ways are an 8-byte big-endian length and a
+pickle (`read_frame` / `write_frame`); the parent never unpickles anything but plain lists, dicts,
+strings and numbers from it.
+
+What the process does so that user code cannot hurt the daemon or the protocol:
+- the protocol runs on private copies of fds 0 and 1; fd 1 then points at fd 2, so a `print` in a
+  reward function goes to the worker's log, never into a frame;
+- `PR_SET_PDEATHSIG(SIGKILL)`: the kernel kills the worker if the daemon dies, even mid-call;
+- `RLIMIT_DATA` of `memory_mb`: an allocation past the cap raises MemoryError in the user's code
+  (reported as `reward_memory`; the pool then replaces the worker);
+- every `BaseException` from user code (SystemExit, KeyboardInterrupt included) is a failed call,
+  not the end of the process; `os._exit`, a segfault, a hang are seen and handled by the parent;
+- math-verify's own timeouts work here (they use SIGALRM, which needs the main thread: every call
+  runs on the worker's main thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import inspect
+import json
+import os
+import pickle
+import resource
+import signal
+import struct
+import sys
+from typing import Any, BinaryIO
+
+HEADER = struct.Struct(">Q")
+# A frame larger than this is a broken protocol, not a reward (a group's kwargs are kilobytes).
+MAX_FRAME = 256 * 1024 * 1024
+PR_SET_PDEATHSIG = 1
+
+
+def write_frame(stream: BinaryIO, message: Any) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def read_frame(stream: BinaryIO) -> Any | None:
+    """The next message, or None at end of input."""
+    header = stream.read(HEADER.size)
+    if len(header) < HEADER.size:
+        return None
+    (size,) = HEADER.unpack(header)
+    if size > MAX_FRAME:
+        raise ValueError(f"frame of {size} bytes")
+    data = stream.read(size)
+    if len(data) < size:
+        return None
+    return pickle.loads(data)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the closed stdin still ends an idle worker
+        pass
+    if os.getppid() == 1:  # the daemon died before the prctl took effect
+        os._exit(1)
+
+
+def _cap_memory(memory_mb: int) -> None:
+    limit = memory_mb * 1024 * 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+
+
+def _describe(exc: BaseException) -> str:
+    return f"raised {exc!r}"[:2000]
+
+
+class _Calls:
+    """The loaded functions and how one call of one of them is made."""
+
+    def __init__(self, functions: list[Any]) -> None:
+        self.functions = functions
+        self.loop = asyncio.new_event_loop()
+
+    def call(self, index: int, kwargs: dict[str, Any]) -> tuple:
+        from grpod.rollouts.rewards import RewardFailure, checked_rewards
+
+        name, fn = self.functions[index]
+        logged: dict[str, list[float]] = {}
+
+        def log_metric(key: str, value: float) -> None:
+            logged.setdefault(str(key), []).append(float(value))
+
+        def log_extra(column: str, values: list) -> None:  # TRL's completions table: nothing to show here
+            del column, values
+
+        n = len(kwargs["completions"])
+        try:
+            returned = fn(**kwargs, log_metric=log_metric, log_extra=log_extra)
+            if inspect.isawaitable(returned):
+                returned = self.loop.run_until_complete(returned)
+            rewards = checked_rewards(name, returned, n)
+        except RewardFailure as failure:
+            return ("failed", failure.reason, failure.detail, "")
+        except MemoryError as exc:
+            return ("failed", "reward_memory", f"{_describe(exc)}: over reward_memory_mb", type(exc).__name__)
+        except BaseException as exc:  # noqa: BLE001 — SystemExit and KeyboardInterrupt from user code included
+            return ("failed", "reward_error", _describe(exc), type(exc).__name__)
+        metrics = {key: sum(values) / len(values) for key, values in logged.items() if values}
+        return ("ok", rewards, metrics)
+
+
+def _load(specs: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    from grpod.rollouts.rewards import resolve_function
+
+    return [(spec["name"], resolve_function(spec["function"], spec.get("pattern"))) for spec in specs]
+
+
+def main(argv: list[str]) -> int:
+    specs, memory_mb = json.loads(argv[0]), int(argv[1])
+    _die_with_parent()
+    requests = os.fdopen(os.dup(0), "rb")
+    replies = os.fdopen(os.dup(1), "wb")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        _cap_memory(memory_mb)
+        calls = _Calls(_load(specs))
+    except BaseException as exc:  # noqa: BLE001 — a module that raises or exits at import
+        write_frame(replies, ("load_error", str(exc) or repr(exc)))
+        return 0
+    write_frame(replies, ("ready", [name for name, _ in calls.functions]))
+    while True:
+        message = read_frame(requests)
+        if message is None:
+            return 0
+        _, index, kwargs = message
+        write_frame(replies, calls.call(index, kwargs))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
