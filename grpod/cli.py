@@ -83,6 +83,16 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     cfg = _load(args.path, args.overrides)
+    if cfg.source.kind == "dataset":  # the rows and the reward functions, checked as `grpod start` checks them
+        import anyio
+
+        from grpod.rollouts.dataset import prepare_dataset
+
+        async def check() -> None:
+            prepared = await prepare_dataset(cfg)
+            await prepared.scorer.aclose()
+
+        anyio.run(check)
     if args.print:
         print(json.dumps(cfg.model_dump(mode="json"), indent=2))
     else:
@@ -146,6 +156,7 @@ def _render_status(result: dict) -> str:
         ("queue depth", result.get("queue_depth")),
         ("rejected groups", result.get("rejected")),
         ("source", _render_source(result.get("source"))),
+        ("reward workers", _reward_pool_row((result.get("source") or {}).get("reward_pool"))),
         ("logprob gap alarm", (result.get("alarms") or {}).get("logprob_gap")),
         ("source alarm", _source_alarm_row((result.get("alarms") or {}).get("source"))),
         ("last step age (s)", hb.get("last_progress_age_s")),
@@ -223,6 +234,15 @@ def _startup_row(startup: dict | None) -> str | None:
     if not startup:
         return None
     return ", ".join(f"{name.removesuffix('_s')} {seconds:.1f}" for name, seconds in startup.items())
+
+
+def _reward_pool_row(pool: dict | None) -> str | None:
+    """"2/2 up, 120 calls (1.2 ms mean), 3 replaced, failed {'reward_timeout': 3}"."""
+    if not pool:
+        return None
+    line = (f"{pool['workers']}/{pool['size']} up, {pool['calls']} calls ({pool.get('mean_call_ms')} ms mean), "
+            f"{pool['replaced']} replaced")
+    return line + (f", failed {pool['failed']}" if pool.get("failed") else "")
 
 
 def _render_source(source: dict | None) -> str | None:

@@ -79,6 +79,17 @@ class DaemonCollector:
             value=tokens / seconds if tokens and seconds else 0.0,
         )
         yield GaugeMetricFamily("grpod_reward_mean", "Mean reward of the last step", value=metrics.get("reward_mean") or 0.0)
+        source = status.get("source") or {}
+        per_function = GaugeMetricFamily(
+            "grpod_reward_function_mean", "Each reward function's mean over the latest groups", labels=["function"]
+        )
+        for name, mean in (source.get("reward_means") or {}).items():
+            per_function.add_metric([name], mean)
+        yield per_function
+        dropped = CounterMetricFamily("grpod_source_dropped_groups", "Groups the source dropped, by reason", labels=["reason"])
+        for reason, count in (source.get("drop_reasons") or {}).items():
+            dropped.add_metric([reason], count)
+        yield dropped
         alarms = status.get("alarms") or {}
         active = GaugeMetricFamily("grpod_alarm", "1 while the named alarm is raised", labels=["alarm"])
         for name, alarm in alarms.items():

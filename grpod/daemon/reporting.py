@@ -195,7 +195,8 @@ class Reporter:
     def _source_status(self) -> dict[str, Any] | None:
         if self.source is None:
             return None
-        return {"kind": self.source.kind, "cursor": self.source.cursor(), **vars(self.source.stats)}
+        stats = {k: v for k, v in vars(self.source.stats).items() if not k.startswith("_")}
+        return {"kind": self.source.kind, "cursor": self.source.cursor(), **stats}
 
     def summary(self) -> None:
         """The run's last lines on the console: why it stopped, accuracy before/after, checkpoint."""

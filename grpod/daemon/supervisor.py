@@ -139,6 +139,7 @@ class Supervisor:
             self._fail(f"{type(failure).__name__}: {failure}")
             if isinstance(failure, INPUT_ERRORS):
                 self.progress.exit_code = 2  # what to resume from is the operator's to fix
+                print(f"grpod: {failure}", file=sys.stderr, flush=True)  # once, as written (check-config's words)
             await self._stop_inference()
         finally:
             self.notifier.close()

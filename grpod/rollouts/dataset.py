@@ -36,7 +36,8 @@ from __future__ import annotations
 import json
 import random
 import tempfile
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ from grpod.rollouts.rewards import (
     RewardFailure,
     RewardFunction,
     TrainerState,
+    missing_file,
     reward_functions,
 )
 from grpod.rollouts.sampling_source import SamplingSource, SamplingStats
@@ -101,10 +103,25 @@ class DatasetItem:
     reward_prompt: Any = None
 
 
+# `ctl status` shows each reward function's mean over this many of the latest groups.
+STATUS_GROUPS = 64
+
+
 @dataclass
 class DatasetStats(SamplingStats):
     epoch: int = 0
     reward_s: float = 0.0
+    # Per function: its mean reward over the latest STATUS_GROUPS groups (None left out).
+    reward_means: dict[str, float] = field(default_factory=dict)
+    # The reward workers: size, calls, failures by reason, replaced workers, mean call time.
+    reward_pool: dict[str, Any] | None = None
+    _recent: dict[str, deque] = field(default_factory=dict, repr=False)
+
+    def scored(self, means: dict[str, float]) -> None:
+        for name, mean in means.items():
+            recent = self._recent.setdefault(name, deque(maxlen=STATUS_GROUPS))
+            recent.append(mean)
+            self.reward_means[name] = round(sum(recent) / len(recent), 6)
 
 
 def _first_bad_json_line(path: Path) -> str | None:
@@ -272,6 +289,8 @@ async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None) -> 
     is wrong. The caller owns the returned scorer (`await prepared.scorer.aclose()`)."""
     dcfg = cfg.source.dataset
     functions = reward_functions(dcfg.rewards)
+    for function in functions:  # a missing file is said before a worker starts
+        missing_file(function.function)
     rows = await anyio.to_thread.run_sync(load_rows, dcfg.path, dcfg, functions)
     eval_rows = []
     if cfg.eval.dataset is not None:
@@ -401,9 +420,11 @@ class DatasetSource(SamplingSource):
         )
         started = anyio.current_time()
         try:
-            return await self.scorer.score(call)
+            scored = await self.scorer.score(call)
         finally:
             self.stats.reward_s += anyio.current_time() - started
+            self.stats.reward_pool = self.scorer.describe()
+        return scored
 
     def _warn(self, reason: str, **fields: Any) -> None:
         """One console line per reason per WARNING_EVERY_S, saying how many were not shown."""
@@ -431,6 +452,7 @@ class DatasetSource(SamplingSource):
             self._warn(failure.reason, function=failure.function, error=failure.detail[:300],
                        path=str(self.dcfg.path), row=item.row + 1)
             return None
+        self.stats.scored(scored.means)
         unscorable = scored.unscorable
         if all(unscorable):
             self.stats.drop(UNSCORABLE)

@@ -56,7 +56,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from grpod.config import RewardFunctionConfig
+from grpod.config import ConfigError, RewardFunctionConfig
 
 # What `SourceStats.drop` counts when a reward function fails, by failure.
 REWARD_FAILURE_REASONS = (
@@ -77,8 +77,9 @@ NORMALIZE_EPS = 1e-4
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
-class RewardLoadError(Exception):
-    """A reward function named in the config cannot be imported, or fails its start-up call."""
+class RewardLoadError(ConfigError):
+    """A reward function named in the config cannot be imported, or fails its start-up call (an
+    input error: `grpod start` and `grpod check-config` exit 2)."""
 
 
 class RewardFailure(Exception):
@@ -212,13 +213,19 @@ BUILTINS: dict[str, Callable[..., Any]] = {
 # ---- loading --------------------------------------------------------------------------------
 
 
+def missing_file(spec: str) -> None:
+    """RewardLoadError when `spec` names a file ("path/to/file.py:attr") that does not exist."""
+    target = spec.rpartition(":")[0]
+    if (target.endswith(".py") or "/" in target) and not Path(target).is_file():
+        raise RewardLoadError(f"reward function {spec!r}: no file {target} (relative paths start at {Path.cwd()})")
+
+
 def import_function(spec: str) -> Callable[..., Any]:
     """The callable `spec` names: "package.module:attr" or "path/to/file.py:attr"."""
     target, _, attr = spec.rpartition(":")
     if target.endswith(".py") or "/" in target:
+        missing_file(spec)
         path = Path(target)
-        if not path.is_file():
-            raise RewardLoadError(f"reward function {spec!r}: no file {path} (relative paths start at {Path.cwd()})")
         module_name = f"grpod_rewards_{abs(hash(str(path.resolve())))}"
         module = sys.modules.get(module_name)
         if module is None:
