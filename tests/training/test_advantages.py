@@ -121,3 +121,28 @@ def test_overlong_shaping_is_dapos_soft_punishment():
     # shaped scores [1 - 2 * 0.5, 1] = [0, 1]: no longer zero-variance, advantages [-0.5, 0.5]
     assert result.dropped_zero_variance == 0 and result.overlong_penalized == 1
     assert result.advantages[0] == pytest.approx([-0.5, 0.5])
+
+
+def test_reinforce_pp_keeps_all_equal_groups_that_carry_signal_against_the_batch():
+    cfg = AdvantageConfig(estimator="reinforce_pp", drop_zero_variance=True)
+    groups = [group([1, 1, 1, 1]), group([1, 0, 0, 0]), group([0, 0, 1, 0])]
+    result = compute_advantages(groups, cfg)
+    assert result.dropped_zero_variance == 0 and len(result.groups) == 3
+    every = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0]
+    m = sum(every) / len(every)
+    s = math.sqrt(sum((r - m) ** 2 for r in every) / (len(every) - 1))
+    assert result.advantages[0] == pytest.approx([(1 - m) / (s + EPS)] * 4)  # 0.96 each, not dropped
+    # Under grpo the same all-correct group has nothing against its siblings and is dropped.
+    assert compute_advantages(groups, AdvantageConfig(drop_zero_variance=True)).dropped_zero_variance == 1
+
+
+def test_an_unscorable_completion_is_left_out_of_the_baseline_and_gets_zero():
+    unscorable = [{}, {"unscorable": True}, {}, {}]
+    result = compute_advantages([group([1.0, 0.0, 0.0, 1.0], overrides=unscorable)], AdvantageConfig())
+    scored = [1.0, 0.0, 1.0]  # the three scored completions; the placeholder 0.0 enters nothing
+    m = sum(scored) / 3
+    s = math.sqrt(sum((r - m) ** 2 for r in scored) / 2)
+    assert result.advantages[0] == pytest.approx([(1 - m) / (s + EPS), 0.0, (0 - m) / (s + EPS), (1 - m) / (s + EPS)])
+    # Equal scores among the scored ones: zero variance, whatever the placeholder says.
+    equal = compute_advantages([group([1.0, 0.0, 1.0, 1.0], overrides=unscorable)], AdvantageConfig(drop_zero_variance=True))
+    assert equal.dropped_zero_variance == 1

@@ -400,3 +400,22 @@ def test_entropy_bonus_adds_minus_eta_times_entropy():
     assert entropy.grad.tolist() == pytest.approx([-0.01 / 8] * 4)
     assert loss.item() == pytest.approx(sum(-a / 8 for a in ADV) - 0.01 * 5.0 / 8, rel=1e-6)
     assert stats.as_metrics()["entropy"] == pytest.approx(1.25)
+
+
+def test_a_floor_raises_small_weights_in_the_truncate_modes_as_trls_clip_min():
+    rho = [math.exp(lp - inf) for lp, inf in zip(LOGP, INFERENCE)]  # [1.22, 0.37, 1.0, 4.48]
+    floored = weights_for("token_truncate", floor=0.5)
+    assert floored.weights.tolist() == pytest.approx([rho[0], 0.5, rho[2], 2.0])
+    assert floored.truncated.tolist() == [False, True, False, True]
+    rho0 = math.exp(sum(lp - inf for lp, inf in zip(LOGP[:3], INFERENCE[:3])))  # 0.449
+    assert weights_for("sequence_truncate", floor=0.5).weights.tolist() == pytest.approx([0.5] * 3 + [2.0])
+    assert weights_for("sequence_truncate").weights.tolist() == pytest.approx([rho0] * 3 + [2.0])  # no floor: as before
+
+
+def test_the_k3_value_of_a_badly_mismatched_token_is_clamped_not_inf():
+    logp = torch.tensor([-95.0, -1.0], requires_grad=True)
+    ref = torch.tensor([-3.0, -1.0])  # d = logp_ref - logp = 92: exp(92) overflows fp32
+    term = kl_penalty(logp, ref, "k3", clamp=10.0)
+    assert torch.isfinite(term).all() and term.detach().tolist() == pytest.approx([10.0, 0.0])
+    term.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-10.0, 0.0])  # the gradient's clamp, unchanged
