@@ -49,7 +49,7 @@ class _Section(BaseModel):
             if isinstance(value, bool):
                 raise ValueError(f"expected a number, not the boolean {str(value).lower()}")
             if isinstance(value, str):  # pydantic would parse "1" or "1e-5": a number is written as one
-                raise ValueError(f"expected a number, not the string {shown(value, 40)}")
+                raise ValueError(f"expected a valid number, not the string {shown(value, 40)}")
             if abs(value) > _INT64_MAX:  # a counter or size beyond any use, and beyond torch's int64
                 raise ValueError(f"{value.bit_length()}-bit integer: out of range (at most {_INT64_MAX})")
         return value

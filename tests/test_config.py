@@ -190,7 +190,7 @@ def test_dataset_reward_specs_are_checked_naming_the_key(rewards, fragment):
         ("train.loss.clip_high=-inf", "train.loss.clip_high: Input should be a finite number"),
         ("source.fail_after_s=inf", "source.fail_after_s: Input should be a finite number"),
         ("train.steps=false", "train.steps: Value error, expected a number, not the boolean false"),
-        ('train.lr="1"', "train.lr: Value error, expected a number, not the string '1'"),
+        ('train.lr="1"', "train.lr: Value error, expected a valid number, not the string '1'"),
     ],
 )
 def test_no_infinite_nan_or_boolean_number_anywhere(tmp_path, override, fragment):
