@@ -368,7 +368,7 @@ class DatasetSource(SamplingSource):
         self.position = int((cursor or {}).get("position", 0))
         self._order_epoch, self._order = -1, []
         self.dynamic_sampling = dynamic_sampling
-        self._warned: dict[str, tuple[float, int]] = {}
+        self._warned: dict[tuple[str, str], tuple[float, int]] = {}
         log.info("dataset_loaded", path=str(self.dcfg.path), rows=len(self.items), eval_rows=len(self.eval_items),
                  rewards=[f.name for f in self.functions], epoch=self.epoch, position=self.position)
 
@@ -426,16 +426,16 @@ class DatasetSource(SamplingSource):
             self.stats.reward_pool = self.scorer.describe()
         return scored
 
-    def _warn(self, reason: str, **fields: Any) -> None:
-        """One console line per reason per WARNING_EVERY_S, saying how many were not shown."""
+    def _warn(self, reason: str, event: str = "reward_failed", **fields: Any) -> None:
+        """One console line per event and reason per WARNING_EVERY_S, saying how many were not
+        shown (a function failing on every group must not print a line per group)."""
         now = anyio.current_time()
-        last, held = self._warned.get(reason, (None, 0))
+        last, held = self._warned.get((event, reason), (None, 0))
         if last is not None and now - last < WARNING_EVERY_S:
-            self._warned[reason] = (last, held + 1)
+            self._warned[(event, reason)] = (last, held + 1)
             return
-        self._warned[reason] = (now, 0)
-        log.warning("reward_failed", reason=reason, **fields,
-                    **({"same_failures_not_shown": held} if held else {}))
+        self._warned[(event, reason)] = (now, 0)
+        log.warning(event, reason=reason, **fields, **({"same_failures_not_shown": held} if held else {}))
 
     async def generate_group(self) -> RolloutGroup | None:
         drawn = self._draw()
@@ -483,8 +483,8 @@ class DatasetSource(SamplingSource):
                 scored = await self.score(item, completions)
             except RewardFailure as failure:
                 failures += 1
-                log.warning("eval_reward_failed", reason=failure.reason, function=failure.function, row=item.row + 1,
-                            error=failure.detail[:300])
+                self._warn(failure.reason, event="eval_reward_failed", function=failure.function, row=item.row + 1,
+                           error=failure.detail[:300])
                 return 0
             return sum(score is not None and score >= threshold for score in scored.scores)
 

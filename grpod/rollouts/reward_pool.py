@@ -12,9 +12,9 @@ Guarantees:
   exit status or signal, and is replaced;
 - a worker over `memory_mb` (its RLIMIT_DATA raises MemoryError in the user's code, and the pool
   also watches its RSS) fails the call as `reward_memory` and is replaced;
-- at most `max_outstanding` calls wait or run at once (`reward_overloaded` beyond); a waiting call
-  gets a worker within `timeout_s` per `workers` calls ahead of it, since each of those ends by
-  then;
+- at most `max_outstanding` calls wait or run at once (`reward_overloaded` beyond: a source far
+  ahead of its workers); a waiting call gets a worker within `timeout_s` per `workers` calls ahead
+  of it, since each of those ends by then (a slow worker is killed at `timeout_s`);
 - `aclose()` kills every worker and waits for each; the kernel kills them if the daemon dies.
 
 Nothing here blocks the event loop: the pipes are anyio streams, the kill and the reaping are
@@ -99,7 +99,7 @@ class RewardPool:
         self.memory_mb = memory_mb
         self.start_timeout_s = start_timeout_s
         self.log_path = log_path
-        self.max_outstanding = max_outstanding or max(64, 16 * workers)
+        self.max_outstanding = max_outstanding or max(1024, 64 * workers)
         self.stats = PoolStats()
         self._idle_send, self._idle_receive = anyio.create_memory_object_stream[_Worker](workers)
         self._live: dict[int, _Worker] = {}
