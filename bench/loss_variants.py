@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from grpod.daemon.logs import read_metrics
+from grpod.service.logs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

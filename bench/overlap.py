@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from grpod.daemon.logs import read_metrics
+from grpod.service.logs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

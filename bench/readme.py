@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grpod.daemon.logs import read_metrics  # noqa: E402
+from grpod.service.logs import read_metrics  # noqa: E402
 
 
 def timed(argv: list[str]) -> float:

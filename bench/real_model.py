@@ -40,7 +40,7 @@ from pathlib import Path
 
 import psutil
 
-from grpod.daemon.logs import read_metrics
+from grpod.service.logs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "etc" / "examples" / "smollm2-dataset.toml"

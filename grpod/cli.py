@@ -66,7 +66,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.resume:
         overrides.append(f"run.resume={json.dumps(args.resume)}")
     cfg = _load(args.config, overrides)
-    from grpod.daemon.ranks import run_rank, under_torchrun
+    from grpod.daemon.ranks import run_rank
+    from grpod.daemon.torchrun import under_torchrun
 
     if under_torchrun():  # one of several trainer ranks: rank 0 runs the daemon, the others follow
         return run_rank(cfg, config_path=args.config, overrides=overrides)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpod.daemon.logs import MetricsFileError, read_metrics
+from grpod.service.logs import MetricsFileError, read_metrics
 
 PANELS = (
     # "reward/*": each reward function of a dataset source (reward/<name>), when the run has them.

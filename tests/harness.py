@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 
 from grpod.daemon.control import ControlError, request
-from grpod.daemon.logs import read_metrics
+from grpod.service.logs import read_metrics
 from grpod.inference.release import group_members
 
 ROOT = Path(__file__).resolve().parents[1]

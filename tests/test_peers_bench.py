@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from grpod.daemon import logs
-from grpod.daemon.logs import MetricsLog
+from grpod.service.logs import MetricsLog
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.replay import record_groups
 

@@ -37,7 +37,7 @@ from grpod.config import GrpodConfig, load_config  # noqa: E402
 from grpod.rollouts.arithmetic import Problem, instruct_question  # noqa: E402
 from grpod.rollouts.dataset import prepare_dataset, read_rows  # noqa: E402
 from grpod.rollouts.rewards import TrainerState, checked_rewards, combine, resolve_function  # noqa: E402
-from grpod.rollouts.source import make_source  # noqa: E402
+from grpod.rollouts.kinds import make_source  # noqa: E402
 from grpod.rollouts.validation import RejectionCounter  # noqa: E402
 
 # Keys TRL itself passes to reward functions or reads from a dataset row; a dataset column with one

@@ -48,7 +48,7 @@ from grpod.agent.api import (
 )
 from grpod.agent.hosted import EngineFailed, HostedEngine
 from grpod.config import ConfigError, GrpodConfig, InferenceConfig
-from grpod.daemon.notify import SystemdNotifier
+from grpod.service.notify import SystemdNotifier
 from grpod.inference import release
 from grpod.inference.process import InferenceProcess, UnsafeBindError, engine_env
 from grpod.inference.supervised import SupervisedInference
@@ -246,7 +246,7 @@ class Agent:
 
 def run_agent(cfg: GrpodConfig) -> int:
     """`grpod agent`: refuse to start without a token (ConfigError), else serve until signalled."""
-    from grpod.daemon.logs import configure_logging
+    from grpod.service.logs import configure_logging
 
     token = cfg.agent.token_value()
     if not token:

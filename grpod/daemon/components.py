@@ -26,9 +26,9 @@ from grpod.agent.remote import remote_engines
 from grpod.bridges import bridge_class
 from grpod.config import LORA_MODES, GrpodConfig
 from grpod.daemon.desk import OperatorDesk
-from grpod.daemon.notify import Heartbeat
+from grpod.service.notify import Heartbeat
 from grpod.daemon.progress import RunProgress
-from grpod.daemon.ranks import under_torchrun
+from grpod.daemon.torchrun import under_torchrun
 from grpod.daemon.step_loop import StepLoop
 from grpod.inference import release
 from grpod.inference.cores import CoreLoan
@@ -37,7 +37,8 @@ from grpod.inference.process import InferenceProcess, engine_env
 from grpod.inference.supervised import SupervisedInference
 from grpod.rollouts.admission import BatchAdmission
 from grpod.rollouts.buffer import RolloutBuffer
-from grpod.rollouts.source import RolloutSource, make_source
+from grpod.rollouts.kinds import make_source
+from grpod.rollouts.source import RolloutSource
 from grpod.rollouts.validation import RejectionCounter
 from grpod.run.store import RunStore
 

@@ -22,7 +22,6 @@ checkpoint and its engines' stop (e.g. `--shutdown-timeout 120`).
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -31,11 +30,6 @@ import structlog
 from grpod.config import GrpodConfig
 
 log = structlog.get_logger(__name__)
-
-
-def under_torchrun() -> bool:
-    """Whether torchrun (or a launcher setting the same variables) started this process."""
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def run_rank(cfg: GrpodConfig, config_path: Path | None = None, overrides: list[str] = ()) -> int:
@@ -57,7 +51,7 @@ def run_rank(cfg: GrpodConfig, config_path: Path | None = None, overrides: list[
                 return run_daemon(cfg, config_path=config_path, overrides=overrides)
             finally:
                 stop_followers(world)
-        from grpod.daemon.logs import configure_logging
+        from grpod.service.logs import configure_logging
 
         configure_logging(None, cfg.run.log_level)
         structlog.contextvars.bind_contextvars(rank=world.rank)

@@ -24,8 +24,8 @@ import structlog
 from grpod.config import LORA_MODES, GrpodConfig
 from grpod.daemon.alarms import CheckpointAlarm, LogprobGapAlarm, SourceErrorAlarm
 from grpod.daemon.desk import OperatorDesk
-from grpod.daemon.logs import MetricsLog
-from grpod.daemon.notify import Heartbeat, SystemdNotifier
+from grpod.service.logs import MetricsLog
+from grpod.service.notify import Heartbeat, SystemdNotifier
 from grpod.daemon.progress import RunProgress
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.validation import RejectionCounter

@@ -38,7 +38,7 @@ from grpod.config import GrpodConfig
 from grpod.daemon.desk import OperatorDesk
 from grpod.daemon.evaluation import Evaluations
 from grpod.daemon.live import SettingChange
-from grpod.daemon.notify import Heartbeat
+from grpod.service.notify import Heartbeat
 from grpod.daemon.progress import RunProgress
 from grpod.inference.cores import CoreLoan
 from grpod.rollouts.admission import BatchAdmission

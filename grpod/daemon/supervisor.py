@@ -35,8 +35,8 @@ from grpod.config import ConfigError, GrpodConfig
 from grpod.daemon.alarms import LogprobGapAlarm, SourceErrorAlarm
 from grpod.daemon.control import ControlServer
 from grpod.daemon.desk import OperatorDesk
-from grpod.daemon.logs import MetricsLog, WandbSink, configure_logging
-from grpod.daemon.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
+from grpod.service.logs import MetricsLog, WandbSink, configure_logging
+from grpod.service.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
 from grpod.daemon.progress import RunPhase, RunProgress
 from grpod.daemon.reporting import Reporter
 from grpod.rollouts.buffer import RolloutBuffer

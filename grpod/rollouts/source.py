@@ -1,5 +1,5 @@
-"""`RolloutSource`: what the daemon asks of every source of scored groups, and the one place that
-builds one from the config.
+"""`RolloutSource`: what the daemon asks of every source of scored groups (`make_source` in
+`grpod.rollouts.kinds` builds one from the config).
 
 A source fills the rollout buffer (`run`, concurrently with training; `fill`, the synchronous
 loop's path), says where it is (`cursor`, checkpointed so a resumed run continues the stream), how
@@ -18,10 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from grpod.config import GrpodConfig
-from grpod.inference.policy import Policy
 from grpod.rollouts.buffer import RolloutBuffer
-from grpod.rollouts.validation import RejectionCounter
 
 MayGenerate = Callable[[], Awaitable[None]]
 
@@ -84,54 +81,3 @@ class RolloutSource(Protocol):
     async def evaluate(self, size: int, max_tokens: int) -> dict[str, Any] | None:
         """Held-out metrics of the policy served now (`eval_accuracy`, `eval_size`, ...), or None
         when the source has no held-out data."""
-
-
-def make_source(
-    cfg: GrpodConfig,
-    tokenizer,
-    policy: Policy,
-    cursor: dict[str, Any] | None,
-    rejections: RejectionCounter,
-    prepared: Any = None,
-) -> RolloutSource:
-    """The source `cfg.source.kind` names, handed its own section and the values it needs
-    (`prepared`: the dataset source's inputs, checked before launch by `prepare_dataset`).
-    Blocking (the dataset source tokenizes its rows): run it in a worker thread."""
-    src = cfg.source
-    if src.kind == "replay":
-        from grpod.rollouts.replay import ReplaySource
-
-        return ReplaySource(src, cursor=cursor)
-    if src.kind == "atropos":
-        from grpod.rollouts.atropos import AtroposSource, Registration
-
-        registration = Registration(
-            run_name=cfg.run.dir.name or "grpod",
-            max_token_len=cfg.model.max_seq_len,
-            checkpoint_dir=cfg.run.dir / "checkpoints",
-            checkpoint_every=cfg.checkpoint.every,
-            steps=cfg.train.steps,
-        )
-        return AtroposSource(
-            src, policy, groups_per_step=cfg.train.groups_per_step, registration=registration,
-            cursor=cursor, rejections=rejections, progress=cfg.run.progress,
-        )
-    from grpod.rollouts.dynamic_sampling import DynamicSampling
-
-    dynamic = DynamicSampling(
-        src.dynamic_sampling, src.dynamic_sampling_max_filtered, cfg.train.advantages, cfg.completion_budget
-    )
-    if src.kind == "dataset":
-        from grpod.rollouts.dataset import DatasetSource
-
-        return DatasetSource(
-            src, tokenizer, policy, prepared=prepared, eval_cfg=cfg.eval, max_seq_len=cfg.model.max_seq_len,
-            engine_wait_s=cfg.inference.start_timeout_s, dynamic_sampling=dynamic, cursor=cursor,
-            steps=cfg.train.steps,
-        )
-    from grpod.rollouts.builtin import BuiltinSource
-
-    return BuiltinSource(
-        src, tokenizer, policy, engine_wait_s=cfg.inference.start_timeout_s, dynamic_sampling=dynamic,
-        cursor=cursor, progress=cfg.run.progress,
-    )

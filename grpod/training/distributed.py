@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,16 +80,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
     set_optimizer_state_dict,
-    set_state_dict,
 )
 
 from grpod.config import ConfigError, GrpodConfig, ModelConfig, TrainConfig
 from grpod.rollouts.group import RolloutGroup
 from grpod.training.batching import MicroBatchPlan, TrainingSequence, plan_micro_batches
 from grpod.training.loss import LossStats, StepNormalizer
-from grpod.training.trainer import BatchPlan, PreparedUpdate, Trainer
+from grpod.training.sharded import by_parameter_name, load_sharded_state, save_sharded_state
+from grpod.training.trainer import TOKENIZER_FILES, BatchPlan, PreparedUpdate, Trainer
 
 log = structlog.get_logger(__name__)
 
@@ -333,41 +331,6 @@ class RankRounds:
             yield [share[i] for i in plan.batches[round_]] if round_ < len(plan.batches) else None
 
 
-# ---- sharded state (DCP) --------------------------------------------------------------------
-
-
-def save_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Model and optimizer, each rank its shards, as a DCP checkpoint at `path` (collective)."""
-    import torch.distributed.checkpoint as dcp
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
-
-
-def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Load what `save_sharded_state` wrote, at any world size (DCP reshards), one process
-    without a process group included."""
-    import torch.distributed.checkpoint as dcp
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    with warnings.catch_warnings():  # one process: DCP warns that it reads every shard itself
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-
-def by_parameter_name(model: torch.nn.Module, optimizer_state: dict[str, Any]) -> dict[str, Any]:
-    """A single process's `optimizer.state_dict()` (parameters numbered in the order of the
-    model's trainable parameters) keyed by parameter name, as DCP's state-dict API takes it."""
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
-    groups = []
-    for group in optimizer_state["param_groups"]:
-        groups.append({**group, "params": [names[i] for i in group["params"]]})
-    state = {names[i]: value for i, value in optimizer_state["state"].items()}
-    return {"state": state, "param_groups": groups}
-
-
 # ---- the trainer ----------------------------------------------------------------------------
 
 
@@ -556,8 +519,6 @@ class DistributedTrainer(Trainer):
 
     def _write_hf(self, out: Path, state: dict[str, torch.Tensor]) -> None:
         import shutil
-
-        from grpod.training.trainer import TOKENIZER_FILES
 
         out.mkdir(parents=True, exist_ok=True)
         # Gathered, a tied head is a tensor of its own: leave it out as HF's save of the whole model

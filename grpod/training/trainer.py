@@ -68,6 +68,7 @@ from grpod.training.loss import (
     policy_loss,
 )
 from grpod.training.optim import build_optimizer, build_scheduler
+from grpod.training.sharded import load_sharded_state
 
 log = structlog.get_logger(__name__)
 
@@ -488,9 +489,7 @@ class Trainer:
 
     def load_sharded(self, path: Path) -> None:
         """Weights and optimizer state from the sharded checkpoint of trainer ranks under torchrun
-        (`grpod.training.distributed`), gathered into this one process."""
-        from grpod.training.distributed import load_sharded_state
-
+        (`grpod.training.sharded`), gathered into this one process."""
         load_sharded_state(self.model, self.optimizer, path)
 
 

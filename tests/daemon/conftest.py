@@ -12,8 +12,8 @@ from grpod.bridges.base import SyncRecord
 from grpod.config import GrpodConfig, load_config
 from grpod.daemon.alarms import LogprobGapAlarm, SourceErrorAlarm
 from grpod.daemon.desk import OperatorDesk
-from grpod.daemon.logs import MetricsLog
-from grpod.daemon.notify import Heartbeat, SystemdNotifier
+from grpod.service.logs import MetricsLog
+from grpod.service.notify import Heartbeat, SystemdNotifier
 from grpod.daemon.progress import RunProgress
 from grpod.daemon.reporting import Reporter
 from grpod.daemon.step_loop import StepLoop

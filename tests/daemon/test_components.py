@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 from grpod.config import load_config
 from grpod.daemon.components import build_bridge, build_engines, trainer_builder, trainer_world
-from grpod.daemon.logs import configure_logging
+from grpod.service.logs import configure_logging
 from grpod.daemon.supervisor import Supervisor
 from grpod.run.store import RunStore
 cfg = load_config(None, ["run.dir={str(tmp_path)!r}"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 
-from grpod.daemon.ranks import under_torchrun
+from grpod.daemon.torchrun import under_torchrun
 from tests.harness import ROOT, torchrun, write_config
 
 

@@ -6,7 +6,7 @@ import socket
 import anyio
 
 from grpod.config import load_config
-from grpod.daemon.notify import SystemdNotifier
+from grpod.service.notify import SystemdNotifier
 from grpod.daemon.supervisor import Supervisor
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpod.daemon.logs import MetricsLog, WandbSink, read_metrics
+from grpod.service.logs import MetricsLog, WandbSink, read_metrics
 
 
 def _run_files(run_dir):

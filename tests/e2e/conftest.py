@@ -61,7 +61,7 @@ def bridge_for(cfg, run_dir, trainer, policy_version: int = 0):
 
 def source_for(cfg, tokenizer, bridge):
     """The source `cfg` names, sampling through `bridge`'s policy."""
-    from grpod.rollouts.source import make_source
+    from grpod.rollouts.kinds import make_source
     from grpod.rollouts.validation import RejectionCounter
 
     return make_source(cfg, tokenizer, bridge.policy, None, RejectionCounter())

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from grpod.daemon.logs import read_metrics
+from grpod.service.logs import read_metrics
 from tests.harness import DaemonProcess, base_settings, group_processes, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

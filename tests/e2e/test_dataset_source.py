@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from grpod.config import parse_config
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.dataset import prepare_dataset
-from grpod.rollouts.source import make_source
+from grpod.rollouts.kinds import make_source
 from grpod.rollouts.validation import RejectionCounter
 from tests.rollouts.conftest import scripted_policy
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpod.daemon.logs import read_metrics
+from grpod.service.logs import read_metrics
 from tests.faults.injection import log_events, write_replay_rollouts
 from tests.harness import (
     DaemonProcess,

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from grpod.daemon.logs import read_metrics
+from grpod.service.logs import read_metrics
 from tests.faults.injection import alive, failure_reason, log_events, sigkill, status_until, vllm_api_server
 from tests.harness import DaemonProcess, base_settings, write_config
 

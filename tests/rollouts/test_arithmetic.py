@@ -184,7 +184,7 @@ def test_instruct_prompt_asks_for_the_number():
 
 def test_the_builtin_source_gives_an_instruct_model_room_to_answer():
     from grpod.config import parse_config
-    from grpod.rollouts.source import make_source
+    from grpod.rollouts.kinds import make_source
     from grpod.rollouts.validation import RejectionCounter
 
     source = make_source(parse_config({"source": {"max_tokens": 8}}), _BigVocab(), None, None, RejectionCounter())

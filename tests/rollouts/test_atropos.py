@@ -19,7 +19,7 @@ from grpod.config import parse_config
 from grpod.rollouts.atropos import AtroposConfigError, check_batch_geometry
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.group import RolloutGroup
-from grpod.rollouts.source import make_source
+from grpod.rollouts.kinds import make_source
 from grpod.rollouts.validation import RejectionCounter
 from tests.atropos_env import (
     ScoredGroupEnv,

@@ -18,7 +18,7 @@ from grpod.inference.client import Completion
 from grpod.models.tiny import build_tokenizer
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.dataset import DatasetError, DatasetSource, prepare_dataset, read_rows
-from grpod.rollouts.source import make_source
+from grpod.rollouts.kinds import make_source
 from grpod.rollouts.validation import RejectionCounter
 from tests.rollouts.conftest import scripted_policy
 

@@ -7,7 +7,7 @@ from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.dynamic_sampling import DynamicSampling as _DynamicSampling
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.sampling_source import SamplingStats as SourceStats
-from grpod.rollouts.source import make_source
+from grpod.rollouts.kinds import make_source
 from grpod.rollouts.validation import RejectionCounter
 
 

@@ -11,7 +11,7 @@ from grpod.config import parse_config
 from grpod.inference.client import Completion
 from grpod.models.tiny import build_tokenizer
 from grpod.rollouts.buffer import RolloutBuffer
-from grpod.rollouts.source import make_source
+from grpod.rollouts.kinds import make_source
 from grpod.rollouts.validation import RejectionCounter
 from tests.rollouts.conftest import scripted_policy
 

@@ -7,7 +7,7 @@ import pytest
 
 from grpod.config import load_config
 from grpod.models.tiny import build_model, save_model
-from grpod.rollouts.source import make_source
+from grpod.rollouts.kinds import make_source
 from grpod.rollouts.validation import RejectionCounter
 from grpod.run.store import ResumeMismatch, RunSnapshot, RunStore
 from grpod.training.trainer import build_trainer

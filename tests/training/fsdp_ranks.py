@@ -26,7 +26,7 @@ import anyio
 
 from grpod.config import load_config
 from grpod.daemon.components import trainer_builder, trainer_world
-from grpod.daemon.ranks import under_torchrun
+from grpod.daemon.torchrun import under_torchrun
 from grpod.daemon.step_loop import train_batch
 from grpod.rollouts.group import RolloutGroup
 from grpod.run.store import RunSnapshot, RunStore

@@ -36,11 +36,11 @@ from grpod.training.distributed import (
     FollowerProtocolError,
     TrainerRanksBroken,
     TrainerWorld,
-    by_parameter_name,
     check_supported,
     share_sequences,
     stop_followers,
 )
+from grpod.training.sharded import by_parameter_name
 from tests.faults.injection import write_replay_rollouts
 from tests.harness import ROOT, base_settings, write_config
 

@@ -2,7 +2,7 @@ import os
 import socket
 import time
 
-from grpod.daemon.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
+from grpod.service.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
 
 
 def _listener(path):
