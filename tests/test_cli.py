@@ -1,18 +1,6 @@
-"""`grpod ctl status` as a table: what an operator reads of the rates and the start-up phases."""
+"""The `grpod` command line: what it accepts."""
 
-from grpod.cli import _render_status
 from grpod.daemon.desk import OperatorDesk
-
-
-def test_status_shows_rates_over_training_time_and_each_startup_phase():
-    table = _render_status({
-        "rates": {"steps_per_s": 2.5, "tokens_per_s": 1234.4, "generated_tokens_per_s": 321.0},
-        "startup": {"resume_point_s": 0.01, "trainer_load_s": 7.2, "engines_healthy_s": 31.0, "first_probe_s": 0.4},
-    })
-    assert "2.50 steps/s, 1234 trained tok/s, 321 generated tok/s" in table
-    assert "resume_point 0.0, trainer_load 7.2, engines_healthy 31.0, first_probe 0.4" in table
-    before_first_step = _render_status({"rates": {"steps_per_s": None}})
-    assert "steps/s" not in before_first_step
 
 
 def test_the_ctl_subcommand_accepts_exactly_the_desks_commands():
@@ -20,38 +8,3 @@ def test_the_ctl_subcommand_accepts_exactly_the_desks_commands():
 
     ctl = next(a for a in _parser()._subparsers._group_actions[0].choices["ctl"]._actions if a.dest == "cmd")
     assert tuple(ctl.choices) == OperatorDesk.commands()
-
-
-def test_status_lists_each_engine_with_its_node_and_each_agent():
-    local = {"name": "engine-0", "node": "local", "base_url": "http://127.0.0.1:8000", "state": "serving", "version": 3,
-             "restarts": 0, "launches": 1, "pid": 11}
-    agent = {"url": "http://10.0.0.2:7900", "engine": "engine-0", "reachable": False, "last_answer_age_s": 31.5,
-             "error": "agent http://10.0.0.2:7900 /engines/engine-0/ended: no response: timed out after 30 s"}
-    remote = {"name": "10.0.0.2:7900/engine-0", "node": "http://10.0.0.2:7900", "base_url": None, "state": "down",
-              "version": 2, "restarts": 1, "launches": 2, "pid": 42, "agent": agent}
-    table = _render_status({"bridge": {"engines": [local, remote],
-                                       "last_sync": {"version": 3, "phases": {"broadcast": 0.05, "probe": 0.02}}}})
-    assert "engine-0  node local  http://127.0.0.1:8000  serving  v3  restarts 0  launches 1  pid 11" in table
-    assert "10.0.0.2:7900/engine-0  node http://10.0.0.2:7900  -  down  v2  restarts 1  launches 2  pid 42" in table
-    assert "agent http://10.0.0.2:7900: 1 engines, UNREACHABLE (agent http://10.0.0.2:7900" in table
-    assert "last sync v3 (s): broadcast 0.050, probe 0.020" in table
-
-
-def test_status_says_how_many_trainer_ranks_and_whether_they_are_in_step():
-    assert "trainer ranks           1 process" in _render_status({})
-    ranks = {"world_size": 2, "restarts": 1, "backend": "gloo", "out_of_step": None}
-    assert "2 (FSDP2 over gloo, torchrun restart 1)" in _render_status({"trainer_ranks": ranks})
-    broken = _render_status({"trainer_ranks": ranks | {"out_of_step": "plan: Connection reset by peer"}})
-    assert "OUT OF STEP since plan: Connection reset by peer" in broken
-
-
-def test_status_says_what_evaluation_runs_and_how_many_threads_the_engine_has():
-    running = {"when": "periodic", "step": 20, "running_s": 41.5, "beside_training": True}
-    assert "running 41.5 s (periodic, step 20, beside training)" in _render_status({"evaluation": running})
-    last = {"eval_accuracy": 0.25, "step": 15, "eval_s": 62.0}
-    assert "last: accuracy 0.250 at step 15 (62.0 s)" in _render_status({"evaluation": None, "last_eval": last})
-    loan = {"enabled": True, "reason": "on", "engine_threads": 1, "borrowed_threads": 2, "lent": True, "loans": 7,
-            "lent_s": 80.2}
-    assert "2 now; 1, or 2 while the trainer waits (7 loans, 80.2 s)" in _render_status({"core_loan": loan})
-    off = loan | {"enabled": False, "reason": "auto: 1.7 MiB of weights", "borrowed_threads": 1}
-    assert "1 (no loan: auto: 1.7 MiB of weights)" in _render_status({"core_loan": off})

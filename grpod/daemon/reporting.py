@@ -3,7 +3,8 @@
 It reads the run's objects and writes nothing back into them: the progress counters, the desk,
 the bridge and its policy, the buffer, the admission gates, the source, the alarms and the
 heartbeat. Its outputs:
-- `status()`: the `ctl status` reply (a stable schema, `"schema": 1`; Prometheus reads it too);
+- `status()`: the `ctl status` reply, built from `grpod.daemon.status` (a stable schema,
+  `"schema": 1`; its `table` is what `grpod ctl status` prints; Prometheus reads it too);
 - `step_done` / `sync_done` / `eval_done`: one record each in metrics.jsonl (and W&B), the
   progress line and the systemd STATUS line;
 - `announce_inference()`: where environments reach the policy; `summary()`: the last lines.
@@ -13,9 +14,7 @@ The parts are attached as the supervisor builds them (`attach`); until then `sta
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from grpod.daemon.desk import OperatorDesk
 from grpod.service.logs import MetricsLog
 from grpod.service.notify import Heartbeat, SystemdNotifier
 from grpod.daemon.progress import RunProgress
+from grpod.daemon.status import build_status
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.validation import RejectionCounter
 
@@ -150,53 +150,8 @@ class Reporter:
 
     # ---- ctl status -------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        p, bridge = self.progress, self.bridge
-        return {
-            "schema": 1,
-            "state": p.phase.value,
-            "step": p.step,
-            "steps": p.steps,
-            "trained_steps": p.trained_steps,
-            "skipped_batches": p.skipped_batches,
-            "rates": {k: None if v is None else round(v, 3) for k, v in p.rates().items()},
-            "startup": p.startup,
-            "paused": self.desk.paused if self.desk else False,
-            "draining": self.desk.draining if self.desk else False,
-            "policy_version": bridge.policy.version if bridge else None,
-            "bridge": bridge.describe() if bridge else None,
-            # None: the trainer is this one process (no torchrun).
-            "trainer_ranks": self.world.describe() if self.world is not None else None,
-            "queue_depth": len(self.buffer),
-            "accepted_groups": self.buffer.accepted,
-            "rejected": self.rejections.as_dict(),
-            "inference": self.inference_endpoint(),
-            "alarms": {
-                "logprob_gap": self.logprob_gap.describe(),
-                "source": self.source_alarm.describe(),
-                "checkpoint": self.checkpoint_alarm.describe(),
-            },
-            "staleness": self.admission.staleness.as_dict() if self.admission else None,
-            "source": self._source_status(),
-            "heartbeat": self.heartbeat.describe(),
-            "last_metrics": p.last_metrics,
-            "last_eval": p.last_eval,
-            # The evaluation running now (its step, seconds so far, beside training or not), or None.
-            "evaluation": self.evaluations.describe() if self.evaluations is not None else None,
-            # The trainer's cores lent to a CPU engine while the loop waits for rollouts.
-            "core_loan": self.cores.describe() if self.cores is not None else None,
-            "last_checkpoint": p.last_checkpoint,
-            "config_changes": self.desk.config_changes[-10:] if self.desk else [],
-            "run_dir": str(self.run_dir),
-            "pid": os.getpid(),
-            "uptime_s": round(time.time() - p.started_at, 1),
-            "stop_reason": p.stop_reason,
-        }
-
-    def _source_status(self) -> dict[str, Any] | None:
-        if self.source is None:
-            return None
-        stats = {k: v for k, v in vars(self.source.stats).items() if not k.startswith("_")}
-        return {"kind": self.source.kind, "cursor": self.source.cursor(), **stats}
+        """The `ctl status` reply (`grpod.daemon.status`: its fields and how each shows)."""
+        return build_status(self)
 
     def summary(self) -> None:
         """The run's last lines on the console: why it stopped, accuracy before/after, checkpoint."""
