@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from grpod.http import SessionClient
+from grpod.http import RequestError, SessionClient
 
 STATUS_ROUTE = "/status"
 LAUNCH_ROUTE = "/engines/{name}/launch"
@@ -100,16 +100,15 @@ class LaunchAnswer(BaseModel):
     launches: int = 0
 
 
-class AgentRequestError(RuntimeError):
+class AgentRequestError(RequestError):
     """A request to an agent failed; `status` is None when no HTTP answer came back."""
 
     def __init__(self, url: str, route: str, status: int | None, detail: str) -> None:
         self.url = url
-        self.route = route
-        self.status = status
-        self.detail = detail
-        where = f"HTTP {status}" if status is not None else "no response"
-        super().__init__(f"agent {url} {route}: {where}: {detail}")
+        super().__init__(route, status, detail)
+
+    def where(self) -> str:
+        return f"agent {self.url}"
 
 
 class AgentClient(SessionClient):

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import aiohttp
 import structlog
 
-from grpod.http import SessionClient
+from grpod.http import RequestError, SessionClient
 from grpod.inference.routes import (
     GENERATE_MODEL_ROUTE,
     LAUNCH_HEADER,
@@ -35,15 +35,10 @@ BODY_EXCERPT_CHARS = 500
 PauseMode = Literal["keep", "wait", "abort"]
 
 
-class InferenceRequestError(RuntimeError):
+class InferenceRequestError(RequestError):
     """A request to the vLLM server failed; `status` is None when no HTTP answer came back."""
 
-    def __init__(self, route: str, status: int | None, detail: str) -> None:
-        self.route = route
-        self.status = status
-        self.detail = detail
-        where = f"HTTP {status}" if status is not None else "no response"
-        super().__init__(f"vLLM {route}: {where}: {detail}")
+    server = "vLLM"
 
 
 class ForeignServerError(InferenceRequestError):

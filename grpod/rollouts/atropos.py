@@ -62,7 +62,7 @@ import anyio
 import structlog
 
 from grpod.config import AtroposSourceConfig
-from grpod.http import SessionClient
+from grpod.http import RequestError, SessionClient
 from grpod.inference.policy import Policy
 from grpod.rollouts.atropos_wire import group_from_atropos
 from grpod.rollouts.buffer import RolloutBuffer
@@ -84,15 +84,10 @@ class AtroposConfigError(ValueError):
     """The configuration cannot work with run-api; the message says which keys to change."""
 
 
-class TrajectoryApiError(RuntimeError):
+class TrajectoryApiError(RequestError):
     """A request to run-api failed; `status` is None when no HTTP answer came back."""
 
-    def __init__(self, route: str, status: int | None, detail: str) -> None:
-        self.route = route
-        self.status = status
-        self.detail = detail
-        where = f"HTTP {status}" if status is not None else "no response"
-        super().__init__(f"Atropos API {route}: {where}: {detail}")
+    server = "Atropos API"
 
 
 class TrainerNotRegistered(TrajectoryApiError):
