@@ -36,3 +36,13 @@ def smollm2_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m"
     convert_gguf(SMOLLM2_WHEEL, out)
     return out
+
+
+@pytest.fixture()
+def portal():
+    """One event loop for the test, run in a thread: what a bridge's HTTP client lives in while
+    the test's own code stays synchronous (`portal.call(...)`)."""
+    import anyio.from_thread
+
+    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
+        yield portal

@@ -67,13 +67,6 @@ def config(root, mode: str, sync_every: int) -> GrpodConfig:
 
 
 @pytest.fixture()
-def portal():
-    """One event loop for the test: the bridge's HTTP client lives in it."""
-    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
-        yield portal
-
-
-@pytest.fixture()
 def started(portal, tmp_path):
     """`started(mode, sync_every)`: a started bridge on a fresh tiny model, stopped at the end."""
     bridges = []

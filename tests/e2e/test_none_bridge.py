@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 
-import anyio
 import pytest
 
 from grpod.bridges.probe import ProbeTolerance, run_probe
@@ -22,12 +21,6 @@ pytestmark = pytest.mark.e2e
 
 LONG_PROMPT = "what is the sum of 3 and 4? it is 7. " * 5 + "and the sum of 5 and 9 is"
 TOLERANCE = 1e-3
-
-
-@pytest.fixture()
-def portal():
-    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
-        yield portal
 
 
 @pytest.fixture()

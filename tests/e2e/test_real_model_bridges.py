@@ -13,7 +13,6 @@ projections (vLLM packs q/k/v and gate/up; the adapter names them apart).
 
 from __future__ import annotations
 
-import anyio
 import pytest
 
 from grpod.config import GrpodConfig
@@ -28,12 +27,6 @@ pytestmark = pytest.mark.e2e
 SAME = 0.02
 # How far one step must have moved vLLM's logprobs for "it serves the new weights" to mean anything.
 MOVED = 0.05
-
-
-@pytest.fixture()
-def portal():
-    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
-        yield portal
 
 
 def config(root, model_dir, mode: str, *, lr: float, lora: bool) -> GrpodConfig:

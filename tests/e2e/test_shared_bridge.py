@@ -58,13 +58,6 @@ def config(run_dir, model_dir, **train) -> GrpodConfig:
 
 
 @pytest.fixture()
-def portal():
-    """One event loop for the test: the bridge's HTTP client lives in it."""
-    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
-        yield portal
-
-
-@pytest.fixture()
 def run(tmp_path, portal):
     model, tokenizer = build_model(seed=0, tie_word_embeddings=True, rope_scaling=ROPE)
     save_model(model, tokenizer, tmp_path / "model")
