@@ -18,7 +18,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,17 @@ def follow_to_exit(daemon, timeout_s: float, last: dict[str, Any] | None = None)
 
 
 # ---- what the run directory says ------------------------------------------------------------
+@contextmanager
+def training(shared, close: Callable[[], None], timeout_s: float = 300) -> Iterator[Any]:
+    """A module's shared daemon (`shared.daemon`) once it has trained its first step; `close` at
+    the end, whatever happened (the module fixtures' one shape)."""
+    try:
+        status_until(shared.daemon, lambda s: s["step"] >= 1, timeout_s, "the first step")
+        yield shared
+    finally:
+        close()
+
+
 def log_events(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
     path = run_dir / "grpod.log"
     if not path.exists():

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from grpod.daemon.control import request
 from grpod.daemon.live import LIVE_KEYS
 from grpod.run.checkpoint import CorruptCheckpointError, verify_checkpoint
-from tests.faults.injection import alive, log_events, run_to_exit, status_until, wait_until
+from tests.faults.injection import alive, log_events, run_to_exit, status_until, training, wait_until
 from tests.harness import DaemonProcess, base_settings, group_processes, write_config
 
 pytestmark = pytest.mark.faults
@@ -138,11 +138,8 @@ class Run:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, fault_model_dir):
     shared = Run(tmp_path_factory.mktemp("operator"), fault_model_dir)
-    try:
-        status_until(shared.daemon, lambda s: s["step"] >= 1, 300, "the first step")
+    with training(shared, shared.close):
         yield shared
-    finally:
-        shared.close()
 
 
 @pytest.mark.timeout(300)

@@ -34,7 +34,7 @@ import psutil
 import pytest
 
 from grpod.daemon.control import request
-from tests.faults.injection import log_events, run_to_exit, status_until
+from tests.faults.injection import log_events, run_to_exit, status_until, training
 from tests.harness import ROOT, DaemonProcess, base_settings, write_config
 
 pytestmark = pytest.mark.faults
@@ -152,11 +152,8 @@ class RewardRun:
 @pytest.fixture(scope="module")
 def rewards_run(tmp_path_factory, fault_model_dir):
     shared = RewardRun(tmp_path_factory.mktemp("rewards"), fault_model_dir)
-    try:
-        status_until(shared.daemon, lambda s: s["step"] >= 1, 300, "the first step")
+    with training(shared, shared.daemon.close):
         yield shared
-    finally:
-        shared.daemon.close()
 
 
 @pytest.mark.timeout(400)
