@@ -76,64 +76,133 @@ def _holds(annotation: Any, types: tuple[type, ...]) -> bool:
 
 
 class RunConfig(_Section):
-    dir: Path = Path("runs/default")
-    seed: int = 0
-    resume: str = "auto"  # "auto" | "never" | path of a checkpoint directory
-    # A checkpoint whose model, source kind or task differs from the config is refused
-    # ("refuse"), or resumed anyway with a warning ("allow").
-    resume_mismatch: Literal["refuse", "allow"] = "refuse"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    progress: bool = True
-    # Append every group the trainer consumes to <run.dir>/rollouts.jsonl (replayable).
-    record_rollouts: bool = False
+    dir: Path = Field(
+        Path("runs/default"),
+        description="Run directory (created mode 0700): the JSON log, metrics, checkpoints, vLLM logs and the "
+        "control socket.",
+    )
+    seed: int = Field(0, description="Seed of the trainer (and of the tiny built-in model when grpod builds it).")
+    resume: str = Field(
+        "auto",
+        description='"auto": resume from the newest complete checkpoint in run.dir; "never"; or the path of a '
+        "checkpoint directory.",
+    )
+    resume_mismatch: Literal["refuse", "allow"] = Field(
+        "refuse",
+        description="A checkpoint whose model, source kind or task differs from the config: \"refuse\" (exit 1, "
+        "both named) or \"allow\" (resumed anyway, with a warning).",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Console level; the JSON log (<run.dir>/grpod.log) always has everything."
+    )
+    progress: bool = Field(True, description="One progress line per step on the console.")
+    record_rollouts: bool = Field(
+        False,
+        description="Append every group the trainer consumes to <run.dir>/rollouts.jsonl (replayable with "
+        'source.kind = "replay").',
+    )
 
 
 class ModelConfig(_Section):
-    path: Path = Path("models/tiny-arith")
-    # Build the tiny built-in model at `path` when it does not exist yet.
-    init_if_missing: bool = True
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_seq_len: int = Field(256, gt=8)
-    gradient_checkpointing: bool = False
+    path: Path = Field(
+        Path("models/tiny-arith"), description="An HF model directory (config.json + safetensors + tokenizer)."
+    )
+    init_if_missing: bool = Field(
+        True, description="Build the tiny built-in model at `path` when nothing is there yet."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="The dtype vLLM serves in.")
+    max_seq_len: int = Field(
+        256, gt=8, description="Longest prompt + completion in tokens (also vLLM's --max-model-len)."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the trainer's backward pass (less memory, more time)."
+    )
 
 
 class InferenceConfig(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)  # 0 = pick a free port
-    start_timeout_s: float = Field(180.0, gt=0)
-    stop_grace_s: float = Field(5.0, gt=0)
-    release_timeout_s: float = Field(60.0, gt=0)
-    request_timeout_s: float = Field(120.0, gt=0)
-    health_interval_s: float = Field(0.5, gt=0)
-    # Consecutive failed /health probes before the engine is declared dead.
-    health_failures: int = Field(3, ge=1)
-    kv_cache_bytes: str = "64M"
-    gpu_memory_utilization: float = Field(0.45, gt=0, le=1)
-    enforce_eager: bool = True
-    # CPU engines: "uni" runs vLLM's worker inside its EngineCore, forked from the API server (two
-    # processes, one import of vLLM; OMP_NUM_THREADS = cores - 1 unless inference.env sets it);
-    # "mp" is vLLM's CPU default (a Worker process of its own, pinned by VLLM_CPU_OMP_THREADS_BIND);
-    # "auto" = "uni" unless the engine's cores are pinned (inference.engines > 1, cpu_binds, or
-    # VLLM_CPU_OMP_THREADS_BIND in inference.env). GPU: unused.
-    cpu_executor: Literal["auto", "uni", "mp"] = "auto"
-    # CPU: while the trainer waits for rollouts, the engine runs on its threads plus the trainer's
-    # (train.threads), given back before the step trains (grpod.inference.cores). Needs one engine
-    # on this node with cpu_executor "uni" and the trainer on the CPU; "auto" = on for such an
-    # engine whose model has at least 64 MiB of weights (a tiny model's engine gains nothing).
-    borrow_trainer_cores: Literal["auto"] | bool = "auto"
-    # API key required on every route when `host` is not a loopback address.
-    api_key: str | None = None
-    extra_args: list[str] = []
-    env: dict[str, str] = {}
-    max_restarts: int = Field(3, ge=0)
-    # Engines on this node, each its own vLLM process group, port (inference.port + i when fixed),
-    # log (vllm-<i>.log) and restart budget; requests go to the available one with the fewest
-    # outstanding. Each engine's cores (CPU: VLLM_CPU_OMP_THREADS_BIND) or GPU
-    # (CUDA_VISIBLE_DEVICES) come from cpu_binds / gpu_ids, else engine i takes core / GPU i.
-    # 0: none on this node, every engine is a `grpod agent`'s (cluster.agents).
-    engines: int = Field(1, ge=0)
-    cpu_binds: list[str] = []
-    gpu_ids: list[str] = []
+    host: str = Field(
+        "127.0.0.1", description="vLLM binds here; an address that is not loopback needs inference.api_key."
+    )
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="vLLM's port; 0 = a free port (a relaunch keeps the port the first launch used while it is "
+        "free). A fixed port that is taken is an error.",
+    )
+    start_timeout_s: float = Field(
+        180.0,
+        gt=0,
+        description="vLLM start-up until /health answers (15-26 s for the tiny model on 2 idle cores; over "
+        "100 s on a loaded machine).",
+    )
+    stop_grace_s: float = Field(
+        5.0, gt=0, description="SIGTERM to vLLM's process group, then this long, then SIGKILL."
+    )
+    release_timeout_s: float = Field(
+        60.0, gt=0, description="Wait for a stopped vLLM's processes, port and GPU memory to be gone."
+    )
+    request_timeout_s: float = Field(120.0, gt=0, description="Any one HTTP request to vLLM.")
+    health_interval_s: float = Field(0.5, gt=0, description="/health probe period while serving.")
+    health_failures: int = Field(
+        3, ge=1, description="Consecutive failed /health probes before the engine is declared dead and relaunched."
+    )
+    kv_cache_bytes: str = Field("64M", description="CPU: vLLM's --kv-cache-memory-bytes.")
+    gpu_memory_utilization: float = Field(
+        0.45,
+        gt=0,
+        le=1,
+        description="GPU: vLLM's --gpu-memory-utilization (leave room for a trainer on the same GPU).",
+    )
+    enforce_eager: bool = Field(
+        True,
+        description="Skip torch.compile and CUDA graphs: faster start, slower decode (CPU: also "
+        "TORCHDYNAMO_DISABLE=1, so the first logprobs request compiles nothing).",
+    )
+    cpu_executor: Literal["auto", "uni", "mp"] = Field(
+        "auto",
+        description='CPU engines: "uni" runs vLLM\'s worker inside its EngineCore, forked from the API server '
+        "(two processes, one import of vLLM: 17 s to /health here instead of 40 s; OMP_NUM_THREADS = cores - 1 "
+        'unless inference.env sets it); "mp" is vLLM\'s CPU default (a Worker process of its own, pinned by '
+        'VLLM_CPU_OMP_THREADS_BIND); "auto" = "uni" unless the engine\'s cores are pinned (inference.engines > 1, '
+        "cpu_binds, or VLLM_CPU_OMP_THREADS_BIND in inference.env). GPU: unused.",
+    )
+    borrow_trainer_cores: Literal["auto"] | bool = Field(
+        "auto",
+        description="CPU: while the trainer waits for rollouts, the engine runs on its threads plus the "
+        "trainer's (train.threads), given back before the step trains (grpod.inference.cores). Needs one engine "
+        'on this node with cpu_executor "uni" and the trainer on the CPU; "auto" = on for such an engine whose '
+        "model has at least 64 MiB of weights (a tiny model's engine gains nothing).",
+    )
+    api_key: str | None = Field(
+        None,
+        description="API key required on every route when `host` is not a loopback address.",
+        examples=["..."],
+    )
+    extra_args: list[str] = Field([], description="Arguments appended to vLLM's command line.")
+    env: dict[str, str] = Field({}, description="Extra environment variables for vLLM.")
+    max_restarts: int = Field(
+        3, ge=0, description="vLLM crash relaunches per engine before the run stops (checkpoint, exit 1)."
+    )
+    engines: int = Field(
+        1,
+        ge=0,
+        description="Engines on this node, each its own vLLM process group, port (inference.port + i when "
+        "fixed), log (vllm-<i>.log) and restart budget; requests go to the available one with the fewest "
+        "outstanding. Each engine's cores (CPU: VLLM_CPU_OMP_THREADS_BIND) or GPU (CUDA_VISIBLE_DEVICES) come "
+        "from cpu_binds / gpu_ids, else engine i takes core / GPU i. 0: none on this node, every engine is a "
+        "`grpod agent`'s (cluster.agents).",
+    )
+    cpu_binds: list[str] = Field(
+        [],
+        description='CPU: each engine\'s VLLM_CPU_OMP_THREADS_BIND, one entry per engine, e.g. ["0", "1"] '
+        "(default: engine i on core i).",
+    )
+    gpu_ids: list[str] = Field(
+        [],
+        description='GPU: each engine\'s CUDA_VISIBLE_DEVICES, one entry per engine, e.g. ["0", "1"] '
+        "(default: engine i on GPU i).",
+    )
 
     @model_validator(mode="after")
     def _one_binding_per_engine(self) -> InferenceConfig:
@@ -152,13 +221,24 @@ class RewardFunctionConfig(_Section):
     """One reward function of the dataset source: a builtin name, "package.module:function", or
     "path/to/file.py:function" (a path relative to the working directory)."""
 
-    function: str
-    weight: float = 1.0
-    # The name of its metric (`reward/<name>` in metrics.jsonl): default the builtin's name or the
-    # function's attribute name.
-    name: str | None = None
-    # regex_format only: the regular expression a completion must match (re.search, DOTALL).
-    pattern: str | None = None
+    function: str = Field(
+        description='A builtin ("math", "exact", "last_number", "regex_format"), "package.module:function" or '
+        '"path/to/file.py:function"; called by keyword as TRL calls it: prompts, completions, completion_ids, '
+        "trainer_state, every other column.",
+        examples=["math"],
+    )
+    weight: float = Field(1.0, description="Weight of this function's reward in the combined score.")
+    name: str | None = Field(
+        None,
+        description="The name of its metric (`reward/<name>` in metrics.jsonl); default the builtin's name or the "
+        "function's attribute name.",
+        examples=["correct"],
+    )
+    pattern: str | None = Field(
+        None,
+        description="regex_format only: the regular expression a completion must match (re.search, DOTALL).",
+        examples=["^\\d+$"],
+    )
 
     @field_validator("function")
     @classmethod
@@ -195,51 +275,106 @@ class DatasetConfig(_Section):
     """source.kind = "dataset": prompts from a local JSONL / Parquet / CSV file, scored by reward
     functions (`grpod/rollouts/dataset.py`, `grpod/rollouts/rewards.py`)."""
 
-    # .jsonl / .json, .parquet or .csv (the format comes from the suffix).
-    path: Path | None = None
-    # A row's prompt: the string column `prompt_column`, or the chat column `messages_column`
-    # (a list of {role, content}); a dataset has one of the two.
-    prompt_column: str = "prompt"
-    messages_column: str = "messages"
-    # A system turn put before every prompt (a `messages` row that has its own keeps it).
-    system_prompt: str | None = None
-    shuffle_seed: int = 0
-    # Passes over the dataset, each in a new shuffled order; 0 = endless (train.steps ends the run).
-    epochs: int = Field(0, ge=0)
-    rewards: list[RewardFunctionConfig] = []
-    # A reward call running longer than this drops its group (`reward_timeout`); its worker
-    # process is killed and replaced.
-    reward_timeout_s: float = Field(30.0, gt=0)
-    # Worker processes that run the reward functions (unset: one per core, 2 to 8).
-    reward_workers: int | None = Field(None, ge=1, le=64)
-    # A reward worker using more memory than this fails its call (`reward_memory`) and is replaced.
-    reward_memory_mb: int = Field(2048, ge=64)
-    # How several functions' rewards make a score: "sum" (weighted; TRL's sum_then_normalize) or
-    # "normalize_then_sum" (each function's rewards normalised in the group first).
-    reward_aggregation: Literal["sum", "normalize_then_sum"] = "sum"
+    path: Path | None = Field(
+        None,
+        description="The training file: .jsonl / .json, .parquet or .csv (the format comes from the suffix).",
+        examples=["data/train.jsonl"],
+    )
+    prompt_column: str = Field(
+        "prompt",
+        description="The string column holding a row's prompt; a dataset has this one or messages_column.",
+    )
+    messages_column: str = Field(
+        "messages",
+        description="The chat column holding a row's prompt as a list of {role, content} (TRL's conversational "
+        "format).",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="A system turn put before every prompt (a messages row that has its own keeps it).",
+        examples=["Answer with the number only."],
+    )
+    shuffle_seed: int = Field(0, description="Epoch e visits the rows in an order shuffled by (shuffle_seed, e).")
+    epochs: int = Field(
+        0,
+        ge=0,
+        description="Passes over the dataset, each in a new shuffled order; 0 = endless (train.steps ends the run).",
+    )
+    rewards: list[RewardFunctionConfig] = Field(
+        [], description="The reward functions, one [[source.dataset.rewards]] table each (at least one)."
+    )
+    reward_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A reward call running longer than this drops its group (`reward_timeout`); its worker process "
+        "is killed and replaced.",
+    )
+    reward_workers: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Worker processes that run the reward functions (unset: one per core, 2 to 8).",
+        examples=[2],
+    )
+    reward_memory_mb: int = Field(
+        2048,
+        ge=64,
+        description="A reward worker using more memory than this fails its call (`reward_memory`) and is replaced.",
+    )
+    reward_aggregation: Literal["sum", "normalize_then_sum"] = Field(
+        "sum",
+        description='How several functions\' rewards make a score: "sum" (weighted; TRL\'s sum_then_normalize) or '
+        '"normalize_then_sum" (each function\'s rewards normalised in the group first).',
+    )
+
+
+_SOURCE_KIND = (
+    'Where rollouts come from: "builtin" (arithmetic through vLLM), "dataset" (your prompts and reward '
+    'functions), "atropos" (Atropos\' trajectory API), "replay" (an earlier run\'s groups); a key of another kind '
+    "is an error."
+)
 
 
 class _SourceCommon(_Section):
     """What every rollout source has: the group shape, the sampling contract, the prefetch queue
     and the source alarm."""
 
-    group_size: int = Field(8, ge=1)
-    max_tokens: int = Field(16, ge=1)
-    # At least 0.01: vLLM samples greedily below 1e-5 and warns of numerical errors below 0.01,
-    # and the trainer divides logits by it (a tiny temperature overflows them).
-    temperature: float = Field(1.0, ge=0.01)
-    # Only 1.0: the trainer computes full-vocabulary logprobs, so nucleus truncation would bias
-    # every importance weight (refused rather than silently off-policy).
-    top_p: float = Field(1.0, gt=0, le=1)
-    # Groups generated ahead of the trainer (bounded prefetch queue).
-    prefetch_groups: int = Field(16, ge=1)
-    concurrency: int = Field(4, ge=1)
-    # Overlap generation with training (false = synchronous loop, for comparison).
-    overlap: bool = True
-    # A source failing without a single success for error_alarm_s raises the source alarm (console,
-    # `ctl status`, Prometheus, systemd STATUS); for fail_after_s (unset: never) it ends the run, exit 1.
-    error_alarm_s: float = Field(60.0, gt=0)
-    fail_after_s: float | None = Field(None, gt=0)
+    group_size: int = Field(8, ge=1, description="Completions per prompt.")
+    max_tokens: int = Field(16, ge=1, description="Completion length cap, in tokens.")
+    temperature: float = Field(
+        1.0,
+        ge=0.01,
+        description="Sampling temperature; the trainer divides its logits by the same one. At least 0.01: vLLM "
+        "samples greedily below 1e-5 and warns of numerical errors below 0.01, and a tiny temperature overflows "
+        "the trainer's logits.",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Only 1.0: the trainer computes full-vocabulary logprobs, so nucleus truncation would bias "
+        "every importance weight (refused rather than silently off-policy).",
+    )
+    prefetch_groups: int = Field(
+        16, ge=1, description="Groups generated ahead of the trainer (the bounded prefetch queue)."
+    )
+    concurrency: int = Field(4, ge=1, description="Generation requests in flight.")
+    overlap: bool = Field(
+        True,
+        description="Generate the next groups while the trainer trains (false = a synchronous loop, for comparison).",
+    )
+    error_alarm_s: float = Field(
+        60.0,
+        gt=0,
+        description="A source failing this long without a single success raises the source alarm (console, "
+        "`ctl status`, Prometheus, systemd STATUS).",
+    )
+    fail_after_s: float | None = Field(
+        None,
+        gt=0,
+        description="A source failing this long without a single success ends the run, exit 1 (unset: never).",
+        examples=[600.0],
+    )
 
     @field_validator("top_p")
     @classmethod
@@ -255,28 +390,39 @@ class _SourceCommon(_Section):
 class _SamplingSourceCommon(_SourceCommon):
     """The sources that sample their groups through grpod's own vLLM (builtin, dataset)."""
 
-    # DAPO's dynamic sampling: a group whose scores are all equal is not queued; generation goes
-    # on until the step has groups with signal. After `dynamic_sampling_max_filtered` such groups
-    # in a row one is let through anyway (counted), so a saturated task cannot stall a run.
-    dynamic_sampling: bool = False
-    dynamic_sampling_max_filtered: int = Field(256, ge=1)
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling (builtin and dataset sources): a group whose scores are all equal is "
+        "not queued; generation goes on until the step has groups with signal.",
+    )
+    dynamic_sampling_max_filtered: int = Field(
+        256,
+        ge=1,
+        description="After this many filtered groups in a row one is let through anyway (counted), so a saturated "
+        "task cannot stall a run.",
+    )
 
 
 class BuiltinSourceConfig(_SamplingSourceCommon):
     """source.kind = "builtin": integer arithmetic with a verifier (`grpod/rollouts/arithmetic.py`)."""
 
-    kind: Literal["builtin"] = "builtin"
-    task_seed: int = 1234
-    # Builtin arithmetic prompt: "bare" (`37+45=`, exact answer: the tiny model), "instruct" (a
-    # question, the last integer of the answer: a chat model), "auto" (by the tokenizer's vocabulary).
-    task_prompt: Literal["auto", "bare", "instruct"] = "auto"
+    kind: Literal["builtin"] = Field("builtin", description=_SOURCE_KIND)
+    task_seed: int = Field(1234, description="Seed of the builtin problem stream.")
+    task_prompt: Literal["auto", "bare", "instruct"] = Field(
+        "auto",
+        description='The arithmetic prompt: "bare" (`37+45=`, exact answer: the tiny model), "instruct" (a chat '
+        'question, the last integer of the answer is scored: a chat model; max_tokens >= 24), "auto" (by the '
+        "tokenizer's vocabulary: bare for grpod's tiny tokenizer).",
+    )
 
 
 class DatasetSourceConfig(_SamplingSourceCommon):
     """source.kind = "dataset": your prompts and reward functions (`[source.dataset]`)."""
 
-    kind: Literal["dataset"] = "dataset"
-    dataset: DatasetConfig = DatasetConfig()
+    kind: Literal["dataset"] = Field("dataset", description=_SOURCE_KIND)
+    dataset: DatasetConfig = Field(
+        DatasetConfig(), description="Your prompts and reward functions (etc/examples/smollm2-dataset.toml runs one)."
+    )
 
     @model_validator(mode="after")
     def _has_data_and_rewards(self) -> DatasetSourceConfig:
@@ -298,20 +444,28 @@ class DatasetSourceConfig(_SamplingSourceCommon):
 class AtroposSourceConfig(_SourceCommon):
     """source.kind = "atropos": scored groups from Atropos' trajectory API (`run-api`)."""
 
-    kind: Literal["atropos"] = "atropos"
-    atropos_url: str = "http://127.0.0.1:8000"
-    atropos_poll_s: float = Field(0.5, gt=0)
-    # An Atropos group that declares no sampling temperature: "config" trains it at
-    # source.temperature (recorded with the group, counted, warned about once), "refuse" rejects it
-    # (`undeclared_temperature`). Environments should declare it: logprobs depend on it.
-    atropos_undeclared_temperature: Literal["config", "refuse"] = "config"
+    kind: Literal["atropos"] = Field("atropos", description=_SOURCE_KIND)
+    atropos_url: str = Field("http://127.0.0.1:8000", description="Base URL of Atropos' trajectory API (run-api).")
+    atropos_poll_s: float = Field(
+        0.5, gt=0, description="First back-off when /batch is empty or fails (doubles up to 8 s)."
+    )
+    atropos_undeclared_temperature: Literal["config", "refuse"] = Field(
+        "config",
+        description='A group that declares no sampling temperature: "config" trains it at source.temperature '
+        '(recorded with the group, counted, warned about once), "refuse" rejects it (`undeclared_temperature`). '
+        "Environments should declare it: logprobs depend on it.",
+    )
 
 
 class ReplaySourceConfig(_SourceCommon):
     """source.kind = "replay": the groups an earlier run consumed (run.record_rollouts), in order."""
 
-    kind: Literal["replay"] = "replay"
-    replay_path: Path | None = None
+    kind: Literal["replay"] = Field("replay", description=_SOURCE_KIND)
+    replay_path: Path | None = Field(
+        None,
+        description="The rollouts.jsonl of an earlier run (run.record_rollouts); required with kind \"replay\".",
+        examples=["runs/old/rollouts.jsonl"],
+    )
 
     @model_validator(mode="after")
     def _has_path(self) -> ReplaySourceConfig:
@@ -351,36 +505,85 @@ class LossConfig(_Section):
     chooses `aggregation` (and for dr_grpo `train.advantages.scale`) unless those keys are set.
     """
 
-    type: Literal["grpo", "dapo", "dr_grpo", "cispo", "gspo"] = "grpo"
-    # Ratio bounds 1 - clip_low .. 1 + clip_high of the PPO clip (and of CISPO's weight, GSPO's
-    # sequence ratio). They bind only when a batch gets several updates (train.epochs > 1 or
-    # train.minibatches > 1): with one update the ratio is exactly 1.
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.28, ge=0)
-    # At most 100 (typical values are 0.001 to 1): a huge coefficient overflows the loss.
-    kl_coef: float = Field(0.0, ge=0, le=100)
-    kl_reference: Literal["inference", "model"] = "inference"
-    # Estimator of KL(pi || ref) reported and added to the loss; all three get the same, exact
-    # reverse-KL gradient (the per-token coefficient logp - logp_ref clamped to +-kl_clamp).
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_clamp: float = Field(10.0, gt=0)
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    # Dr. GRPO's constant M (seq_mean_token_sum_norm): 0 = the source's completion budget
-    # (source.max_tokens; for Atropos, model.max_seq_len, which grpod registers as max_token_len).
-    max_completion_tokens: int = Field(0, ge=0)
-    # Correction of the trainer/vLLM mismatch with the weight rho = pi_old / pi_inference:
-    # token_truncate clamp(rho_t, tis_floor, cap) (tis_floor > 0 is TRL's clip_min); token_mask
-    # rho_t inside [tis_floor, tis_cap], else 0;
-    # sequence_* the same with the sequence's product of token ratios; icepop a two-sided token
-    # mask (needs tis_floor > 0); "off" no correction (weight 1).
-    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop", "off"] = (
-        "token_truncate"
+    type: Literal["grpo", "dapo", "dr_grpo", "cispo", "gspo"] = Field(
+        "grpo",
+        description='The per-token objective: "grpo" (PPO clip), "dapo" (the same, token mean enforced), "dr_grpo" '
+        '(constant normaliser, no std scaling), "cispo" (clipped, detached IS weight times the logprob), "gspo" '
+        "(sequence-level ratio and clip).",
     )
-    tis_cap: float = Field(2.0, gt=0)
-    tis_floor: float = Field(0.0, ge=0)
-    entropy_coef: float = Field(0.0, ge=0, le=100)  # entropy bonus (0 = metric only); at most 100 like kl_coef
-    mask_truncated: bool = False
-    logprob_chunk_tokens: int = Field(1024, ge=1)
+    clip_low: float = Field(
+        0.2,
+        ge=0,
+        description="Ratio floor 1 - clip_low of the PPO clip (and of CISPO's weight, GSPO's sequence ratio); "
+        "below 1. It binds only when a batch gets several updates (train.epochs > 1 or train.minibatches > 1): "
+        "with one update the ratio is exactly 1.",
+    )
+    clip_high: float = Field(
+        0.28, ge=0, description="Ratio ceiling 1 + clip_high (DAPO's clip-higher); binds as clip_low does."
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        le=100,
+        description="Weight of the KL(pi || ref) penalty (0 = off). At most 100 (typical values are 0.001 to 1): a "
+        "huge coefficient overflows the loss.",
+    )
+    kl_reference: Literal["inference", "model"] = Field(
+        "inference",
+        description='The KL reference: the "inference" logprobs, or a frozen reference "model" (model.path, '
+        "loaded when a step first needs it).",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3",
+        description="Estimator of KL(pi || ref) reported and added to the loss; all three get the same, exact "
+        "reverse-KL gradient (the per-token coefficient logp - logp_ref clamped to +-kl_clamp).",
+    )
+    kl_clamp: float = Field(
+        10.0, gt=0, description="Bound on |logp - logp_ref| in each token's KL gradient coefficient (and on k3's value)."
+    )
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean",
+        description='How token losses make the batch loss: "token_mean", "seq_mean_token_mean" or '
+        '"seq_mean_token_sum_norm" (Dr. GRPO); unset, `type` chooses it (dr_grpo: seq_mean_token_sum_norm, '
+        "gspo: seq_mean_token_mean, else token_mean).",
+    )
+    max_completion_tokens: int = Field(
+        0,
+        ge=0,
+        description="Dr. GRPO's constant M (seq_mean_token_sum_norm) and the overlong budget; 0 = the source's "
+        "completion budget (source.max_tokens; for Atropos, model.max_seq_len, which grpod registers as "
+        "max_token_len).",
+    )
+    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop", "off"] = Field(
+        "token_truncate",
+        description="Correction of the trainer/vLLM mismatch with the weight rho = pi_old / pi_inference: "
+        "token_truncate clamp(rho_t, tis_floor, tis_cap); token_mask rho_t inside [tis_floor, tis_cap], else 0; "
+        "sequence_truncate and sequence_mask the same with the sequence's product of token ratios; icepop a "
+        'two-sided token mask; "off" no correction (weight 1).',
+    )
+    tis_cap: float = Field(
+        2.0, gt=0, description="Upper bound C of the IS weight (truncate at it, or mask above it)."
+    )
+    tis_floor: float = Field(
+        0.0,
+        ge=0,
+        description="Lower bound of the IS weight, below tis_cap: the mask modes mask below it, the truncate modes "
+        "raise smaller weights to it (TRL's clip_min); icepop needs > 0, e.g. 0.5.",
+    )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        le=100,
+        description="Entropy bonus weight (0 = entropy is a metric only); at most 100, like kl_coef.",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="No loss on completions that hit max_tokens (Atropos: overrides truncated / finish_reason "
+        '"length").',
+    )
+    logprob_chunk_tokens: int = Field(
+        1024, ge=1, description="The trainer's fp32 log-softmax is computed this many tokens at a time."
+    )
 
     @model_validator(mode="after")
     def _type_defaults(self) -> LossConfig:
@@ -399,65 +602,135 @@ class LossConfig(_Section):
 class AdvantageConfig(_Section):
     """How scores become advantages (`grpod/training/advantages.py` has the formulas)."""
 
-    # grpo: centred in the group, scaled by `scale`; rloo: leave-one-out baseline (no scaling);
-    # reinforce_pp: REINFORCE++, raw scores normalised over the whole step.
-    estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
-    scale: Literal["group", "batch", "none"] = "group"
-    # "sample" (Bessel, n - 1: TRL's and verl's) or "population" std for `scale`.
-    std: Literal["sample", "population"] = "sample"
-    drop_zero_variance: bool = True
-    use_source_advantages: bool = False
-    # DAPO's soft overlong punishment: a completion within `overlong_buffer` tokens of the
-    # completion budget loses up to `overlong_penalty` of score, linearly (0 = off).
-    overlong_buffer: int = Field(0, ge=0)
-    overlong_penalty: float = Field(1.0, ge=0)
+    estimator: Literal["grpo", "rloo", "reinforce_pp"] = Field(
+        "grpo",
+        description='"grpo": centred in the group, scaled by `scale`; "rloo": leave-one-out baseline (no '
+        'scaling); "reinforce_pp": REINFORCE++, raw scores normalised over the whole step.',
+    )
+    scale: Literal["group", "batch", "none"] = Field(
+        "group",
+        description='grpo: divide by the "group" std, the "batch" std, or "none" (Dr. GRPO; train.loss.type = '
+        '"dr_grpo" chooses it unless set).',
+    )
+    std: Literal["sample", "population"] = Field(
+        "sample",
+        description='The std of `scale`: "sample" (Bessel, n - 1: TRL\'s and verl\'s) or "population".',
+    )
+    drop_zero_variance: bool = Field(
+        True, description="Drop groups whose scores are all equal: they carry no signal."
+    )
+    use_source_advantages: bool = Field(False, description="Use the advantages a source sends when present.")
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO's soft overlong punishment: a completion within this many tokens of the completion "
+        "budget loses up to overlong_penalty of score, linearly (0 = off).",
+    )
+    overlong_penalty: float = Field(
+        1.0, ge=0, description="The most score the overlong punishment takes (see overlong_buffer)."
+    )
 
 
 class LoraConfig(_Section):
-    rank: int = Field(16, ge=1)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    rank: int = Field(16, ge=1, description="The adapter's rank r.")
+    alpha: float = Field(32.0, gt=0, description="The adapter's scaling alpha (scale alpha / r).")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="LoRA dropout; 0 so that the trainer computes the function vLLM serves."
+    )
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="The modules the adapter wraps (all seven Llama / Qwen2 projections).",
+    )
 
 
 class TrainConfig(_Section):
-    steps: int = Field(20, ge=1)
-    groups_per_step: int = Field(8, ge=1)
-    # At most 1: an optimizer step that moves every weight by more than 1 destroys any model.
-    lr: float = Field(2e-5, gt=0, le=1)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "cosine"] = "constant"
-    grad_clip: float = Field(1.0, gt=0)
-    optimizer: Literal["adamw", "adamw_8bit", "adafactor"] = "adamw"
-    micro_batch_tokens: int = Field(4096, ge=16)
-    # A micro-batch is also cut where the next (longer) sequence would bring its share of real,
-    # unpadded tokens below this (0 = cut by micro_batch_tokens only).
-    micro_batch_min_efficiency: float = Field(0.95, ge=0, le=1)
-    # PPO epochs and minibatches: each batch is trained `epochs` times, split into `minibatches`
-    # optimizer steps per epoch, against pi_old recorded before the batch's first update. With
-    # 1 and 1 (one update per batch) the PPO clip cannot bind (see train.loss.clip_low).
-    epochs: int = Field(1, ge=1)
-    minibatches: int = Field(1, ge=1)
-    # Run the training forward with dropout off (as vLLM serves the model), whatever the base
-    # config's dropout says (LoRA dropout included).
-    disable_dropout: bool = True
-    # Alarm when |mean trainer - vLLM logprob| over the last 20 steps exceeds this (nats/token):
-    # a broken sampling contract, not staleness noise (grpod/daemon/alarms.py has the figures).
-    logprob_gap_alarm: float = Field(0.05, gt=0)
-    # Staleness is counted in policy versions (syncs: one every bridge.sync_every optimizer
-    # steps), not in optimizer steps.
-    max_staleness: int = Field(4, ge=0)
-    stale_policy: Literal["drop", "downweight"] = "drop"
-    lora: bool = False
-    device: str = "cpu"
-    threads: int = Field(0, ge=0)  # torch intra-op threads for the trainer; 0 = torch default
-    # Trainer ranks under torchrun (grpod/training/distributed.py): every collective of a step, a
-    # sync's gather or a checkpoint waits at most this long for the other ranks.
-    collective_timeout_s: float = Field(600.0, gt=0)
-    loss: LossConfig = LossConfig()
-    advantages: AdvantageConfig = AdvantageConfig()
-    lora_config: LoraConfig = LoraConfig()
+    steps: int = Field(
+        20,
+        ge=1,
+        description="Batches this run trains; `ctl status` and the summary count trained steps and skipped "
+        "batches (every group rejected, zero-variance or non-finite) apart.",
+    )
+    groups_per_step: int = Field(8, ge=1, description="Groups (prompts) per batch.")
+    lr: float = Field(
+        2e-5,
+        gt=0,
+        le=1,
+        description="Learning rate. At most 1: an optimizer step that moves every weight by more than 1 destroys "
+        "any model.",
+    )
+    weight_decay: float = Field(0.0, ge=0, description="The optimizer's weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up.")
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description='The learning-rate schedule, "constant" or "cosine"; it advances once per batch, skipped '
+        "batches included.",
+    )
+    grad_clip: float = Field(1.0, gt=0, description="Max gradient norm.")
+    optimizer: Literal["adamw", "adamw_8bit", "adafactor"] = Field(
+        "adamw", description='"adamw" (fp32 states), "adafactor" or "adamw_8bit" (CUDA + bitsandbytes).'
+    )
+    micro_batch_tokens: int = Field(
+        4096, ge=16, description="Padded tokens per micro-batch (gradient accumulation beyond)."
+    )
+    micro_batch_min_efficiency: float = Field(
+        0.95,
+        ge=0,
+        le=1,
+        description="A micro-batch is also cut where the next (longer) sequence would bring its share of real, "
+        "unpadded tokens below this (0 = cut by micro_batch_tokens only).",
+    )
+    epochs: int = Field(
+        1,
+        ge=1,
+        description="PPO epochs: each batch is trained this many times, against pi_old recorded before the "
+        "batch's first update. With epochs = minibatches = 1 (one update per batch) the PPO clip cannot bind "
+        "(see train.loss.clip_low).",
+    )
+    minibatches: int = Field(
+        1, ge=1, description="Optimizer steps per epoch (the batch split in this many parts)."
+    )
+    disable_dropout: bool = Field(
+        True,
+        description="Run the training forward with dropout off, as vLLM serves the model, whatever the base "
+        "config's dropout says (LoRA dropout included).",
+    )
+    logprob_gap_alarm: float = Field(
+        0.05,
+        gt=0,
+        description="Alarm (log, console, `ctl status`) when |mean trainer - vLLM logprob| over the last 20 steps "
+        "exceeds this (nats/token): a broken sampling contract, not staleness noise (grpod/daemon/alarms.py has "
+        "the figures).",
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="Policy versions a group may lag behind the engine's weights, counted in versions (syncs: one "
+        "every bridge.sync_every optimizer steps), not in optimizer steps.",
+    )
+    stale_policy: Literal["drop", "downweight"] = Field(
+        "drop", description='Groups beyond max_staleness: "drop" or "downweight".'
+    )
+    lora: bool = Field(
+        False, description='Train a LoRA adapter (needs bridge.mode "lora_only" or "lora_restart").'
+    )
+    device: str = Field(
+        "cpu",
+        description='"cpu", "cuda" or "cuda:N" (under torchrun "cuda" puts rank i on the GPU of its LOCAL_RANK).',
+    )
+    threads: int = Field(
+        0, ge=0, description="Torch intra-op threads for the trainer (0 = torch's default); vLLM needs the rest."
+    )
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Trainer ranks under torchrun (grpod/training/distributed.py): every collective of a step, a "
+        "sync's gather or a checkpoint waits at most this long for the other ranks.",
+    )
+    loss: LossConfig = Field(LossConfig(), description="The policy loss (grpod/training/loss.py).")
+    advantages: AdvantageConfig = Field(
+        AdvantageConfig(), description="How scores become advantages (grpod/training/advantages.py)."
+    )
+    lora_config: LoraConfig = Field(LoraConfig(), description="The LoRA adapter (with train.lora = true).")
 
     @model_validator(mode="after")
     def _dr_grpo_scale(self) -> TrainConfig:
@@ -467,65 +740,96 @@ class TrainConfig(_Section):
         return self
 
 
+_BRIDGE_MODE = (
+    'How a sync ships the trainer\'s weights to the engines: "none" (an HF checkpoint), "shared" (one copy, '
+    'written in place), "lora_only" (adapter versions loaded live), "lora_restart" (vLLM relaunched with each '
+    'adapter), "broadcast" (vLLM\'s weight-transfer API, every engine at once); a key of another mode is an error.'
+)
+_KEEP_ADAPTERS = "Adapter versions kept on disk."
+
+
 class _BridgeCommon(_Section):
     """What every weight-bridge mode has: the sync cadence and the alignment probe."""
 
-    sync_every: int = Field(1, ge=1)
-    # fp32 serving: max |vLLM - trainer| over the probe positions.
-    probe_tolerance: float = Field(0.02, gt=0)
-    # bf16/fp16 serving (model.dtype): rounding alone moves single tokens by ~0.2, so the mean and
-    # the 95th percentile of |diff| are bounded instead (grpod/bridges/probe.py has the measurements).
-    probe_low_precision_mean: float = Field(0.07, gt=0)
-    probe_low_precision_p95: float = Field(0.3, gt=0)
-    # Probe every N-th sync (1 = every sync); the first sync after any vLLM launch is always probed.
-    probe_every: int = Field(1, ge=1)
-    probe_timeout_s: float = Field(60.0, gt=0)
+    sync_every: int = Field(1, ge=1, description="Optimizer steps between weight syncs (policy versions).")
+    probe_tolerance: float = Field(
+        0.02, gt=0, description="fp32 serving: max |vLLM - trainer| logprob over the probe positions."
+    )
+    probe_low_precision_mean: float = Field(
+        0.07,
+        gt=0,
+        description="bf16/fp16 serving (model.dtype): rounding alone moves single tokens by ~0.2, so the mean "
+        "|diff| is bounded by this (same weights measured 0.028; grpod/bridges/probe.py has the measurements).",
+    )
+    probe_low_precision_p95: float = Field(
+        0.3,
+        gt=0,
+        description="bf16/fp16 serving: the bound on the 95th percentile of |diff| (same weights 0.10; one "
+        "missed step 0.60).",
+    )
+    probe_every: int = Field(
+        1,
+        ge=1,
+        description="Probe every N-th sync (1 = every sync); the first sync after any vLLM launch is always "
+        "probed.",
+    )
+    probe_timeout_s: float = Field(60.0, gt=0, description="The longest one alignment probe may take.")
 
 
 class NoneBridgeConfig(_BridgeCommon):
     """bridge.mode = "none": vLLM holds its own copy; a sync ships a full HF checkpoint."""
 
-    mode: Literal["none"] = "none"
-    reload: Literal["in_place", "restart"] = "in_place"
+    mode: Literal["none"] = Field("none", description=_BRIDGE_MODE)
+    reload: Literal["in_place", "restart"] = Field(
+        "in_place",
+        description='"in_place" (vLLM reload_weights, no restart, ~10 ms) or "restart" (stop vLLM, wait for its '
+        "release, relaunch on the checkpoint).",
+    )
 
 
 class SharedBridgeConfig(_BridgeCommon):
     """bridge.mode = "shared": one copy of the weights, read by vLLM, written by the optimizer."""
 
-    mode: Literal["shared"] = "shared"
+    mode: Literal["shared"] = Field("shared", description=_BRIDGE_MODE)
 
 
 class LoraOnlyBridgeConfig(_BridgeCommon):
     """bridge.mode = "lora_only": vLLM serves the base once and loads each adapter version."""
 
-    mode: Literal["lora_only"] = "lora_only"
-    keep_adapters: int = Field(3, ge=1)
+    mode: Literal["lora_only"] = Field("lora_only", description=_BRIDGE_MODE)
+    keep_adapters: int = Field(3, ge=1, description=_KEEP_ADAPTERS)
 
 
 class LoraRestartBridgeConfig(_BridgeCommon):
     """bridge.mode = "lora_restart": vLLM relaunched on the base with each adapter version."""
 
-    mode: Literal["lora_restart"] = "lora_restart"
-    keep_adapters: int = Field(3, ge=1)
+    mode: Literal["lora_restart"] = Field("lora_restart", description=_BRIDGE_MODE)
+    keep_adapters: int = Field(3, ge=1, description=_KEEP_ADAPTERS)
 
 
 class BroadcastBridgeConfig(_BridgeCommon):
     """bridge.mode = "broadcast": trainer rank 0 sends the weights to every engine at once through
     vLLM's weight-transfer API (`grpod/bridges/broadcast.py`, `grpod/weights/transfer.py`)."""
 
-    mode: Literal["broadcast"] = "broadcast"
-    # "nccl" on GPU (vLLM's engine), "gloo" on CPU (grpod's engine, registered by its worker
-    # extension); "auto" picks by where vLLM runs.
-    transport: Literal["auto", "gloo", "nccl"] = "auto"
-    # Where rank 0 listens for the engines' workers: 127.0.0.1 for engines on this machine, a
-    # routable address of the trainer for engines on other nodes; 0 = a free port.
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)
-    chunk_bytes: int = Field(64 * 1024 * 1024, ge=1)
-    # Chunks the engines receive ahead of the one they load (double buffering).
-    inflight_chunks: int = Field(2, ge=1)
-    # Bounds forming the group and every collective wait, on both sides.
-    timeout_s: float = Field(120.0, gt=0)
+    mode: Literal["broadcast"] = Field("broadcast", description=_BRIDGE_MODE)
+    transport: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description='"nccl" on GPU (vLLM\'s engine), "gloo" on CPU (grpod\'s engine, registered by its worker '
+        'extension); "auto" picks by where vLLM runs.',
+    )
+    host: str = Field(
+        "127.0.0.1",
+        description="Where trainer rank 0 listens for the engines' workers: 127.0.0.1 for engines on this "
+        "machine, an address of the trainer the agents reach for engines on other nodes (cluster.agents).",
+    )
+    port: int = Field(0, ge=0, le=65535, description="Rank 0's port (0 = a free one).")
+    chunk_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Bytes per broadcast chunk.")
+    inflight_chunks: int = Field(
+        2, ge=1, description="Chunks the engines receive ahead of the one they load (double buffering)."
+    )
+    timeout_s: float = Field(
+        120.0, gt=0, description="Bounds forming the group and every collective wait, on both sides."
+    )
 
 
 BridgeConfig = Annotated[
@@ -541,47 +845,86 @@ LORA_MODES = ("lora_only", "lora_restart")
 
 
 class CheckpointConfig(_Section):
-    every: int = Field(0, ge=0)  # 0 = only at `ctl checkpoint` and at shutdown
-    keep_last: int = Field(3, ge=1)
-    at_shutdown: bool = True
+    every: int = Field(
+        0, ge=0, description="Steps between checkpoints (0 = only at `ctl checkpoint` and at shutdown)."
+    )
+    keep_last: int = Field(3, ge=1, description="Complete checkpoints kept; older ones are pruned.")
+    at_shutdown: bool = Field(True, description="Write a checkpoint when the daemon stops.")
 
 
 class EvalConfig(_Section):
-    every: int = Field(0, ge=0)  # 0 = at start and end only
-    size: int = Field(0, ge=0)  # 0 = no evaluation
-    max_tokens: int = Field(8, ge=1)
-    seed: int = 99
-    # source.kind = "dataset": the held-out split (same columns as source.dataset.path); its first
-    # `size` rows are evaluated. pass@1 (eval_accuracy) decodes greedily; mean@k (eval_mean_at_k)
-    # averages the correctness of `k` samples at source.temperature (0 = not measured). A
-    # completion is correct when its combined reward is >= correct_threshold. Completions get
-    # max(max_tokens, source.max_tokens) tokens.
-    dataset: Path | None = None
-    k: int = Field(0, ge=0)
-    correct_threshold: float = 1.0
-    # Evaluate beside training: the step loop trains on while the engines decode the held-out
-    # set, keeping the evaluated version until it ends (a sync due meanwhile waits for it).
-    # false = the loop waits for each evaluation. The `shared` bridge always waits.
-    overlap: bool = True
+    every: int = Field(0, ge=0, description="Held-out evaluation every N steps (0 = at start and end only).")
+    size: int = Field(
+        0,
+        ge=0,
+        description="Held-out problems evaluated (0 = no evaluation; the builtin task holds out 156; a dataset "
+        "source evaluates the first `size` rows of eval.dataset).",
+    )
+    max_tokens: int = Field(
+        8,
+        ge=1,
+        description="Completion length of an evaluation (dataset source: max(max_tokens, source.max_tokens)).",
+    )
+    seed: int = Field(99, description="Not read by any evaluation yet (the builtin held-out set is fixed).")
+    dataset: Path | None = Field(
+        None,
+        description='source.kind = "dataset": the held-out split (same columns as source.dataset.path); its first '
+        "`size` rows are evaluated.",
+        examples=["data/eval.jsonl"],
+    )
+    k: int = Field(
+        0,
+        ge=0,
+        description="Dataset source: besides greedy pass@1 (eval_accuracy), mean@k (eval_mean_at_k) averages the "
+        "correctness of k samples at source.temperature (0 = not measured).",
+    )
+    correct_threshold: float = Field(
+        1.0, description="Dataset source: a completion is correct when its combined reward is >= this."
+    )
+    overlap: bool = Field(
+        True,
+        description="Evaluate beside training: the step loop trains on while the engines decode the held-out "
+        "set, keeping the evaluated version until it ends (a sync due meanwhile waits for it). false = the loop "
+        'waits for each evaluation. The "shared" bridge always waits.',
+    )
 
 
 class ControlConfig(_Section):
-    socket: Path | None = None  # default: <run.dir>/grpod.sock
-    request_timeout_s: float = Field(600.0, gt=0)
+    socket: Path | None = Field(
+        None,
+        description="The control socket (mode 0600); unset: <run.dir>/grpod.sock.",
+        examples=["runs/default/grpod.sock"],
+    )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Longest a control request may wait (sync and checkpoint wait for a step boundary).",
+    )
 
 
 class NotifyConfig(_Section):
-    watchdog: bool = True
-    # A step (or sync) running longer than this stops the heartbeat.
-    stall_after_s: float = Field(600.0, gt=0)
+    watchdog: bool = Field(True, description="Send WATCHDOG=1 to systemd while steps progress.")
+    stall_after_s: float = Field(
+        600.0, gt=0, description="A step (or sync) running longer than this stops the heartbeat."
+    )
 
 
 class MetricsConfig(_Section):
-    prometheus_port: int | None = None
-    prometheus_host: str = "127.0.0.1"
-    wandb_project: str | None = None
-    wandb_entity: str | None = None
-    wandb_mode: Literal["online", "offline"] = "online"
+    prometheus_port: int | None = Field(
+        None, description="Serve a Prometheus text endpoint on this port (unset: none).", examples=[9464]
+    )
+    prometheus_host: str = Field("127.0.0.1", description="The address the Prometheus endpoint binds.")
+    wandb_project: str | None = Field(
+        None,
+        description="Also log every numeric step and eval metric to this Weights & Biases project (unset: off).",
+        examples=["grpod"],
+    )
+    wandb_entity: str | None = Field(
+        None, description="The W&B entity (unset: the logged-in user's).", examples=["my-team"]
+    )
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description='"online", or "offline" (written under <run.dir>/wandb for a later `wandb sync`).'
+    )
 
 
 # A token shorter than this is refused: it guards an API that starts processes on a node.
@@ -624,15 +967,32 @@ class AgentConfig(_Section):
     node's engines (`[inference]`, `[model]` of the same file) and serves them to the leader over
     an HTTP API that requires the token on every route."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(7900, ge=1, le=65535)
-    # Required to start an agent (one of the two); the leader's cluster.token must be the same.
-    token: str | None = None
-    token_file: Path | None = None
-    # Engines this agent serves (default inference.engines), named engine-0, engine-1, ...
-    engines: int | None = Field(None, ge=1)
-    # Its log, the engines' vLLM logs and launch records (default <run.dir>/agent).
-    dir: Path | None = None
+    host: str = Field(
+        "127.0.0.1", description="The agent's API binds here; the leader reaches it at http://HOST:PORT."
+    )
+    port: int = Field(7900, ge=1, le=65535, description="The agent's API port.")
+    token: str | None = Field(
+        None,
+        description="The secret every route requires (`Authorization: Bearer <token>`, at least 16 characters); "
+        "this or token_file is required to start an agent, and the leader's cluster.token must be the same.",
+        examples=["..."],
+    )
+    token_file: Path | None = Field(
+        None,
+        description="A file whose first line is the token, read where it is used (instead of token).",
+        examples=["/etc/grpod/agent.token"],
+    )
+    engines: int | None = Field(
+        None,
+        ge=1,
+        description="Engines this agent serves, named engine-0, engine-1, ... (unset: inference.engines).",
+        examples=[1],
+    )
+    dir: Path | None = Field(
+        None,
+        description="Its grpod.log, the engines' vLLM logs and launch records (unset: <run.dir>/agent).",
+        examples=["runs/default/agent"],
+    )
 
     @model_validator(mode="after")
     def _token_settings(self) -> AgentConfig:
@@ -647,18 +1007,33 @@ class ClusterConfig(_Section):
     """Engines on other nodes: each `grpod agent` in `agents` serves `engines_per_agent` engines to
     this daemon (the leader), beside the `inference.engines` of this node."""
 
-    # Agents' base URLs, e.g. ["http://10.0.0.2:7900"] (default port 7900).
-    agents: list[str] = []
-    # The agents' agent.token (one of the two is required with agents).
-    token: str | None = None
-    token_file: Path | None = None
-    engines_per_agent: int = Field(1, ge=1)
-    # Any one request to an agent but a launch (launches wait for vLLM: inference.start_timeout_s).
-    request_timeout_s: float = Field(30.0, gt=0)
-    # The leader watches each remote engine with a long-poll the agent answers at once when the
-    # engine ends, else after this long; an agent silent for this plus request_timeout_s is
-    # reported unreachable (`ctl status`), which by itself loses no engine: vLLM's /health decides.
-    watch_poll_s: float = Field(30.0, gt=0, le=60)
+    agents: list[str] = Field(
+        [],
+        description='The agents\' base URLs, e.g. ["http://10.0.0.2:7900", "http://10.0.0.3:7900"] (default port '
+        '7900); needs bridge.mode = "broadcast" and a bridge.host the agents\' nodes reach.',
+    )
+    token: str | None = Field(
+        None,
+        description="The agents' agent.token (this or token_file is required with agents).",
+        examples=["..."],
+    )
+    token_file: Path | None = Field(
+        None, description="A file whose first line is the token (instead of token).", examples=["/etc/grpod/agent.token"]
+    )
+    engines_per_agent: int = Field(1, ge=1, description="Engines each agent serves to this leader.")
+    request_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Any one request to an agent but a launch (launches wait for vLLM: inference.start_timeout_s).",
+    )
+    watch_poll_s: float = Field(
+        30.0,
+        gt=0,
+        le=60,
+        description="The leader watches each remote engine with a long-poll the agent answers at once when the "
+        "engine ends, else after this long; an agent silent for this plus request_timeout_s is reported "
+        "unreachable (`ctl status`), which by itself loses no engine: vLLM's /health decides.",
+    )
 
     @field_validator("agents")
     @classmethod
@@ -705,19 +1080,33 @@ def run_key(run_dir: Path | str) -> str:
 
 
 class GrpodConfig(_Section):
-    run: RunConfig = RunConfig()
-    model: ModelConfig = ModelConfig()
-    inference: InferenceConfig = InferenceConfig()
-    source: SourceConfig = BuiltinSourceConfig()
-    train: TrainConfig = TrainConfig()
-    bridge: BridgeConfig = NoneBridgeConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    eval: EvalConfig = EvalConfig()
-    control: ControlConfig = ControlConfig()
-    notify: NotifyConfig = NotifyConfig()
-    metrics: MetricsConfig = MetricsConfig()
-    agent: AgentConfig = AgentConfig()
-    cluster: ClusterConfig = ClusterConfig()
+    run: RunConfig = Field(RunConfig(), description="The run: its directory, seed, resume and console.")
+    model: ModelConfig = Field(ModelConfig(), description="The model trained and served.")
+    inference: InferenceConfig = Field(
+        InferenceConfig(), description="This node's vLLM engines: launch, health, restart, stop."
+    )
+    source: SourceConfig = Field(
+        BuiltinSourceConfig(), description="Where the scored rollout groups come from, by `kind`."
+    )
+    train: TrainConfig = Field(TrainConfig(), description="The trainer: the step, the optimizer, batching, staleness.")
+    bridge: BridgeConfig = Field(
+        NoneBridgeConfig(),
+        description="How the trainer's weights reach the engines, by `mode`, and the alignment probe after each "
+        "sync.",
+    )
+    checkpoint: CheckpointConfig = Field(
+        CheckpointConfig(), description="Crash-safe checkpoints in <run.dir>/checkpoints/."
+    )
+    eval: EvalConfig = Field(EvalConfig(), description="Held-out evaluation.")
+    control: ControlConfig = Field(ControlConfig(), description="The control socket `grpod ctl` talks to.")
+    notify: NotifyConfig = Field(NotifyConfig(), description="systemd notify: READY, STATUS and the watchdog.")
+    metrics: MetricsConfig = Field(
+        MetricsConfig(), description="Metrics beyond metrics.jsonl: Prometheus, Weights & Biases."
+    )
+    agent: AgentConfig = Field(AgentConfig(), description="`grpod agent` on an inference node (docs/agent.md).")
+    cluster: ClusterConfig = Field(
+        ClusterConfig(), description="The leader's side: engines on other nodes, served by `grpod agent`s."
+    )
 
     @model_validator(mode="after")
     def _modes_agree(self) -> GrpodConfig:
