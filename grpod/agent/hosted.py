@@ -31,6 +31,7 @@ import structlog
 from grpod.agent.api import LaunchAnswer, LaunchRequest
 from grpod.inference.engine import InferenceEngine, RestartBudgetSpent
 from grpod.inference.supervised import SupervisedInference
+from grpod.service.race import first_of
 
 log = structlog.get_logger(__name__)
 
@@ -170,26 +171,17 @@ class HostedEngine:
             log.info("engine_relaunched", engine=self.name, pid=self.engine.process.pid, launch=self.launch_id,
                      seconds=round(time.perf_counter() - began, 3))
 
+    async def _exited(self) -> None:
+        try:
+            await self.engine.process.wait_exit()
+        except RuntimeError:
+            pass  # stopped meanwhile: wait_ended's loop sees it
+
     async def wait_ended(self, launch: str, wait_s: float) -> dict[str, Any]:
         """Return once `launch` is not the running launch any more, or after `wait_s`."""
         with anyio.move_on_after(wait_s):
             while self._running(launch):
-                ended = self._ended
-                async with anyio.create_task_group() as tg:
-
-                    async def on_end(ended: anyio.Event = ended) -> None:
-                        await ended.wait()
-                        tg.cancel_scope.cancel()
-
-                    async def on_exit() -> None:
-                        try:
-                            await self.engine.process.wait_exit()
-                        except RuntimeError:
-                            pass  # stopped meanwhile: the loop's test sees it
-                        tg.cancel_scope.cancel()
-
-                    tg.start_soon(on_end)
-                    tg.start_soon(on_exit)
+                await first_of(self._ended.wait, self._exited)
         process = self.engine.process
         current = self.launch_id if self.launch_id != launch and process.running else None
         return {

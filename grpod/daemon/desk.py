@@ -39,6 +39,7 @@ from grpod.config import ConfigError, GrpodConfig, load_config
 from grpod.daemon.control import ControlError
 from grpod.daemon.live import LIVE_KEYS, SettingChange, diff_file, get_key, plan_changes
 from grpod.daemon.progress import RunProgress
+from grpod.service.race import first_of
 
 log = structlog.get_logger(__name__)
 
@@ -104,22 +105,8 @@ class OperatorDesk:
         safe to cancel (lose nothing). Once woken, it returns None until the loop `settle`s."""
         if self.pending() or self._attention.is_set():
             return None
-        result: T | None = None
-        attention = self._attention
-        async with anyio.create_task_group() as tg:
-
-            async def run() -> None:
-                nonlocal result
-                result = await work()
-                tg.cancel_scope.cancel()
-
-            async def interrupt() -> None:
-                await attention.wait()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(run)
-            tg.start_soon(interrupt)
-        return result
+        index, result = await first_of(work, self._attention.wait)
+        return result if index == 0 else None
 
     def settle(self) -> None:
         """The loop has looked at everything: the next change wakes it again."""

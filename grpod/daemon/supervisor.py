@@ -43,6 +43,7 @@ from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.validation import RejectionCounter
 from grpod.run.checkpoint import ResumeError
 from grpod.run.lock import RunDirInUse, RunDirLock
+from grpod.service.race import first_of
 
 log = structlog.get_logger(__name__)
 
@@ -156,23 +157,17 @@ class Supervisor:
             start_parts,  # the trainer stack imports torch
         )
 
-        with anyio.CancelScope() as scope:
-            async with anyio.create_task_group() as tg:
+        async def start() -> None:
+            self.parts = await start_parts(
+                self.cfg, self.run_dir, progress=self.progress, buffer=self.buffer,
+                rejections=self.rejections, desk=self.desk, heartbeat=self.heartbeat, reporter=self.reporter,
+                resources=self.resources,
+            )
+            self.heartbeat.progress()
 
-                async def cancel_on_stop() -> None:
-                    await self.desk.stopping.wait()
-                    scope.cancel()
-
-                tg.start_soon(cancel_on_stop)
-                self.heartbeat.busy()
-                self.parts = await start_parts(
-                    self.cfg, self.run_dir, progress=self.progress, buffer=self.buffer,
-                    rejections=self.rejections, desk=self.desk, heartbeat=self.heartbeat, reporter=self.reporter,
-                    resources=self.resources,
-                )
-                self.heartbeat.progress()
-                tg.cancel_scope.cancel()
-        return not scope.cancelled_caught and self.parts is not None and not self.desk.stop_requested
+        self.heartbeat.busy()
+        started, _ = await first_of(start, self.desk.stopping.wait)
+        return started == 0 and self.parts is not None and not self.desk.stop_requested
 
     async def _train(self, tg) -> None:
         tg.start_soon(self._watchdog)

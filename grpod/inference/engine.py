@@ -32,6 +32,7 @@ import structlog
 
 from grpod.config import InferenceConfig
 from grpod.inference.client import InferenceClient
+from grpod.service.race import first_of
 
 log = structlog.get_logger(__name__)
 
@@ -220,16 +221,7 @@ class InferenceEngine:
 
     async def _until_lost(self) -> str:
         """Return why the engine is lost: its process exited, or it stopped answering /health."""
-        reason = ""
-        async with anyio.create_task_group() as tg:
-
-            async def first(until: Callable[[], Awaitable[str]]) -> None:
-                nonlocal reason
-                reason = await until()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(first, self._until_exited)
-            tg.start_soon(first, self._until_hung)
+        _, reason = await first_of(self._until_exited, self._until_hung)
         return reason
 
     async def _until_exited(self) -> str:

@@ -27,6 +27,7 @@ from grpod.inference.engine import (
     InferenceUnavailable,
 )
 from grpod.inference.routes import SERVED_MODEL_NAME
+from grpod.service.race import first_of
 
 
 class Policy:
@@ -55,14 +56,7 @@ class Policy:
                     open_engines = [e for e in self.engines if e.available]
                     if open_engines:
                         return min(open_engines, key=lambda e: e.outstanding)
-                    async with anyio.create_task_group() as tg:
-                        for engine in self.engines:
-
-                            async def first_open(engine: InferenceEngine = engine) -> None:
-                                await engine.wait_open()
-                                tg.cancel_scope.cancel()
-
-                            tg.start_soon(first_open)
+                    await first_of(*(engine.wait_open for engine in self.engines))
         except TimeoutError:
             states = ", ".join(f"{e.name} {'running' if e.process.running else 'down'}" for e in self.engines)
             raise InferenceUnavailable(f"no vLLM engine available for {timeout_s:.0f} s ({states})") from None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import sys
 from contextlib import suppress
@@ -40,6 +41,7 @@ import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from grpod.rollouts.reward_worker import HEADER, MAX_FRAME
+from grpod.service.race import first_of
 
 log = structlog.get_logger(__name__)
 
@@ -194,32 +196,24 @@ class RewardPool:
         raise PoolCallFailed(reason, detail, exc_type)
 
     async def _exchange(self, worker: _Worker, index: int, kwargs: dict[str, Any]) -> tuple:
-        import pickle
-
         data = pickle.dumps(("call", index, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-        over_memory = False
-        reply: tuple | None = None
+
+        async def exchange() -> tuple | None:
+            try:
+                await worker.process.stdin.send(HEADER.pack(len(data)) + data)
+                return await _read_reply(worker)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.IncompleteRead, OSError):
+                return None  # it died: said below
+
+        async def over_memory() -> None:
+            while _rss_mb(worker.pid) <= self.memory_mb:
+                await anyio.sleep(MEMORY_POLL_S)
+
+        winner, reply = -1, None
         with anyio.move_on_after(self.timeout_s) as deadline:
-            async with anyio.create_task_group() as tg:
-
-                async def watch_memory() -> None:
-                    nonlocal over_memory
-                    while True:
-                        await anyio.sleep(MEMORY_POLL_S)
-                        if _rss_mb(worker.pid) > self.memory_mb:
-                            over_memory = True
-                            tg.cancel_scope.cancel()
-                            return
-
-                tg.start_soon(watch_memory)
-                try:
-                    await worker.process.stdin.send(HEADER.pack(len(data)) + data)
-                    reply = await _read_reply(worker)
-                except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.IncompleteRead, OSError):
-                    reply = None
-                tg.cancel_scope.cancel()
+            winner, reply = await first_of(exchange, over_memory)
         worker.calls += 1
-        if over_memory:
+        if winner == 1:
             raise PoolCallFailed("reward_memory", f"the worker's memory passed reward_memory_mb = {self.memory_mb}")
         if deadline.cancelled_caught:
             raise PoolCallFailed("reward_timeout", f"no result after {self.timeout_s:g} s (its worker was killed)")
@@ -296,8 +290,6 @@ class RewardPool:
 
 
 async def _read_reply(worker: _Worker) -> tuple:
-    import pickle
-
     (size,) = HEADER.unpack(await worker.replies.receive_exactly(HEADER.size))
     if size > MAX_FRAME:
         raise anyio.BrokenResourceError(f"reply frame of {size} bytes")
