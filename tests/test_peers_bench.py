@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpod.daemon import logs
+from grpod.service import logs
 from grpod.service.logs import MetricsLog
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.replay import record_groups
@@ -105,3 +105,20 @@ def test_compare_reads_rates_thresholds_and_trls_final_accuracy_from_grpods_reco
     assert summary["rows"]["launch -> trl's final held-out accuracy 0.550 (s)"] == {"grpod": "30.0", "trl": "120.0"}
     assert summary["rows"]["launch -> held-out accuracy >= 0.5 (s)"] == {"grpod": "30.0", "trl": "120.0"}
     assert "| held-out accuracy at step 5 | - | 0.550 |" in text
+
+
+def test_trl_gets_a_conversational_datasets_own_reward_functions(monkeypatch):
+    """The TRL-style example's module goes to TRL's GRPOTrainer as it is (weights and aggregation
+    mapped), not through a wrapper: the same module trains on both sides of the bench."""
+    from grpod.models.tiny import build_tokenizer
+
+    monkeypatch.chdir(ROOT)  # the example's paths are relative to the repository root
+    cfg = workload.load(ROOT / "etc" / "examples" / "trl-rewards.toml", [])
+    work = workload.Workload(cfg, build_tokenizer())
+    functions, weights = work.trl_reward_functions()
+    assert [f.__name__ for f in functions] == ["correct", "reward_len", "digits_only", "carry_bonus"]
+    assert weights == [1.0, 0.5, 0.5, 0.5]
+    assert workload.AGGREGATIONS[cfg.source.dataset.reward_aggregation] == "sum_then_normalize"
+    row = work.train_examples(1)[0]
+    completions = [[{"role": "assistant", "content": row.columns["answer"]}]]
+    assert functions[0](prompts=[row.messages], completions=completions, answer=[row.columns["answer"]]) == [1.0]

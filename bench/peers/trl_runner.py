@@ -58,7 +58,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from workload import Workload, grpo_config_kwargs, load
+    from workload import AGGREGATIONS, Workload, grpo_config_kwargs, load
 
     cfg = load(args.config, args.set)
     run_dir = Path(cfg.run.dir)
@@ -158,10 +158,19 @@ def main() -> int:
         def on_log(self, args, state, control, logs=None, **kwargs):
             records.write("log", step=state.global_step, **{k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
 
-    grpo_args = GRPOConfig(output_dir=str(run_dir), **grpo_config_kwargs(cfg, workload.max_tokens))
+    reward_funcs, extra = [grpod_reward], {}
+    own = workload.trl_reward_functions()
+    if own is not None:
+        # The user's functions themselves, called by TRL as grpod calls them; grpod_reward stays
+        # (weight 0) to tally each step's tokens and combined reward for the records.
+        functions, weights = own
+        reward_funcs = [grpod_reward, *functions]
+        extra = {"reward_weights": [0.0, *weights],
+                 "multi_objective_aggregation": AGGREGATIONS[cfg.source.dataset.reward_aggregation]}
+    grpo_args = GRPOConfig(output_dir=str(run_dir), **grpo_config_kwargs(cfg, workload.max_tokens), **extra)
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[grpod_reward],
+        reward_funcs=reward_funcs,
         args=grpo_args,
         train_dataset=dataset,
         processing_class=tokenizer,

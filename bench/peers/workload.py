@@ -165,6 +165,21 @@ class Workload:
         combined = combine(per_function, [f.weight for f in functions], self.cfg.source.dataset.reward_aggregation)
         return [0.0 if score is None else score for score in combined]
 
+    def trl_reward_functions(self) -> tuple[list[Any], list[float]] | None:
+        """The dataset's own reward functions and weights, to hand TRL unchanged, when its rows are
+        conversational (`messages`): then TRL calls them exactly as grpod does. None otherwise: a
+        string-prompt row is a string for grpod's functions but chat messages for TRL (the bench
+        renders every prompt with the chat template), so `scores` stands in for them."""
+        if self.kind != "dataset" or not self.source.items[0].chat:
+            return None
+        functions = []
+        for f in self.source.functions:
+            fn = resolve_function(f.function, f.pattern)
+            if not hasattr(fn, "__name__"):  # a builtin with its pattern bound: TRL names functions
+                fn = _named(fn, f.name)
+            functions.append(fn)
+        return functions, [f.weight for f in self.source.functions]
+
     def correct(self, score: float) -> bool:
         threshold = 1.0 if self.kind == "builtin" else self.cfg.eval.correct_threshold
         return score >= threshold
@@ -172,6 +187,18 @@ class Workload:
 
 def load(config: Path, overrides: list[str]) -> GrpodConfig:
     return load_config(config, overrides)
+
+
+def _named(fn, name: str):
+    def named(**kwargs):
+        return fn(**kwargs)
+
+    named.__name__ = name
+    return named
+
+
+# grpod's source.dataset.reward_aggregation -> TRL's multi_objective_aggregation.
+AGGREGATIONS = {"sum": "sum_then_normalize", "normalize_then_sum": "normalize_then_sum"}
 
 
 def grpo_config_kwargs(cfg: GrpodConfig, completion_tokens: int) -> dict[str, Any]:
