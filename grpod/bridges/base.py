@@ -3,9 +3,11 @@
 A bridge answers the one question the rest of grpod asks it: "do the engines serve the
 trainer's weights, and which version are they?". It owns no process: each engine is an
 `InferenceEngine` (process, client, gate, health watch, restart budget) handed to it — a
-`SupervisedInference` on this node or a `RemoteInference` a `grpod agent` runs elsewhere — and
-what the rest of grpod sees of the policy is the `Policy` handle it publishes to. Every sync
-follows the same sequence, whatever the mode:
+`SupervisedInference` on this node or a `RemoteInference` a `grpod agent` runs elsewhere — kept
+in one `EnginePool` (`grpod.inference.pool`: the members, who is current at which version,
+leaving on death, rejoining after a relaunch and a probe), and what the rest of grpod sees of the
+policy is the `Policy` handle it publishes to. Every sync follows the same sequence, whatever
+the mode:
 
     SYNC → save (mode) → apply to each engine (mode) → version bump + prefix-cache reset → probe
 
@@ -21,23 +23,27 @@ The trainer is touched only by the task that owns it (the step loop, or start-up
 reads the trainer: it probes a relaunched engine against the scores recorded at the current
 version's sync (every sync records them, probed or not).
 
-A lost engine is met in one of two places, and both spend its restart budget:
-- between syncs, by its health watch (`InferenceEngine.watch` → `recover`): relaunched on the
-  weights of the current policy version and probed against that version's recorded scores;
-- during a sync, by the sync itself (the apply step fails and the engine does not answer
-  `/health`): relaunched on the weights it served before the sync, and the same sync applied once
-  more, ending with the usual probe. A second failure, or a failure while the engine is healthy
-  (it refused the weights), is FAILED.
+A lost engine is met in one of two places, and a relaunch spends its restart budget:
+- between syncs, by its health watch (the pool's `watch` → `recover` → this bridge's `_bring_up`):
+  relaunched on the weights of the current policy version, caught up to it, and probed against
+  that version's recorded scores; one of a pool is relaunched while the others sync on;
+- during a sync, by the sync itself (the apply step or the probe fails and the engine does not
+  answer `/health`): one of a pool leaves it (its watch brings it back) and the sync goes on
+  without it; the only engine, lost in the apply step, is relaunched on the weights it served
+  before the sync and the same sync applied once more, ending with the usual probe. A second
+  failure, a failure while the engine is healthy (it refused the weights) or the only engine
+  lost while probed is FAILED.
 
 Each mode's module holds only what is particular to it: its states, transition table and its
-`_save` / `_apply` / `_launch_kwargs` / `_after_launch` / `_applied` pieces.
+`ModeSteps` (`_save` / `_apply` / `_launch_kwargs` / `_after_launch` / `_applied` ...).
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -57,12 +63,23 @@ from grpod.bridges.probe import (
 from grpod.config import LORA_MODES, ModelConfig
 from grpod.inference.engine import InferenceEngine, RestartBudgetSpent
 from grpod.inference.policy import Policy
+from grpod.inference.pool import EnginePool
 
 log = structlog.get_logger(__name__)
 
 Update = Callable[[], Awaitable[object]]
 # Upper bounds (s) of the sync-latency histogram `describe` reports (and Prometheus exposes).
 SYNC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@contextmanager
+def timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Add the seconds the block takes to `phases[name]` (a phase a sync may pass through twice)."""
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - began
 
 
 class BridgeFailed(RuntimeError):
@@ -112,6 +129,11 @@ class BridgeStats:
     # Start-up: seconds until every engine was healthy, and of the first probe.
     startup: dict[str, float] = field(default_factory=dict)
 
+    def started(self, began: float, launched: float) -> None:
+        """Start-up began at `began`, every engine was healthy at `launched`, the probe passed now."""
+        now = time.perf_counter()
+        self.startup = {"engines_healthy_s": round(launched - began, 3), "first_probe_s": round(now - launched, 3)}
+
     def add(self, record: SyncRecord) -> None:
         self.syncs += 1
         self.last_sync = record
@@ -128,74 +150,15 @@ class BridgeStats:
         }
 
 
-class Bridge:
-    mode: ClassVar[str]
-    # Whether a sync can be split into `stage_sync` (trainer half) and `finish_sync` (engine
-    # half) with training going on in between: true when the mode ships a copy of the weights.
-    pipelined: ClassVar[bool] = True
-    State: ClassVar[type[enum.Enum]]
-    Event: ClassVar[type[enum.Enum]]
-    TABLE: ClassVar[dict]
+class ModeSteps:
+    """The steps a mode's module supplies to the sync protocol (`Bridge`), with their defaults:
+    what the engines launch with and do after a launch, what a sync saves and how an engine
+    applies it, and what brings a relaunched engine to the current version."""
 
-    def __init__(
-        self,
-        cfg,
-        *,
-        engines: list[InferenceEngine],
-        trainer=None,
-        model: ModelConfig,
-        run_dir: Path,
-        policy_version: int = 0,
-    ) -> None:
-        """`cfg` is this mode's `bridge` section; `model` says what vLLM serves (path, dtype). The
-        trainer may come later (`provide_trainer`): the engines launch while it loads."""
-        self.cfg = cfg
-        self.model = model
-        self.run_dir = run_dir
-        self.trainer = None
-        self._trainer_ready = anyio.Event()
-        if trainer is not None:
-            self.provide_trainer(trainer)
-        self.engines = engines
-        self.policy = Policy(engines, version=policy_version, lora=self.mode in LORA_MODES)
-        self.machine = StateMachine(self.mode, self.TABLE, self.State["IDLE"])
-        self.stats = BridgeStats()
-        self.current_weights: Path = model.path
-        # One sync at a time, from stage to finish (a semaphore: the finishing task is not
-        # always the one that staged); recovery between syncs takes it too.
-        self._sync_slot = anyio.Semaphore(1)
-        self.probes = ProbeSchedule(cfg)
+    model: ModelConfig
+    policy: Policy
+    current_weights: Path
 
-    def provide_trainer(self, trainer) -> None:
-        self.trainer = trainer
-        self._trainer_ready.set()
-
-    async def _loaded_trainer(self):
-        """The trainer, once loaded (start-up waits here for what needs it)."""
-        await self._trainer_ready.wait()
-        return self.trainer
-
-    # ---- state ------------------------------------------------------------------------------
-    def _fire(self, event: str, error: str | None = None) -> None:
-        self.machine.fire(self.Event[event], error=error)
-
-    @property
-    def state(self) -> str:
-        return self.machine.state.name
-
-    @property
-    def policy_version(self) -> int:
-        return self.policy.version
-
-    @property
-    def available(self) -> bool:
-        return self.policy.available
-
-    @property
-    def restarts(self) -> int:
-        return sum(engine.restarts for engine in self.engines)
-
-    # ---- launching (each mode adds its arguments and its after-launch step) -----------------
     def _launch_kwargs(self) -> dict[str, Any]:
         return {}
 
@@ -207,204 +170,13 @@ class Bridge:
         return None
 
     async def _launch(self, engine: InferenceEngine, weights: Path) -> None:
+        """Launch `engine` on `weights` the mode's way: its arguments, then its after-launch step."""
         await engine.launch(weights, self.policy.version, **self._launch_kwargs())
-        await self._after_launch(engine)
-
-    async def _relaunch(self, engine: InferenceEngine, weights: Path, phases: dict[str, float] | None = None) -> None:
-        """Stop the engine, wait until it released everything, launch it on `weights`."""
-        self.probes.launched()
-        await engine.relaunch(weights, self.policy.version, phases, **self._launch_kwargs())
         await self._after_launch(engine)
 
     async def _initial_weights(self, resumed_weights: Path | None) -> Path:
         """What the engines load first: the model, or (resuming) the checkpoint's weights."""
         return resumed_weights or self.model.path
-
-    async def start(self, *, resumed_weights: Path | None = None) -> ProbeResult:
-        """Launch every engine on the initial weights and probe them against the trainer.
-        `resumed_weights`: the resumed checkpoint's copy of the policy, if any."""
-        began = time.perf_counter()
-        self._fire("START")
-        self.current_weights = await self._initial_weights(resumed_weights)
-        async with anyio.create_task_group() as tg:
-            for engine in self.engines:
-                tg.start_soon(self._launch, engine, self.current_weights)
-        self._fire("READY")
-        launched = time.perf_counter()
-        result = await self._probe_and_serve(None)
-        self.stats.startup = {
-            "engines_healthy_s": round(launched - began, 3),
-            "first_probe_s": round(time.perf_counter() - launched, 3),
-        }
-        return result
-
-    async def _probe_and_serve(
-        self, reference: list[list[float]] | None, engines: list[InferenceEngine] | None = None
-    ) -> ProbeResult:
-        """Probe `engines` (default: the members) against `reference` (trainer scores taken
-        earlier), else the trainer's weights now; open them once they pass."""
-        engines = engines or self.members()
-        while True:
-            try:
-                result = await probe_engines(
-                    engines, await self._loaded_trainer(), model=self.policy.served_name,
-                    tolerance=ProbeTolerance.for_serving(self.model.dtype, self.cfg),
-                    timeout_s=self.cfg.probe_timeout_s, reference=reference, version=self.policy.version,
-                )
-                break
-            except ProbeMismatch as exc:
-                self._fire("PROBE_FAIL", error=str(exc))
-                raise
-            except Exception as exc:  # noqa: BLE001 — an engine that died while probed leaves the pool
-                engines = await self._without_dead(engines, exc)
-        self._fire("PROBE_OK")
-        self.probes.probed(self.policy.version, result.reference)
-        for engine in engines:
-            engine.open()
-        return result
-
-    # ---- syncs ------------------------------------------------------------------------------
-    def sync_due(self, step: int) -> bool:
-        return step % self.cfg.sync_every == 0
-
-    async def after_step(self, step: int) -> SyncRecord | None:
-        """A whole sync if one is due after `step` (the synchronous way; the step loop may pipeline)."""
-        return await self.sync_now() if self.sync_due(step) else None
-
-    async def fence(self, update: Update) -> SyncRecord | None:
-        """Run one optimizer update (`update`, the trainer's apply). Modes that ship a copy need
-        no fence: the update runs as is and the sync follows later. `shared` overrides this."""
-        await update()
-        return None
-
-    async def sync_now(self, *, forced: bool = False) -> SyncRecord:
-        """A whole sync: the engines serve the trainer's weights as the next version on return."""
-        return await self.finish_sync(await self.stage_sync(forced=forced))
-
-    async def stage_sync(self, *, forced: bool = False) -> StagedSync:
-        """The trainer half of a sync: take the sync slot (waiting for the previous sync to
-        finish), write the weights, score the probe with them. `finish_sync` must follow."""
-        await self._sync_slot.acquire()
-        began = time.perf_counter()
-        new_version = self.policy.version + 1
-        try:
-            self._fire("SYNC")
-            try:
-                t = time.perf_counter()
-                staged = await self._save(new_version)
-                phases = {"save": time.perf_counter() - t}
-                reference = None
-                if self.pipelined:
-                    t = time.perf_counter()
-                    reference = await anyio.to_thread.run_sync(trainer_scores, self.trainer)
-                    phases["score"] = time.perf_counter() - t
-                self._fire("SAVED")
-            except Exception as exc:
-                message = f"sync to version {new_version} failed: {exc}"
-                self._fire("FAIL", error=message)
-                raise BridgeFailed(message) from exc
-        except BaseException:
-            self._sync_slot.release()
-            raise
-        return StagedSync(new_version, staged, reference, phases, began, forced)
-
-    async def finish_sync(self, sync: StagedSync) -> SyncRecord:
-        """The engines' half: apply the staged weights to each engine (recovering one that dies
-        meanwhile), then probe them. Releases the sync slot."""
-        try:
-            phases, new_version = sync.phases, sync.version
-            try:
-                t = time.perf_counter()
-                await self._apply_engines(sync.staged, new_version, phases)
-                await self._applied(sync.staged, new_version)
-                phases["apply"] = time.perf_counter() - t
-                self.policy.publish(new_version, self._served_name())
-                self._fire("APPLIED")
-            except Exception as exc:
-                message = f"sync to version {new_version} failed: {exc}"
-                self._fire("FAIL", error=message)
-                raise BridgeFailed(message) from exc
-            if sync.reference is None:
-                # Not pipelined: this runs in the trainer's task, whose weights are the synced ones.
-                t = time.perf_counter()
-                sync.reference = await anyio.to_thread.run_sync(trainer_scores, self.trainer)
-                phases["score"] = time.perf_counter() - t
-            t = time.perf_counter()
-            if self.probes.due():
-                probe = (await self._probe_and_serve(sync.reference)).as_dict()
-                phases["probe"] = time.perf_counter() - t
-            else:
-                probe = self._serve_unprobed(sync)
-            record = SyncRecord(new_version, phases, time.perf_counter() - sync.began, probe, sync.forced)
-            self.stats.add(record)
-            log.info("sync_done", bridge=self.mode, **record.as_dict())
-            return record
-        finally:
-            self._sync_slot.release()
-
-    def members(self) -> list[InferenceEngine]:
-        """The engines a sync updates: all but those being relaunched (they rejoin caught up)."""
-        return [engine for engine in self.engines if not engine.recovering]
-
-    async def _apply_engines(self, staged: Any, version: int, phases: dict[str, float]) -> None:
-        """Make every member engine serve `staged` as `version`, one after the other (a mode
-        that updates them all at once overrides this)."""
-        for engine in self.members():
-            await self._apply_recovering(engine, staged, version, phases)
-
-    async def _apply_recovering(self, engine: InferenceEngine, staged: Path, version: int, phases: dict[str, float]) -> None:
-        try:
-            await self._apply(engine, staged, version, phases)
-        except Exception as exc:  # noqa: BLE001 — a dead engine is recovered, anything else fails the sync
-            if await engine.healthy():
-                raise
-            if self._leave_sync(engine, exc, version):
-                return
-            await self._relaunch_mid_sync(engine, exc, version, phases)
-            await self._apply(engine, staged, version, phases)
-        engine.version = version
-
-    def _leave_sync(self, engine: InferenceEngine, cause: Exception, version: int) -> bool:
-        """An engine of a pool died during a sync: it leaves the sync (closed, out of the pool)
-        and its watch relaunches it, to rejoin caught up after a probe; the others sync on. True
-        when it left; the only engine is relaunched by the sync itself instead."""
-        if len(self.engines) == 1:
-            return False
-        engine.close()
-        engine.recovering = True
-        log.warning("engine_left_sync", bridge=self.mode, engine=engine.name, version=version,
-                    error=f"{type(cause).__name__}: {cause}"[:300], serving=[e.name for e in self.members()])
-        return True
-
-    async def _without_dead(self, engines: list[InferenceEngine], cause: Exception) -> list[InferenceEngine]:
-        """The probe of `engines` failed short of a verdict (`cause`): those that died leave the
-        pool (their watch relaunches them) and the others are probed again. Nothing dead, or none
-        left to serve (the only engine), is FAILED: the run checkpoints and stops, saying why."""
-        while isinstance(cause, BaseExceptionGroup) and len(cause.exceptions) == 1:
-            cause = cause.exceptions[0]  # the probe's task group: say what failed in it
-        dead = [engine for engine in engines if not await engine.healthy()]
-        left = [engine for engine in dead if self._leave_sync(engine, cause, self.policy.version)]
-        remaining = [engine for engine in engines if engine not in left]
-        if not left or not remaining:
-            message = (f"alignment probe at policy version {self.policy.version} failed: "
-                       f"{type(cause).__name__}: {cause}"[:500])
-            self._fire("FAIL", error=message)
-            raise BridgeFailed(message) from cause
-        return remaining
-
-    def _serve_unprobed(self, sync: StagedSync) -> dict[str, Any]:
-        assert sync.reference is not None
-        self.probes.skipped(sync.version, sync.reference)
-        self._fire("PROBE_SKIP")
-        for engine in self.members():
-            engine.open()
-        return {"skipped": True, "syncs_since_probe": self.probes.unprobed}
-
-    async def settled(self) -> None:
-        """Return once no sync is in flight (a staged one has finished). Bounded by the sync's
-        own request, probe and launch timeouts."""
-        async with self._sync_slot:
-            pass
 
     async def _bump_version_and_reset_cache(self, engine: InferenceEngine, version: int) -> None:
         """Every weight change: the new version on the engine's tokens, and no cached old-weight prefixes."""
@@ -428,100 +200,132 @@ class Bridge:
         while it launched (it was launched on the weights current when the relaunch began)."""
         if engine.version != self.policy.version:
             await self._apply(engine, self._current_copy(), self.policy.version, {})
-            engine.version = self.policy.version
 
     def _current_copy(self) -> Any:
         """What `_apply` reads to serve the current version (copy modes: the newest weights)."""
         return self.current_weights
 
-    # ---- losing an engine -------------------------------------------------------------------
-    async def _relaunch_mid_sync(self, engine: InferenceEngine, cause: Exception, version: int, phases: dict[str, float]) -> None:
-        """An engine died while a sync was applied: relaunch it on the weights it served before
-        the sync (the caller then applies the sync again). No probe here: the trainer is already
-        at `version`, the engine is not yet."""
-        began = time.perf_counter()
-        reason = f"vLLM died during the sync to version {version} ({type(cause).__name__}: {cause})"
-        try:
-            engine.spend_restart(reason)
-        except RestartBudgetSpent as exc:
-            raise BridgeFailed(str(exc)) from cause
-        self._fire("LOST", error=reason)
-        log.warning("inference_lost", bridge=self.mode, engine=engine.name, pid=engine.process.pid,
-                    restarts=engine.restarts, during="sync", error=str(cause))
-        await self._relaunch(engine, self.current_weights)
-        self._fire("RETRY")
-        phases["recover"] = time.perf_counter() - began
-        log.info("inference_recovered", bridge=self.mode, engine=engine.name, seconds=round(phases["recover"], 3), during="sync")
 
-    async def watch(self) -> None:
-        """Every engine's health watch, each recovering its engine (`recover`) when it is lost.
-        Raises BridgeFailed (unwrapped from the watches' task group) when one cannot be."""
-        try:
-            async with anyio.create_task_group() as tg:
-                for engine in self.engines:
-                    tg.start_soon(engine.watch, self.recover)
-        except BaseExceptionGroup as group:
-            matched, _ = group.split(BridgeFailed)
-            if matched is None:
+class Bridge(ModeSteps):
+    mode: ClassVar[str]
+    # Whether a sync can be split into `stage_sync` (trainer half) and `finish_sync` (engine
+    # half) with training going on in between: true when the mode ships a copy of the weights.
+    pipelined: ClassVar[bool] = True
+    State: ClassVar[type[enum.Enum]]
+    Event: ClassVar[type[enum.Enum]]
+    TABLE: ClassVar[dict]
+
+    def __init__(self, cfg, *, engines: list[InferenceEngine], trainer=None, model: ModelConfig, run_dir: Path,
+                 policy_version: int = 0) -> None:
+        """`cfg` is this mode's `bridge` section; `model` says what vLLM serves (path, dtype). The
+        trainer may come later (`provide_trainer`): the engines launch while it loads."""
+        self.cfg = cfg
+        self.model = model
+        self.run_dir = run_dir
+        self.trainer = None
+        self._trainer_ready = anyio.Event()
+        if trainer is not None:
+            self.provide_trainer(trainer)
+        # The engines, who serves which version, losses and rejoins; its turn is the sync slot.
+        self.pool = EnginePool(engines, bring_up=self._bring_up, owner=self.mode)
+        self.policy = Policy(engines, version=policy_version, lora=self.mode in LORA_MODES)
+        self.machine = StateMachine(self.mode, self.TABLE, self.State["IDLE"])
+        self.stats = BridgeStats()
+        self.current_weights: Path = model.path
+        self.probes = ProbeSchedule(cfg)
+
+    def provide_trainer(self, trainer) -> None:
+        self.trainer = trainer
+        self._trainer_ready.set()
+
+    async def _loaded_trainer(self):
+        """The trainer, once loaded (start-up waits here for what needs it)."""
+        await self._trainer_ready.wait()
+        return self.trainer
+
+    # ---- state ------------------------------------------------------------------------------
+    def _fire(self, event: str, error: str | None = None) -> None:
+        self.machine.fire(self.Event[event], error=error)
+        self.pool.serving = self.machine.state is self.State["SERVING"]
+
+    def _failed(self, message: str) -> BridgeFailed:
+        """FAILED, saying why; the caller raises what this returns."""
+        self._fire("FAIL", error=message)
+        return BridgeFailed(message)
+
+    @property
+    def state(self) -> str:
+        return self.machine.state.name
+
+    @property
+    def engines(self) -> list[InferenceEngine]:
+        return self.pool.engines
+
+    @property
+    def policy_version(self) -> int:
+        return self.policy.version
+
+    @property
+    def available(self) -> bool:
+        return self.policy.available
+
+    @property
+    def restarts(self) -> int:
+        return self.pool.restarts
+
+    # ---- launching (each mode adds its arguments and its after-launch step) -----------------
+    async def _relaunch(self, engine: InferenceEngine, weights: Path, phases: dict[str, float] | None = None) -> None:
+        """Stop the engine, wait until it released everything, launch it on `weights`."""
+        self.probes.launched()
+        await engine.relaunch(weights, self.policy.version, phases, **self._launch_kwargs())
+        await self._after_launch(engine)
+
+    async def start(self, *, resumed_weights: Path | None = None) -> ProbeResult:
+        """Launch every engine on the initial weights and probe them against the trainer.
+        `resumed_weights`: the resumed checkpoint's copy of the policy, if any."""
+        began = time.perf_counter()
+        self._fire("START")
+        self.current_weights = await self._initial_weights(resumed_weights)
+        async with anyio.create_task_group() as tg:
+            for engine in self.engines:
+                tg.start_soon(self._launch, engine, self.current_weights)
+        self._fire("READY")
+        launched = time.perf_counter()
+        result = await self._probe_and_serve(None)
+        self.stats.started(began, launched)
+        return result
+
+    # ---- probing ----------------------------------------------------------------------------
+    async def _probe(self, engines: list[InferenceEngine], reference: list[list[float]] | None) -> ProbeResult:
+        tolerance = ProbeTolerance.for_serving(self.model.dtype, self.cfg)
+        return await probe_engines(engines, await self._loaded_trainer(), model=self.policy.served_name, tolerance=tolerance,
+                                   timeout_s=self.cfg.probe_timeout_s, reference=reference, version=self.policy.version)
+
+    async def _probe_and_serve(
+        self, reference: list[list[float]] | None, engines: list[InferenceEngine] | None = None
+    ) -> ProbeResult:
+        """Probe `engines` (default: the members) against `reference` (trainer scores taken
+        earlier), else the trainer's weights now; admit them once they pass. An engine that dies
+        while probed leaves the pool and the others are probed again; nothing dead, or none left
+        to serve (the only engine), is FAILED: the run checkpoints and stops, saying why."""
+        engines = engines or self.pool.members()
+        while True:
+            try:
+                result = await self._probe(engines, reference)
+                break
+            except ProbeMismatch as exc:
+                self._fire("PROBE_FAIL", error=str(exc))
                 raise
-            while isinstance(matched, BaseExceptionGroup):
-                matched = matched.exceptions[0]
-            raise matched from None
-
-    async def recover(self, engine: InferenceEngine, reason: str) -> None:
-        """Relaunch a lost engine on the current version's weights and probe it against that
-        version's recorded scores (a sync that ran meanwhile may already have recovered it).
-        The only engine: the bridge is RECOVERING meanwhile. One of a pool: `_recover_member`."""
-        if len(self.engines) > 1:
-            await self._recover_member(engine, reason)
-            return
-        async with self._sync_slot:
-            if self.machine.state != self.State["SERVING"] or await engine.healthy():
-                return
-            began = time.perf_counter()
-            try:
-                engine.spend_restart(reason)
-            except RestartBudgetSpent as exc:
-                self._fire("FAIL", error=str(exc))
-                raise BridgeFailed(str(exc)) from None
-            self._fire("LOST", error=reason)
-            log.warning("inference_lost", bridge=self.mode, engine=engine.name, pid=engine.process.pid,
-                        restarts=engine.restarts, error=reason)
-            await self._relaunch(engine, self.current_weights)
-            await self._catch_up(engine)
-            self._fire("RECOVERED")
-            await self._probe_and_serve(self._reference_now(engine), engines=[engine])
-            log.info("inference_recovered", bridge=self.mode, engine=engine.name, seconds=round(time.perf_counter() - began, 3))
-
-    async def _recover_member(self, engine: InferenceEngine, reason: str) -> None:
-        """One engine of a pool is lost: the others keep serving and syncing while it is
-        relaunched (the sync slot is taken only to decide and, at the end, to catch it up to the
-        current version and probe it); it rejoins the syncs only after a passing probe."""
-        async with self._sync_slot:
-            if self.machine.state != self.State["SERVING"] or await engine.healthy():
-                return
-            try:
-                engine.spend_restart(reason)
-            except RestartBudgetSpent as exc:
-                self._fire("FAIL", error=str(exc))
-                raise BridgeFailed(str(exc)) from None
-            engine.close()
-            engine.recovering = True
-        began = time.perf_counter()
-        log.warning("inference_lost", bridge=self.mode, engine=engine.name, pid=engine.process.pid,
-                    restarts=engine.restarts, error=reason, serving=[e.name for e in self.members()])
-        await self._relaunch(engine, self.current_weights)
-        async with self._sync_slot:
-            await self._catch_up(engine)
-            result = await probe_engines(
-                [engine], await self._loaded_trainer(), model=self.policy.served_name,
-                tolerance=ProbeTolerance.for_serving(self.model.dtype, self.cfg), timeout_s=self.cfg.probe_timeout_s,
-                reference=self._reference_now(engine), version=self.policy.version,
-            )
-            engine.recovering = False
-            engine.open()
-        log.info("inference_recovered", bridge=self.mode, engine=engine.name, rejoined_at=self.policy.version,
-                 seconds=round(time.perf_counter() - began, 3), probe=result.as_dict())
+            except Exception as exc:  # noqa: BLE001 — an engine that died while probed leaves the pool
+                lost = await self.pool.drop_dead(engines, exc, self.policy.version)
+                if not lost.left or not lost.remaining:
+                    message = f"alignment probe at policy version {self.policy.version} failed: "
+                    raise self._failed(f"{message}{type(lost.cause).__name__}: {lost.cause}"[:500]) from lost.cause
+                engines = lost.remaining
+        self._fire("PROBE_OK")
+        self.probes.probed(self.policy.version, result.reference)
+        self.pool.admit(engines)
+        return result
 
     def _reference_now(self, engine: InferenceEngine) -> list[list[float]]:
         """The trainer's scores recorded at the current version's sync (a relaunched engine is
@@ -529,30 +333,176 @@ class Bridge:
         reference = self.probes.reference_for(self.policy.version)
         if reference is None:
             message = f"no probe reference recorded for policy version {self.policy.version}; {engine.name} stays closed"
-            self._fire("FAIL", error=message)
-            raise BridgeFailed(message)
+            raise self._failed(message)
         return reference
+
+    # ---- syncs ------------------------------------------------------------------------------
+    def sync_due(self, step: int) -> bool:
+        """The mode's cadence: a sync falls due after `step` (the step loop's schedule asks)."""
+        return step % self.cfg.sync_every == 0
+
+    async def fence(self, update: Update) -> SyncRecord | None:
+        """Run one optimizer update (`update`, the trainer's apply). Modes that ship a copy need
+        no fence: the update runs as is and the sync follows later. `shared` overrides this."""
+        await update()
+        return None
+
+    async def sync_now(self, *, forced: bool = False) -> SyncRecord:
+        """A whole sync: the engines serve the trainer's weights as the next version on return."""
+        return await self.finish_sync(await self.stage_sync(forced=forced))
+
+    async def stage_sync(self, *, forced: bool = False) -> StagedSync:
+        """The trainer half of a sync: take the pool's turn (waiting for the previous sync to
+        finish), write the weights, score the probe with them. `finish_sync` must follow."""
+        await self.pool.turn.acquire()
+        began = time.perf_counter()
+        new_version = self.policy.version + 1
+        try:
+            self._fire("SYNC")
+            try:
+                phases: dict[str, float] = {}
+                with timed(phases, "save"):
+                    staged = await self._save(new_version)
+                reference = await self._trainer_scores(phases) if self.pipelined else None
+                self._fire("SAVED")
+            except Exception as exc:
+                raise self._failed(f"sync to version {new_version} failed: {exc}") from exc
+        except BaseException:
+            self.pool.turn.release()
+            raise
+        return StagedSync(new_version, staged, reference, phases, began, forced)
+
+    async def finish_sync(self, sync: StagedSync) -> SyncRecord:
+        """The engines' half: apply the staged weights to each member (recovering one that dies
+        meanwhile), then probe them. Lets go of the pool's turn."""
+        try:
+            phases, new_version = sync.phases, sync.version
+            try:
+                with timed(phases, "apply"):
+                    await self._apply_engines(sync.staged, new_version, phases)
+                    self.pool.mark_current(self.pool.members(), new_version)
+                    await self._applied(sync.staged, new_version)
+                self.policy.publish(new_version, self._served_name())
+                self._fire("APPLIED")
+            except Exception as exc:
+                raise self._failed(f"sync to version {new_version} failed: {exc}") from exc
+            if sync.reference is None:  # not pipelined: the trainer's weights now are the synced ones
+                sync.reference = await self._trainer_scores(phases)
+            if self.probes.due():
+                with timed(phases, "probe"):
+                    probe = (await self._probe_and_serve(sync.reference)).as_dict()
+            else:
+                self.probes.skipped(sync.version, sync.reference)
+                self._fire("PROBE_SKIP")
+                self.pool.admit(self.pool.members())
+                probe = {"skipped": True, "syncs_since_probe": self.probes.unprobed}
+            record = SyncRecord(new_version, phases, time.perf_counter() - sync.began, probe, sync.forced)
+            self.stats.add(record)
+            log.info("sync_done", bridge=self.mode, **record.as_dict())
+            return record
+        finally:
+            self.pool.turn.release()
+
+    async def _trainer_scores(self, phases: dict[str, float]) -> list[list[float]]:
+        """The trainer's probe scores of its weights now (in the trainer's task: a sync's)."""
+        with timed(phases, "score"):
+            return await anyio.to_thread.run_sync(trainer_scores, self.trainer)
+
+    async def settled(self) -> None:
+        """Return once no sync is in flight (a staged one has finished). Bounded by the sync's
+        own request, probe and launch timeouts."""
+        async with self.pool.turn:
+            pass
+
+    async def _apply_engines(self, staged: Any, version: int, phases: dict[str, float]) -> None:
+        """Make every member serve `staged` as `version`, one after the other (a mode that
+        updates them all at once overrides this). One that dies meanwhile leaves the pool, or,
+        the only engine, is relaunched and the sync applied to it once more."""
+        for engine in self.pool.members():
+            try:
+                await self._apply(engine, staged, version, phases)
+            except Exception as exc:  # noqa: BLE001 — a dead engine is recovered, anything else fails the sync
+                if not await self._meet_dead([engine], exc, version, phases):
+                    raise
+                if not engine.recovering:
+                    await self._apply(engine, staged, version, phases)
+
+    async def _meet_dead(self, engines: list[InferenceEngine], cause: Exception, version: int, phases: dict[str, float]) -> bool:
+        """A sync's change to `engines` failed with `cause`: the dead of a pool leave it, the only engine is relaunched
+        on the weights it served before (the caller applies the sync again). False: none died, they refused it."""
+        lost = await self.pool.drop_dead(engines, cause, version)
+        for engine in lost.stranded:
+            await self._relaunch_mid_sync(engine, lost.cause, version, phases)
+        return bool(lost.dead)
+
+    # ---- losing an engine -------------------------------------------------------------------
+    async def _relaunch_lost(self, engine: InferenceEngine, reason: str, *, during: str | None = None) -> None:
+        """Relaunch a lost engine on the current weights, out of its restart budget (spent: BridgeFailed,
+        which a sync's failure reports as FAILED itself). The only engine: the bridge is RECOVERING
+        meanwhile; one of a pool is relaunched while the others sync on."""
+        try:
+            engine.spend_restart(reason)
+        except RestartBudgetSpent as exc:
+            raise (BridgeFailed(str(exc)) if during else self._failed(str(exc))) from None
+        serving = [e.name for e in self.pool.members() if e is not engine]
+        log.warning("inference_lost", bridge=self.mode, engine=engine.name, pid=engine.process.pid,
+                    restarts=engine.restarts, error=reason, during=during, serving=serving)
+        if self.pool.single:
+            self._fire("LOST", error=reason)
+        async with self.pool.syncs_meanwhile():
+            await self._relaunch(engine, self.current_weights)
+
+    async def _relaunch_mid_sync(self, engine: InferenceEngine, cause: BaseException, version: int, phases: dict[str, float]) -> None:
+        """The only engine died while a sync was applied: relaunch it on the weights it served
+        before the sync (the caller then applies the sync again). No probe here: the trainer is
+        already at `version`, the engine is not yet."""
+        reason = f"vLLM died during the sync to version {version} ({type(cause).__name__}: {cause})"
+        with timed(phases, "recover"):
+            await self._relaunch_lost(engine, reason, during="sync")
+            self._fire("RETRY")
+        log.info("inference_recovered", bridge=self.mode, engine=engine.name, seconds=round(phases["recover"], 3), during="sync")
+
+    async def _bring_up(self, engine: InferenceEngine, reason: str) -> None:
+        """The pool's callback for an engine its watch found lost (it holds the pool's turn):
+        relaunch it, catch it up to the current version and probe it against the scores recorded
+        at that version's sync; the pool admits it once the probe passes."""
+        began = time.perf_counter()
+        await self._relaunch_lost(engine, reason)
+        await self._catch_up(engine)
+        self.pool.mark_current([engine], self.policy.version)
+        reference = self._reference_now(engine)
+        if self.pool.single:
+            self._fire("RECOVERED")
+            result = await self._probe_and_serve(reference, engines=[engine])
+        else:
+            result = await self._probe([engine], reference)
+            self.pool.admit([engine])
+        log.info("inference_recovered", bridge=self.mode, engine=engine.name, rejoined_at=self.policy.version,
+                 seconds=round(time.perf_counter() - began, 3), probe=result.as_dict())
+
+    async def watch(self) -> None:
+        """Every engine's health watch (the pool's), each recovering its engine when it is lost.
+        Raises BridgeFailed when one cannot be."""
+        await self.pool.watch()
+
+    async def recover(self, engine: InferenceEngine, reason: str) -> None:
+        await self.pool.recover(engine, reason)  # what a watch does with a lost engine, now
 
     async def stop(self) -> None:
         if self.machine.can_fire(self.Event["STOP"]):
             self._fire("STOP")
-        with anyio.CancelScope(shield=True):
-            for engine in self.engines:
-                await engine.shutdown()
+        await self.pool.stop()
         if self.machine.can_fire(self.Event["STOPPED"]):
             self._fire("STOPPED")
 
     def describe(self) -> dict[str, Any]:
-        first = self.engines[0].describe()
         return {
             "mode": self.mode,
             "policy_version": self.policy.version,
             "syncs": self.stats.syncs,
             "sync_latency": self.stats.histogram(),
-            "restarts": self.restarts,
             "last_sync": self.stats.last_sync.as_dict() if self.stats.last_sync else None,
             "weights": str(self.current_weights),
-            "vllm": {key: first[key] for key in ("pid", "running", "base_url", "available")},
-            "engines": [engine.describe() for engine in self.engines],
+            **self.pool.describe(),
             **self.machine.describe(),
         }

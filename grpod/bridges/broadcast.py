@@ -158,16 +158,14 @@ class BroadcastBridge(Bridge):
     # ---- one update to every engine -----------------------------------------------------------
     async def _apply_engines(self, staged: Weights, version: int, phases: dict[str, float]) -> None:
         try:
-            await self._update(self.members(), staged, version, phases, epoch_group=True)
+            await self._update(self.pool.members(), staged, version, phases, epoch_group=True)
         except (WeightTransferError, InferenceRequestError) as exc:
-            # No engine reopens on a partial update. A dead one is relaunched (the budget);
-            # then a new group, and the whole update once more.
+            # No engine reopens on a partial update. A dead one leaves the pool, or (the only
+            # engine) is relaunched; then a new group, and the whole update once more.
             await self._close_group()
-            for engine in self.members():
-                if not await engine.healthy() and not self._leave_sync(engine, exc, version):
-                    await self._relaunch_mid_sync(engine, exc, version, phases)
+            await self._meet_dead(self.pool.members(), exc, version, phases)
             log.warning("broadcast_retried", version=version, error=str(exc)[:300])
-            await self._update(self.members(), staged, version, phases, epoch_group=True)
+            await self._update(self.pool.members(), staged, version, phases, epoch_group=True)
         self._synced = (version, staged)
 
     async def _update(
@@ -197,7 +195,6 @@ class BroadcastBridge(Bridge):
         for engine in engines:
             assert engine.client is not None
             await engine.client.end_fence(version)
-            engine.version = version
         phases["reset_resume"] = phases.get("reset_resume", 0.0) + time.perf_counter() - t
 
     async def _catch_up(self, engine: InferenceEngine) -> None:

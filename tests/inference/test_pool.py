@@ -1,0 +1,170 @@
+"""The engine pool on its own: members, who is current at which version, leaving on death, and a
+lost engine brought back by the bridge's `bring_up` holding the pool's turn (for a pool, only
+while it is caught up: the others sync on while it relaunches). Engines are real
+`InferenceEngine`s over stand-in processes whose health the test sets; the bridge side of it
+(relaunch, catch-up, probe) is `tests/bridges/test_recovery.py`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import anyio
+import pytest
+
+from grpod.config import InferenceConfig
+from grpod.inference.pool import EnginePool
+from grpod.inference.supervised import SupervisedInference
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class Client:
+    def __init__(self) -> None:
+        self.alive = True
+
+    async def health(self, timeout_s=None):
+        return self.alive
+
+
+def engine(name: str, version: int = 0) -> SupervisedInference:
+    process = SimpleNamespace(running=True, pid=None, base_url=f"http://127.0.0.1/{name}")
+    e = SupervisedInference(process, InferenceConfig(), name=name)
+    e.client, e.version = Client(), version
+    e.open()
+    return e
+
+
+def pool_of(*engines, bring_up=None) -> EnginePool:
+    async def refuse(engine, reason):
+        raise AssertionError(f"bring_up({engine.name}) was not expected")
+
+    pool = EnginePool(list(engines), bring_up=bring_up or refuse, owner="test")
+    pool.serving = True
+    return pool
+
+
+def test_a_pool_needs_an_engine():
+    with pytest.raises(ValueError, match="at least one engine"):
+        EnginePool([], bring_up=None, owner="test")
+
+
+async def test_a_dead_engine_of_a_pool_leaves_it_and_rejoins_once_admitted():
+    a, b = engine("a"), engine("b")
+    pool = pool_of(a, b)
+    b.client.alive = False
+    lost = await pool.drop_dead([a, b], ExceptionGroup("probe", [ConnectionResetError("reset")]), version=1)
+    assert lost.dead == [b] and lost.left == [b] and lost.remaining == [a] and lost.stranded == []
+    assert isinstance(lost.cause, ConnectionResetError), "the task group's wrapper is taken off"
+    assert pool.members() == [a] and b.recovering and not b.available and a.available
+    pool.mark_current(pool.members(), 2)
+    assert (a.version, b.version) == (2, 0), "only the members are marked current"
+    pool.mark_current([b], 2)
+    pool.admit([b])
+    assert pool.members() == [a, b] and b.available and not b.recovering
+
+
+async def test_the_only_engine_cannot_leave_it_is_stranded_for_the_change_to_relaunch():
+    (a,) = engines = [engine("a")]
+    pool = pool_of(*engines)
+    a.client.alive = False
+    lost = await pool.drop_dead([a], RuntimeError("reload failed"), version=1)
+    assert lost.dead == [a] and lost.left == [] and lost.stranded == [a] and lost.remaining == [a]
+    assert pool.members() == [a] and not a.recovering
+
+
+async def test_nothing_dead_is_no_casualty():
+    a, b = engine("a"), engine("b")
+    lost = await pool_of(a, b).drop_dead([a, b], RuntimeError("refused"), version=1)
+    assert lost.dead == [] and lost.left == [] and lost.remaining == [a, b]
+
+
+@pytest.mark.parametrize(
+    ("serving", "healthy", "brought_up"),
+    [
+        (True, False, True),  # lost while the bridge serves: brought back
+        (False, False, False),  # the bridge starts, failed or stops: left as it is
+        (True, True, False),  # answers again: a sync met the loss first and relaunched it
+    ],
+)
+async def test_recover_brings_a_lost_engine_back_only_while_the_bridge_serves(serving, healthy, brought_up):
+    a, b = engine("a"), engine("b")
+    calls = []
+
+    async def bring_up(engine, reason):
+        calls.append((engine.name, reason, engine.recovering, engine.available))
+
+    pool = pool_of(a, b, bring_up=bring_up)
+    pool.serving = serving
+    b.client.alive = healthy
+    await pool.recover(b, "vLLM exited with code -9")
+    assert calls == ([("b", "vLLM exited with code -9", True, False)] if brought_up else [])
+
+
+async def test_a_pool_syncs_on_while_one_engine_relaunches_and_the_only_engine_holds_the_turn():
+    """`syncs_meanwhile` lets go of the turn for a pool's relaunch and takes it back after; the
+    only engine's recovery keeps it (there is nothing to sync without it)."""
+    events = []
+
+    async def bring_up(engine, reason):
+        async with pool.syncs_meanwhile():
+            events.append(f"relaunch {engine.name}")
+            await relaunched.wait()
+        events.append(f"catch up {engine.name}")
+        pool.admit([engine])
+
+    async def sync():
+        async with pool.turn:
+            events.append("sync")
+
+    for engines, expected in (
+        ([engine("a"), engine("b")], ["relaunch b", "sync", "catch up b"]),
+        ([engine("b")], ["relaunch b", "catch up b", "sync"]),
+    ):
+        events.clear()
+        relaunched = anyio.Event()
+        pool = pool_of(*engines, bring_up=bring_up)
+        lost = engines[-1]
+        lost.client.alive = False
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pool.recover, lost, "lost")
+                await anyio.wait_all_tasks_blocked()
+                tg.start_soon(sync)
+                await anyio.wait_all_tasks_blocked()
+                relaunched.set()
+        assert events == expected
+        assert lost.available and not lost.recovering and pool.turn.value == 1
+
+
+async def test_what_a_recovery_raises_ends_the_watches_unwrapped():
+    class Budget(RuntimeError):
+        pass
+
+    async def spent(engine, reason):
+        raise Budget(f"{engine.name}: budget spent")
+
+    a = engine("a")
+    exited = anyio.Event()
+    a._until_exited = lambda: _exited(exited)
+    pool = pool_of(a, bring_up=spent)
+    a.client.alive = False
+    exited.set()
+    with anyio.fail_after(5), pytest.raises(Budget, match="a: budget spent"):
+        await pool.watch()
+
+
+async def _exited(event: anyio.Event) -> str:
+    await event.wait()
+    return "vLLM exited with code -9"
+
+
+def test_describe_shows_the_first_engine_as_vllm_and_every_engine():
+    a, b = engine("a"), engine("b")
+    status = pool_of(a, b).describe()
+    assert status["restarts"] == 0 and status["vllm"]["base_url"] == "http://127.0.0.1/a"
+    assert [e["name"] for e in status["engines"]] == ["a", "b"]
