@@ -15,6 +15,8 @@ SIGTERM.
   26.8       `ctl stop` after the faults: exit 0 and a final checkpoint within 30 s
   26.9       the run resumes; SIGTERM after more faults: exit 0 and a final checkpoint within 30 s
   26.10      a reward function with a wrong signature: exit 2 in < 10 s, vLLM never launched
+  26.11      a reward function raising on every group: one alarm line, rate-limited warnings,
+             source.fail_after_s ends the run (exit 1)
   30.10      a reward module with a syntax error, a missing function or file, a bad row, a line
              that is not JSON, an empty file: exit 2 in < 5 s, vLLM never launched, and
              `grpod check-config` fails with the same message
@@ -316,3 +318,30 @@ def test_bad_inputs_stop_the_start_before_anything_launches(tmp_path, fault_mode
     assert check.returncode == 2 and expected in check.stderr, check.stderr[-3000:]
     row.recovery_s, row.data_lost = finished.seconds, "none"
     row.notes = f"exit 2 in {finished.seconds:.1f} s, vLLM never launched; check-config: exit 2, same message"
+
+
+ALWAYS_RAISES = "def reward(completions, answer, **kwargs):\n    raise ValueError('gold answer missing from the lookup table')\n"
+
+
+@pytest.mark.timeout(300)
+def test_a_function_failing_on_every_group_raises_the_alarm_once_and_fail_after_ends_the_run(
+        tmp_path, fault_model_dir, fault_case):
+    row = fault_case("26.11 a reward function that raises on every group (error_alarm_s 2, fail_after_s 8)")
+    (tmp_path / "rewards.py").write_text(ALWAYS_RAISES)
+    data = tmp_path / "train.jsonl"
+    data.write_text(GOOD_ROWS)
+    run_dir = tmp_path / "run"
+    settings = _settings(tmp_path, fault_model_dir, run_dir, data) | {"source.error_alarm_s": 2.0, "source.fail_after_s": 8.0}
+    config = _config(tmp_path / "grpod.toml", settings, f"{tmp_path / 'rewards.py'}:reward")
+    finished = run_to_exit(config, 240)
+    assert finished.code == 1, finished.stderr[-3000:]
+    # It started (a ValueError on the placeholder completion is only reported), then every group failed.
+    assert log_events(run_dir, "inference_launched"), finished.stderr[-3000:]
+    failed = [line for line in finished.stderr.splitlines() if "reward_failed" in line]
+    alarms = [line for line in finished.stderr.splitlines() if "grpod: ALARM:" in line]
+    assert len(alarms) == 1 and "gold answer missing" in alarms[0], alarms
+    assert 1 <= len(failed) <= 2, failed  # one line per reason per 30 s, not one per group
+    assert "source.fail_after_s = 8" in finished.stderr
+    row.recovery_s, row.data_lost = finished.seconds, "none (nothing trained)"
+    row.notes = (f"exit 1 after {finished.seconds:.0f} s (start-up included); 1 alarm line and "
+                 f"{len(failed)} reward_failed line(s) on the console for every group failing")
