@@ -1,6 +1,8 @@
 """The staleness bound: how many policy versions old a group may be when it reaches the loss.
 
-staleness = (policy version vLLM serves now) - (version the group was generated under).
+staleness = (policy version vLLM serves now) - (oldest version that sampled one of the group's loss
+tokens, `RolloutGroup.oldest_version`: an episode whose turns span a sync is as old as its oldest
+model token).
 Groups within `max_staleness` train at full weight. Older ones are dropped (`drop`, the default)
 or kept with weight 1 / (1 + versions beyond the bound) (`downweight`), and always counted. The
 histogram of staleness over everything that arrived is a metric.
@@ -35,7 +37,7 @@ def apply_staleness(
     kept: list[RolloutGroup] = []
     ages: list[int] = []
     for group in groups:
-        age = max(current_version - group.policy_version, 0)
+        age = max(current_version - group.oldest_version, 0)
         ages.append(age)
         stats.histogram[age] += 1
         if age <= max_staleness:

@@ -16,7 +16,11 @@ Rules a valid group satisfies (`validate_group`):
 - at least one loss token in the group (a sequence without any simply contributes nothing);
 - temperature finite and > 0 (also a per-sequence `overrides[i]["temperature"]`, where null means
   not overridden), top_p exactly 1 (truncated sampling is not replicated by the trainer: rejected
-  as `truncated_sampling`, as is an Atropos top_k > 0), policy_version an int >= 0, weight finite >= 0.
+  as `truncated_sampling`, as is an Atropos top_k > 0), policy_version an int >= 0, weight finite >= 0;
+- `token_versions`, when present (an episode's per-token sampling versions): one list of ints per
+  sequence, as long as its tokens, and at every loss position an int >= `policy_version` (the
+  group's version is its oldest; a token older than that would escape the staleness bound:
+  `bad_token_version`). Masked positions carry no version and are not checked beyond their type.
 
 The Atropos wire format is converted in `grpod.rollouts.atropos_wire` with the same reason codes.
 """
@@ -65,6 +69,8 @@ class RejectionReason(StrEnum):
     # top_p < 1 or top_k > 0: sampling the trainer does not replicate (biased IS weights).
     TRUNCATED_SAMPLING = "truncated_sampling"
     BAD_POLICY_VERSION = "bad_policy_version"
+    # A loss token's sampling version missing, not an int, or older than the group's policy_version.
+    BAD_TOKEN_VERSION = "bad_token_version"
     BAD_WEIGHT = "bad_weight"
     # Only from group_from_atropos:
     MASK_TOKEN_MISMATCH = "mask_token_mismatch"
@@ -231,6 +237,26 @@ def _check_sequence(
     return sum(mask)
 
 
+def _check_token_versions(group: RolloutGroup, n: int) -> None:
+    """`token_versions` against the already checked tokens and masks (module docstring)."""
+    rows = require_list("token_versions", group.token_versions)
+    require_count("token_versions", rows, n)
+    for i, (versions, mask) in enumerate(zip(rows, group.loss_mask, strict=True)):
+        versions = require_list(f"token_versions[{i}]", versions)
+        if len(versions) != len(mask):
+            raise InvalidField(
+                RejectionReason.LENGTH_MISMATCH, f"sequence {i}: {len(mask)} tokens, {len(versions)} token versions"
+            )
+        require_elements(f"token_versions[{i}]", versions, is_int, "an int policy version", int)
+        bad = next((t for t, (m, v) in enumerate(zip(mask, versions)) if m and v < group.policy_version), None)
+        if bad is not None:
+            raise InvalidField(
+                RejectionReason.BAD_TOKEN_VERSION,
+                f"token_versions[{i}][{bad}] = {versions[bad]} at a loss position, older than the group's "
+                f"policy_version {group.policy_version} (set policy_version to the oldest token's version)",
+            )
+
+
 def _check_scalars(group: RolloutGroup) -> None:
     t = group.temperature
     if not is_number(t) or not _is_finite(t) or t <= 0:
@@ -316,6 +342,8 @@ def _check_group(
         )
     if loss_tokens == 0:
         raise InvalidField(RejectionReason.NO_LOSS_TOKENS, f"none of the {n} sequences has a loss token")
+    if group.token_versions is not None:
+        _check_token_versions(group, n)
 
 
 def validate_group(

@@ -22,3 +22,24 @@ def test_downweight_keeps_with_smaller_weight():
     assert kept[0].weight == 1.0
     assert kept[1].weight == 1.0 / 3
     assert stats.downweighted == 1
+
+
+def test_an_episode_is_as_old_as_its_oldest_model_token():
+    """Tokens of one sequence sampled by versions 7 and 9 (a sync between turns): the group's age
+    is counted from 7, whatever its policy_version says; masked positions do not count."""
+    group = RolloutGroup(
+        tokens=[[1, 2, 3, 4, 5, 6]], loss_mask=[[0, 1, 1, 0, 1, 1]], scores=[0.0], policy_version=7,
+        token_versions=[[0, 7, 7, 0, 9, 9]],
+    )
+    assert group.oldest_version == 7
+    stats = StalenessStats()
+    kept, ages = apply_staleness([group], 10, 2, "drop", stats)
+    assert ages == [3] and kept == [] and stats.dropped == 1
+
+    newer = RolloutGroup(
+        tokens=[[1, 2, 3, 4]], loss_mask=[[0, 1, 0, 1]], scores=[0.0], policy_version=5,
+        token_versions=[[0, 9, 0, 10]],
+    )
+    assert newer.oldest_version == 9  # policy_version 5 is only a lower bound
+    kept, ages = apply_staleness([newer], 10, 2, "drop", StalenessStats())
+    assert ages == [1] and kept == [newer]

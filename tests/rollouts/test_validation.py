@@ -104,6 +104,13 @@ HAND_CASES = [
     (_set("truncated", [False, 0, False, False]), "bad_type", "truncated[1]: expected a bool"),
     (lambda g: [field.__setitem__(1, []) for field in (g.tokens, g.loss_mask, g.inference_logprobs)],
      "empty_sequence", "sequence 1 has no tokens"),
+    (_set("token_versions", [[3] * 7] * 3), "count_mismatch", "token_versions: 3 entries for 4 sequences"),
+    (_set("token_versions", [[3] * 7] * 3 + [[3] * 6]), "length_mismatch", "sequence 3: 7 tokens, 6 token versions"),
+    (_set("token_versions", [[3] * 7] * 3 + [[3, 3, 3, 3, "4", 4, 4]]), "bad_type", "token_versions[3][4]"),
+    (_set("token_versions", [[3] * 7] * 3 + [None]), "bad_type", "token_versions[3]: expected a list"),
+    # An episode's loss token sampled before the group's policy_version: it would escape the bound.
+    (_set("token_versions", [[3] * 7] * 2 + [[3, 3, 3, 3, 4, 2, 4], [3] * 7]), "bad_token_version",
+     "token_versions[2][5] = 2 at a loss position, older than the group's policy_version 3"),
 ]
 
 
@@ -140,6 +147,11 @@ def test_accepted_edge_cases() -> None:
     no_logprobs = make_group()
     no_logprobs.inference_logprobs = None
     assert validate_group(no_logprobs, **LIMITS, require_logprobs=False) is None
+
+    # An episode spanning a sync: loss tokens from versions 3 and 5; masked positions carry 0.
+    episode = make_group()
+    episode.token_versions = [[0, 0, 0, 3, 3, 5, 5] for _ in range(4)]
+    assert validate_group(episode, **LIMITS) is None
 
 
 def test_validate_batch_splits_counts_and_logs_each_rejection() -> None:
