@@ -176,9 +176,10 @@ class RewardPool:
                 self._count(failure.reason)
                 await self._replace(worker, failure.reason)
                 raise
-            except BaseException:  # cancelled mid-call: the worker's state is unknown, replace it
+            except BaseException:  # cancelled mid-call (a stop): its state is unknown; the next call replaces it
                 with anyio.CancelScope(shield=True):
-                    await self._replace(worker, "cancelled")
+                    await self._kill(worker)
+                self._missing += 1
                 raise
             finally:
                 self.stats.calls += 1
@@ -293,7 +294,10 @@ async def _read_reply(worker: _Worker) -> tuple:
     (size,) = HEADER.unpack(await worker.replies.receive_exactly(HEADER.size))
     if size > MAX_FRAME:
         raise anyio.BrokenResourceError(f"reply frame of {size} bytes")
-    return pickle.loads(await worker.replies.receive_exactly(size))
+    try:
+        return tuple(json.loads(await worker.replies.receive_exactly(size)))
+    except ValueError as exc:
+        raise anyio.BrokenResourceError(f"unreadable reply: {exc}") from None
 
 
 def _rss_mb(pid: int) -> float:

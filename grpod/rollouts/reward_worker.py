@@ -3,8 +3,8 @@
 Run as `python -m grpod.rollouts.reward_worker '<json list of function specs>' <memory_mb>`. It
 imports every function once, says so (or why not) in its first frame, then answers calls one at a
 time until its standard input closes. Frames both ways are an 8-byte big-endian length and a
-pickle (`read_frame` / `write_frame`); the parent never unpickles anything but plain lists, dicts,
-strings and numbers from it.
+body: a pickle from the daemon (a group's keyword arguments: any column values), JSON back (the
+daemon never unpickles what user code's process wrote: checked floats, None and strings only).
 
 What the process does so that user code cannot hurt the daemon or the protocol:
 - the protocol runs on private copies of fds 0 and 1; fd 1 then points at fd 2, so a `print` in a
@@ -38,14 +38,14 @@ MAX_FRAME = 256 * 1024 * 1024
 PR_SET_PDEATHSIG = 1
 
 
-def write_frame(stream: BinaryIO, message: Any) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+def write_reply(stream: BinaryIO, message: Any) -> None:
+    data = json.dumps(message).encode()
     stream.write(HEADER.pack(len(data)) + data)
     stream.flush()
 
 
-def read_frame(stream: BinaryIO) -> Any | None:
-    """The next message, or None at end of input."""
+def read_request(stream: BinaryIO) -> Any | None:
+    """The next request from the daemon, or None at end of input."""
     header = stream.read(HEADER.size)
     if len(header) < HEADER.size:
         return None
@@ -133,15 +133,15 @@ def main(argv: list[str]) -> int:
         _cap_memory(memory_mb)
         calls = _Calls(_load(specs))
     except BaseException as exc:  # noqa: BLE001 — a module that raises or exits at import
-        write_frame(replies, ("load_error", str(exc) or repr(exc)))
+        write_reply(replies, ("load_error", str(exc) or repr(exc)))
         return 0
-    write_frame(replies, ("ready", [name for name, _ in calls.functions]))
+    write_reply(replies, ("ready", [name for name, _ in calls.functions]))
     while True:
-        message = read_frame(requests)
+        message = read_request(requests)
         if message is None:
             return 0
         _, index, kwargs = message
-        write_frame(replies, calls.call(index, kwargs))
+        write_reply(replies, calls.call(index, kwargs))
 
 
 if __name__ == "__main__":

@@ -272,3 +272,21 @@ def test_step_metrics_average_each_functions_group_means_and_logged_values():
 
     metrics = step_reward_metrics([group({"a": 1.0, "b": 0.0}, {"len": 4.0}), group({"a": 0.0}, {"len": 2.0}), group(None)])
     assert metrics == {"reward/a": 0.5, "reward/b": 0.0, "reward_log/len": 3.0}
+
+
+async def test_a_call_cancelled_midway_costs_its_worker_and_the_next_call_gets_a_new_one(tmp_path):
+    module = tmp_path / "slow.py"
+    module.write_text("import time\ndef f(completions, **kw):\n    if completions[0] == 'slow':\n        time.sleep(60)\n"
+                      "    return [1.0] * len(completions)\n")
+    scorer = RewardScorer(_functions({"function": f"{module}:f"}), aggregation="sum", timeout_s=30, workers=1, memory_mb=512)
+    await scorer.start()
+    try:
+        (first,) = scorer.pool.pids()
+        with anyio.move_on_after(0.5):  # a stop arriving while the call runs
+            await scorer.score(_call(["slow"]))
+        assert scorer.pool.pids() == []  # killed, not left running its 60 s
+        with anyio.fail_after(30):
+            assert (await scorer.score(_call(["quick"]))).scores == [1.0]
+        assert len(scorer.pool.pids()) == 1 and scorer.pool.pids()[0] != first
+    finally:
+        await scorer.aclose()
