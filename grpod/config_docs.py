@@ -355,8 +355,11 @@ def _reference_section(lines: list[str], path: str, description: str, model: typ
 def _reference_union(lines: list[str], path: str, field: FieldInfo) -> None:
     members = _models_in(field.annotation)
     tag = _tag_field(members)
-    common = [n for n in members[0].model_fields if all(n in m.model_fields for m in members)]
-    lines += ["", f"## `[{path}]`", "", _md(field.description or ""), "", *_table(path, members[0], common)]
+    common = [n for n in members[0].model_fields if n != tag and all(n in m.model_fields for m in members)]
+    values = " or ".join(toml_value(_default(m.model_fields[tag])) for m in members)
+    tag_row = f"| `{tag}` | {_cell(values)} | `{toml_value(_default(field).model_dump()[tag])}` | {_cell(members[0].model_fields[tag].description or '')} |"
+    table = _table(path, members[0], common)
+    lines += ["", f"## `[{path}]`", "", _md(field.description or ""), "", *table[:2], tag_row, *table[2:]]
     for member in members:
         value = toml_value(_default(member.model_fields[tag]))
         own = [n for n, f in member.model_fields.items() if n not in common and not _is_section(f)]

@@ -18,21 +18,12 @@ from typing import Any
 
 import psutil
 
+from grpod.config_docs import toml_value
 from grpod.daemon.control import ControlError, request
 from grpod.service.logs import read_metrics
 from grpod.inference.release import group_members
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, (list, dict)):
-        return json.dumps(value)
-    return json.dumps(str(value))
 
 
 def write_config(path: Path, settings: dict[str, Any]) -> Path:

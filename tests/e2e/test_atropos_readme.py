@@ -1,4 +1,4 @@
-"""README "Train with an Atropos environment", followed as a newcomer would, with real processes:
+"""docs/atropos.md ("Train with an Atropos environment"), followed as a newcomer would, with real processes:
 atroposlib's `run-api`, `grpod start` on the example config (SmolLM2-135M-Instruct on a real vLLM),
 then the example environment `etc/examples/atropos/arith_env.py serve`, which samples from grpod's
 vLLM (`POST /generate`) and posts scored groups to run-api, from which grpod trains.
@@ -7,7 +7,7 @@ The example config is copied into the test's directory with only what must diffe
 machine changed (run.dir, a free inference.port, the run-api URL, the model directory), so no
 tracked file is written; `--set train.steps=5` keeps the run short. Every process the test starts
 is stopped by its PID. A second copy of the environment runs beside the first on the other route
-the README documents, `--env.route chat` (`/v1/chat/completions`, answers tokenized by
+the page documents, `--env.route chat` (`/v1/chat/completions`, answers tokenized by
 atroposlib's `tokenize_for_trainer` through the transformers 5 shim): one grpod run trains on the
 groups of both (one vLLM start instead of two), and `rollouts.jsonl` tells them apart.
 """
@@ -95,7 +95,7 @@ class EnvironmentProcess:
 
 def run_readme_path(tmp_path: Path, model_dir: Path, *, steps: int, routes: list[str]) -> dict[str, Any]:
     """run-api, then grpod on the example config, then the example environment (one per route), as
-    the README says; returns once grpod has exited 0 after `steps` steps, with what it recorded."""
+    docs/atropos.md says; returns once grpod has exited 0 after `steps` steps, with what it recorded."""
     started = time.monotonic()
     run_dir = tmp_path / "run"
     port = free_port()

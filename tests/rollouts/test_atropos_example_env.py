@@ -155,11 +155,10 @@ def test_the_chat_route_tokenizes_the_answers_through_the_shim(tokenizer_dir, to
 
 
 def test_the_readme_commands_the_environment_and_the_grpod_config_agree():
-    """The README's three commands, the environment's defaults and grpod-atropos.toml name the
+    """docs/atropos.md's three commands, the environment's defaults and grpod-atropos.toml name the
     same ports, group size and model, so the commands work as written."""
-    readme = (EXAMPLE.parents[3] / "README.md").read_text()
-    section = readme.split("## Train with an Atropos environment", 1)[1].split("\n## ", 1)[0]
-    commands = section.split("```sh", 1)[1].split("```", 1)[0]
+    page = (EXAMPLE.parents[3] / "docs" / "atropos.md").read_text()
+    commands = page.split("```sh", 1)[1].split("```", 1)[0]
     config_path = EXAMPLE.parent / "grpod-atropos.toml"
     cfg = load_config(config_path)
     env_config, [server] = arith_env.ArithEnv.config_init()
