@@ -1,7 +1,9 @@
 """The typed configuration tree of grpod, loaded from TOML.
 
-One pydantic model per component; `etc/grpod.toml` mirrors this tree key for key and documents
-every knob. Every model forbids unknown keys, so a typo is an error, not a silently ignored knob.
+One pydantic model per component. Every knob is documented once, by its `Field(description=...)`
+here: `etc/grpod.toml` (the embedded default, mirroring this tree key for key) and
+`docs/configuration.md` are generated from those descriptions (`python -m grpod.config_docs`).
+Every model forbids unknown keys, so a typo is an error, not a silently ignored knob.
 `load_config` turns every failure (missing file, TOML syntax, unknown key, wrong type, bad value,
 bad `--set` override) into one `ConfigError` whose message names the file, the key path and what
 is wrong; the CLI prints it and exits with status 2.

@@ -224,7 +224,8 @@ class _TomlWriter:
         choice = EMBEDDED_CHOICES.get(path)
         if choice is not None:
             self.used.add(path)
-            self.lines += _comment(f"This file: {toml_value(choice.value)}, not the default {toml_value(value)}: {choice.why}.")
+            shown = f"This file: {toml_value(choice.value)}, not the default {toml_value(value)}: {choice.why}."
+            self.lines += _comment(shown)
             value = choice.value
         self.lines.append(f"{name} = {toml_value(value)}")
 
@@ -234,7 +235,9 @@ class _TomlWriter:
         self.lines.append(("# " if commented else "") + f"{brackets[0]}{path}{brackets[1]}")
         self.lines += _comment(description)
 
-    def section(self, path: str, description: str, model: type[BaseModel], *, commented: bool, array: bool = False) -> None:
+    def section(
+        self, path: str, description: str, model: type[BaseModel], *, commented: bool, array: bool = False
+    ) -> None:
         self.header(path, description, commented=commented, array=array)
         self.fields(path, model, list(model.model_fields), commented=commented)
 
@@ -268,7 +271,7 @@ class _TomlWriter:
         own = [n for n in active.model_fields if n not in common and n != tag]
         nested = []
         if own:
-            self.lines += ["", *_comment(f"{tag} = {toml_value(_default(active.model_fields[tag]))} (this file's): {_summary(active)}")]
+            self.kind_line(tag, active, " (this file's)")
             self.fields(path, active, own, commented=False)
         for member in members:
             if member is active:
@@ -278,11 +281,19 @@ class _TomlWriter:
             plain = [n for n in keys if not _is_section(member.model_fields[n])]
             nested += [(member, n) for n in keys if _is_section(member.model_fields[n])]
             if plain:
-                self.lines += ["", *_comment(f"{tag} = {toml_value(_default(member.model_fields[tag]))}: {_summary(member)}")]
+                self.kind_line(tag, member)
                 self.fields(path, member, plain, commented=True)
         for member, name in nested:
-            self.lines += ["", *_comment(f"{tag} = {toml_value(_default(member.model_fields[tag]))}: {_summary(member)}")]
+            self.kind_line(tag, member)
             self.fields(path, member, [name], commented=True)
+
+    def kind_line(self, tag: str, member: type[BaseModel], note: str = "") -> None:
+        """The comment that opens the keys of one source kind or bridge mode."""
+        self.lines += ["", *_comment(f"{tag} = {_tag_value(member, tag)}{note}: {_summary(member)}")]
+
+
+def _tag_value(member: type[BaseModel], tag: str) -> str:
+    return toml_value(_default(member.model_fields[tag]))
 
 
 def _summary(member: type[BaseModel]) -> str:
@@ -324,7 +335,10 @@ def _table(path: str, model: type[BaseModel], names: list[str]) -> list[str]:
         kind = type_name(field.annotation)
         if bounds(field):
             kind += f", {bounds(field)}"
-        default = "required" if field.is_required() else ("unset" if _default(field) is None else f"`{toml_value(_default(field))}`")
+        if field.is_required():
+            default = "required"
+        else:
+            default = "unset" if _default(field) is None else f"`{toml_value(_default(field))}`"
         live = " **live**" if key in LIVE_KEYS else ""
         rows.append(f"| `{name}`{live} | {_cell(kind)} | {_cell(default)} | {_cell(field.description or '')} |")
     return rows
@@ -334,7 +348,9 @@ def _doc(model: type[BaseModel]) -> str:
     return " ".join(textwrap.dedent(model.__doc__ or "").split())
 
 
-def _reference_section(lines: list[str], path: str, description: str, model: type[BaseModel], level: int, array: bool = False) -> None:
+def _reference_section(
+    lines: list[str], path: str, description: str, model: type[BaseModel], level: int, array: bool = False
+) -> None:
     brackets = ("[[", "]]") if array else ("[", "]")
     lines += ["", f"{'#' * level} `{brackets[0]}{path}{brackets[1]}`", "", _md(description)]
     doc = _doc(model) if model.__doc__ and model.__module__ == "grpod.config" else ""
@@ -356,12 +372,13 @@ def _reference_union(lines: list[str], path: str, field: FieldInfo) -> None:
     members = _models_in(field.annotation)
     tag = _tag_field(members)
     common = [n for n in members[0].model_fields if n != tag and all(n in m.model_fields for m in members)]
-    values = " or ".join(toml_value(_default(m.model_fields[tag])) for m in members)
-    tag_row = f"| `{tag}` | {_cell(values)} | `{toml_value(_default(field).model_dump()[tag])}` | {_cell(members[0].model_fields[tag].description or '')} |"
+    values = " or ".join(_tag_value(m, tag) for m in members)
+    description = members[0].model_fields[tag].description or ""
+    tag_row = f"| `{tag}` | {_cell(values)} | `{_tag_value(type(_default(field)), tag)}` | {_cell(description)} |"
     table = _table(path, members[0], common)
     lines += ["", f"## `[{path}]`", "", _md(field.description or ""), "", *table[:2], tag_row, *table[2:]]
     for member in members:
-        value = toml_value(_default(member.model_fields[tag]))
+        value = _tag_value(member, tag)
         own = [n for n, f in member.model_fields.items() if n not in common and not _is_section(f)]
         lines += ["", f"### `{path}.{tag} = {value}`", "", _md(_doc(member))]
         if own:

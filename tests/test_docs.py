@@ -74,7 +74,7 @@ def test_every_repository_path_a_page_names_exists(page):
 
 def test_atropos_is_offered_only_with_its_archived_state():
     """Atropos was archived on 2026-07-04: every page that tells you how to use it says so."""
-    offering = [p for p in PAGES if 'source.kind = "atropos"' in p.read_text() or "Atropos environments" in p.read_text()]
+    offering = [p for p in PAGES if re.search(r'source\.kind = "atropos"|Atropos environments', p.read_text())]
     assert offering
     silent = [str(p.relative_to(ROOT)) for p in offering if "archived" not in p.read_text()]
     assert not silent, f"pages offering Atropos without saying it is archived: {silent}"

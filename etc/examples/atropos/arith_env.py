@@ -6,7 +6,7 @@
 It is a plain atroposlib 0.4.0 `BaseEnv` (no grpod import): it asks "What is 17 + 25? Answer with
 the number only.", samples `env.group_size` answers, scores each 1.0 when the last integer in it is
 the right result (else 0.0), and posts the scored group to run-api, which hands it to grpod.
-README.md ("Train with an Atropos environment") runs it with `etc/examples/atropos/grpod-atropos.toml`.
+docs/atropos.md ("Train with an Atropos environment") runs it with `etc/examples/atropos/grpod-atropos.toml`.
 
 Two ways to reach the model, `--env.route`:
 - `generate` (the default): `POST /generate` on grpod's vLLM (atroposlib's `server_type="vllm"`):
