@@ -1,0 +1,145 @@
+"""`EpisodeRunner`: plays multi-turn episodes against the policy's engines, token in / token out.
+
+Each model turn is one `/v1/completions` request whose prompt is the episode's ids so far
+(`InferenceClient.generate`); the ids the engine returns, their logprobs and the version that
+sampled them are appended as they are (`Episode.add_model_turn`). The environment reads the turn's
+text (the engine's own detokenisation), and answers with messages (tool results, user replies) or
+with the end of the episode; its messages are rendered once by the chat template
+(`ChatTurns.after_model_turn`) and appended as masked ids. Once the episode is over, the
+environment gives its final reward. Each turn leases an engine of its own (`Policy.engine`), so a
+long episode does not hold an engine between turns, and the prompt of every turn extends the
+last one, which vLLM's prefix cache serves.
+
+An episode ends when the environment says so, after `max_turns` model turns, or when the next
+turn would have no room left in `max_episode_tokens` (the trainer's `model.max_seq_len`). Versions:
+a turn's ids are tagged with the older of the versions the engine served when the request was
+sent and when it came back (`EngineLease.sampled_version`); `/v1/completions` reports no
+per-token version, so a turn a sync interrupts counts as the older policy's.
+
+Every wait is bounded: an engine lease by `engine_wait_s`, a request by the client's timeout, an
+environment call by `environment_timeout_s` (`EnvironmentTimeout`). A failed request or
+environment call ends the episode (and the group) with the exception: a caller drops the group,
+never half of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import anyio
+
+from grpod.inference.policy import Policy
+from grpod.rollouts.chat_turns import ChatTurns, Message
+from grpod.rollouts.episode import Episode, episode_group
+from grpod.rollouts.group import RolloutGroup
+
+
+class EnvironmentTimeout(TimeoutError):
+    """An environment did not answer within `environment_timeout_s`."""
+
+
+class TurnEnvironment(Protocol):
+    """One episode's environment (a fresh one per episode: it may keep the episode's state)."""
+
+    async def respond(self, text: str) -> list[Message] | None:
+        """The messages that follow the model turn whose text is `text` (role `tool` or `user`),
+        or None: the episode is over."""
+
+    async def reward(self) -> float:
+        """The episode's final reward, asked once when it is over."""
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """How an episode is sampled and how long it may grow."""
+
+    temperature: float
+    max_tokens: int  # per model turn
+    max_turns: int  # model turns
+    max_episode_tokens: int  # the whole sequence, prompt included
+    top_p: float = 1.0
+
+
+class EpisodeRunner:
+    def __init__(
+        self,
+        policy: Policy,
+        turns: ChatTurns,
+        limits: EpisodeLimits,
+        *,
+        engine_wait_s: float,
+        environment_timeout_s: float,
+    ) -> None:
+        self.policy = policy
+        self.turns = turns
+        self.limits = limits
+        self.engine_wait_s = engine_wait_s
+        self.environment_timeout_s = environment_timeout_s
+
+    async def _ask(self, what: str, call):
+        try:
+            with anyio.fail_after(self.environment_timeout_s):
+                return await call
+        except TimeoutError:
+            raise EnvironmentTimeout(
+                f"the environment's {what} took longer than {self.environment_timeout_s:g} s"
+            ) from None
+
+    async def play(self, messages: Sequence[Message], environment: TurnEnvironment, *, seed: int | None = None) -> Episode:
+        """One episode from the conversation `messages` (module docstring); `seed` seeds turn k's
+        sampling with `seed + k`."""
+        limits = self.limits
+        episode = Episode.start(self.turns.prompt(messages))
+        for k in range(limits.max_turns):
+            room = limits.max_episode_tokens - len(episode.tokens)
+            if room < 1:
+                break
+            async with self.policy.engine(self.engine_wait_s) as lease:
+                (completion,) = await lease.client.generate(
+                    episode.tokens,
+                    n=1,
+                    max_tokens=min(limits.max_tokens, room),
+                    temperature=limits.temperature,
+                    top_p=limits.top_p,
+                    seed=None if seed is None else seed + k,
+                    model=lease.model,
+                    stop_token_ids=self.turns.stop_token_ids,
+                )
+                version = lease.sampled_version()
+            episode.add_model_turn(completion.token_ids, completion.logprobs, version, completion.finish_reason)
+            if k + 1 == limits.max_turns:
+                break
+            reply = await self._ask("reply", environment.respond(completion.text))
+            if reply is None:
+                break
+            following = self.turns.after_model_turn(completion.token_ids, reply)
+            if len(episode.tokens) + len(following) >= limits.max_episode_tokens:
+                break  # no room for the next turn's first sampled id
+            episode.add_environment_turn(following)
+        episode.reward = float(await self._ask("reward", environment.reward()))
+        return episode
+
+    async def play_group(
+        self,
+        messages: Sequence[Message],
+        environments: Sequence[TurnEnvironment],
+        *,
+        group_id: str,
+        source: str,
+        seed: int | None = None,
+    ) -> RolloutGroup:
+        """One episode per environment from the same `messages`, played concurrently, as one group
+        (episode i seeded with `seed + 1000 i`). Any episode's failure fails the group."""
+        episodes: list[Episode | None] = [None] * len(environments)
+
+        async def one(i: int, environment: TurnEnvironment) -> None:
+            episodes[i] = await self.play(messages, environment, seed=None if seed is None else seed + 1000 * i)
+
+        async with anyio.create_task_group() as tg:
+            for i, environment in enumerate(environments):
+                tg.start_soon(one, i, environment)
+        return episode_group(
+            episodes, temperature=self.limits.temperature, top_p=self.limits.top_p, source=source, group_id=group_id
+        )

@@ -1,0 +1,118 @@
+"""The multi-turn driver over a scripted engine: every turn's prompt is the episode so far (the
+engine's own ids, never re-tokenised text), tool turns are appended as rendered ids, versions come
+from the lease, budgets end episodes, and every environment wait is bounded."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import anyio
+import pytest
+
+from grpod.inference.client import Completion
+from grpod.models.tiny import build_tokenizer
+from grpod.rollouts.chat_turns import ChatTurns
+from grpod.rollouts.episode_runner import EnvironmentTimeout, EpisodeLimits, EpisodeRunner
+from grpod.rollouts.validation import validate_group
+from tests.rollouts.conftest import scripted_policy
+
+USER = [{"role": "user", "content": "what is 3+4"}]
+
+
+class FixedTool:
+    """Replies with the next of `replies` after each model turn, then ends; reward = turns seen."""
+
+    def __init__(self, replies: list[str], delay_s: float = 0.0) -> None:
+        self.replies = list(replies)
+        self.seen: list[str] = []
+        self.delay_s = delay_s
+
+    async def respond(self, text: str):
+        await anyio.sleep(self.delay_s)
+        self.seen.append(text)
+        return [{"role": "tool", "content": self.replies.pop(0)}] if self.replies else None
+
+    async def reward(self) -> float:
+        return float(len(self.seen))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def runner_over(generate, tokenizer, *, version=3, environment_timeout_s=5.0, **limits):
+    policy, engine = scripted_policy(SimpleNamespace(generate=generate), version=version)
+    limits = {"temperature": 0.9, "max_tokens": 4, "max_turns": 3, "max_episode_tokens": 200} | limits
+    runner = EpisodeRunner(
+        policy, ChatTurns(tokenizer), EpisodeLimits(**limits), engine_wait_s=5.0,
+        environment_timeout_s=environment_timeout_s,
+    )
+    return runner, engine
+
+
+def test_each_turn_is_given_the_episode_so_far_and_tool_turns_are_appended_as_ids(tokenizer):
+    prompts, replies = [], iter([[5, 6, 2], [7, 8, 9, 10], [11, 2]])
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    async def generate(prompt, **kwargs):
+        prompts.append((list(prompt), kwargs))
+        ids = next(replies)
+        if len(prompts) == 2:
+            engine.version = 4  # a sync lands while the second turn runs: it counts as version 3
+        return [Completion(ids, [-0.1 * (i + 1) for i in range(len(ids))], "stop" if ids[-1] == end else "length", "x")]
+
+    runner, engine = runner_over(generate, tokenizer)
+    tool = FixedTool(["12", "19"])
+    episode = anyio.run(lambda: runner.play(USER, tool, seed=40))
+
+    turns = ChatTurns(tokenizer)
+    first_prompt = turns.prompt(USER)
+    after_first = turns.after_model_turn([5, 6, 2], [{"role": "tool", "content": "12"}])
+    after_second = turns.after_model_turn([7, 8, 9, 10], [{"role": "tool", "content": "19"}])
+    assert [p for p, _ in prompts] == [
+        first_prompt,
+        first_prompt + [5, 6, 2] + after_first,
+        first_prompt + [5, 6, 2] + after_first + [7, 8, 9, 10] + after_second,
+    ]
+    assert episode.tokens == prompts[-1][0] + [11, 2]
+    assert [kw["seed"] for _, kw in prompts] == [40, 41, 42]
+    assert all(kw["stop_token_ids"] == [end] and kw["temperature"] == 0.9 for _, kw in prompts)
+    assert [episode.sampled_by(t) for t in episode.turns] == [[5, 6, 2], [7, 8, 9, 10], [11, 2]]
+    assert sum(episode.loss_mask) == 9 and episode.versions[-1] == 4
+    assert [episode.versions[t.start] for t in episode.turns] == [3, 3, 4]
+    # The third turn is the last allowed: the environment saw two turns, not three.
+    assert tool.seen == ["x", "x"] and episode.reward == 2.0
+
+
+def test_a_group_of_episodes_trains_as_one_rollout_group(tokenizer):
+    async def generate(prompt, **kwargs):
+        return [Completion([5, 2], [-0.5, -0.5], "stop", "x")]
+
+    runner, _ = runner_over(generate, tokenizer, max_turns=2)
+    group = anyio.run(lambda: runner.play_group(USER, [FixedTool(["1"]), FixedTool([])], group_id="t-0", source="env"))
+    assert group.scores == [1.0, 1.0] and group.policy_version == 3 and group.group_id == "t-0"
+    assert [sum(m) for m in group.loss_mask] == [4, 2]  # the second environment ended after turn one
+    assert validate_group(group, vocab_size=len(tokenizer), max_seq_len=200, group_normalised=True) is None
+
+
+def test_the_episode_token_budget_bounds_every_turn(tokenizer):
+    asked = []
+
+    async def generate(prompt, *, max_tokens, **kwargs):
+        asked.append(max_tokens)
+        return [Completion([5] * max_tokens, [-1.0] * max_tokens, "length", "x")]
+
+    prompt_len = len(ChatTurns(tokenizer).prompt(USER))
+    runner, _ = runner_over(generate, tokenizer, max_tokens=8, max_episode_tokens=prompt_len + 3)
+    episode = anyio.run(lambda: runner.play(USER, FixedTool(["1", "2"])))
+    assert asked == [3] and len(episode.tokens) == prompt_len + 3 and episode.truncated
+
+
+def test_an_environment_that_does_not_answer_ends_the_episode_with_a_clear_error(tokenizer):
+    async def generate(prompt, **kwargs):
+        return [Completion([5, 2], [-0.5, -0.5], "stop", "x")]
+
+    runner, _ = runner_over(generate, tokenizer, environment_timeout_s=0.05)
+    with pytest.raises(EnvironmentTimeout, match="reply took longer than 0.05 s"):
+        anyio.run(lambda: runner.play(USER, FixedTool(["1"], delay_s=5.0)))
