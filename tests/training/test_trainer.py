@@ -485,3 +485,25 @@ def test_the_lm_head_runs_only_from_the_first_position_that_predicts_a_loss_toke
         assert seen[1][:2] == (2, 14)
         assert kept.shape == full.shape == (9, model.config.vocab_size)
         torch.testing.assert_close(kept, full, rtol=0, atol=1e-5)
+
+
+def test_a_sequence_sampled_by_two_versions_is_corrected_with_each_tokens_own_logprob(model_dir):
+    """An episode whose first turn the trainer's policy sampled and whose second an engine 0.5 nats
+    less sure of each token (another version) sampled: token-level IS masks exactly the second
+    turn's tokens (rho = e^0.5 > cap), from each token's own inference logprob."""
+    trainer = build_trainer(config(lr=1e-4, loss={"tis_mode": "token_mask", "tis_cap": 1.2}), model_dir)
+    prompt, first, tool, second = [1, 10, 11, 12], [20, 21, 22], [5, 6], [30, 31, 32, 33]
+    tokens = prompt + first + tool + second
+    mask = [0] * 4 + [1] * 3 + [0] * 2 + [1] * 4
+    versions = [0] * 4 + [7] * 3 + [0] * 2 + [8] * 4
+    scored = [0.0] + trainer.score(tokens)  # scored[t]: the trainer's logprob of tokens[t]
+    logprobs = [lp - (0.5 if v == 8 else 0.0) if m else 0.0 for lp, m, v in zip(scored, mask, versions, strict=True)]
+    group = RolloutGroup(
+        tokens=[tokens, tokens], loss_mask=[mask, mask], scores=[1.0, 0.0], inference_logprobs=[logprobs, logprobs],
+        token_versions=[versions, versions], policy_version=7,
+    )
+    metrics = trainer.train_step([group])
+    assert metrics["loss_tokens"] == 14 and math.isfinite(metrics["loss"])
+    assert metrics["tis_masked_fraction"] == pytest.approx(4 / 7)
+    assert metrics["logprob_diff_max"] == pytest.approx(0.5, abs=1e-4)
+    assert metrics["logprob_diff_mean"] == pytest.approx(0.5 * 4 / 7, abs=1e-4)
