@@ -7,10 +7,11 @@
                     engine holds the trainer's cores while the loop waits: `CoreLoan`)
         admitted  = validate → deduplicate → staleness (BatchAdmission)
         train     = plan, then per part: prepare (forward/backward/clip), fence(apply)
-        sync      = the bridge's sync when due (every bridge.sync_every steps, when a step
-                    trained since the last one): whole, or its trainer half with the engines'
-                    half in the background (pipelined); deferred while an evaluation runs
-                    beside training, to the first step after it or the next evaluation
+        sync      = what the `SyncSchedule` decides: the bridge's sync when due (every
+                    bridge.sync_every steps, when a step trained since the last one), whole or
+                    its trainer half with the engines' half in the background (pipelined);
+                    owed while an evaluation runs beside training, to the first step after it
+                    or the next evaluation; an operator's `ctl sync`
         record    = metrics.jsonl, the progress line, alarms
         periodic  = checkpoint / evaluation every N steps
 
@@ -40,6 +41,7 @@ from grpod.daemon.evaluation import Evaluations
 from grpod.daemon.live import SettingChange
 from grpod.service.notify import Heartbeat
 from grpod.daemon.progress import RunProgress
+from grpod.daemon.sync_schedule import Sync, SyncSchedule
 from grpod.inference.cores import CoreLoan
 from grpod.rollouts.admission import BatchAdmission
 from grpod.rollouts.buffer import RolloutBuffer
@@ -106,13 +108,8 @@ class StepLoop:
         self.cores = cores or CoreLoan.off("not planned")
         self.source_exhausted = False
         self._work: TaskGroup | None = None
-        # A sync fell due while an evaluation held the engines' version: it runs at the first step
-        # after the evaluation, or before the next one (`_end_evaluation`).
-        self._sync_owed = False
-        # Steps trained since the engines last got the trainer's weights: a sync falls due on a
-        # step divisible by bridge.sync_every when any (a skipped batch changes nothing itself,
-        # but the steps before it may have: their sync is not lost).
-        self._unsynced = 0
+        # When the engines get the trainer's weights: due, owed, held by an evaluation, forced.
+        self.schedule = SyncSchedule(cadence=bridge.sync_due)
         self.evaluations = Evaluations(
             cfg.eval, source=source, reporter=reporter, progress=progress,
             beside_training=cfg.eval.overlap and bridge.pipelined,
@@ -152,15 +149,7 @@ class StepLoop:
         while not self.desk.stop_requested:
             self.desk.apply_changes(self.progress.step, self._apply_setting)
             for request in self.desk.take_requests("sync"):
-                await self.evaluations.idle()  # the engines keep an evaluation's version to its end
-                try:
-                    record = await self.bridge.sync_now(forced=True)
-                    self._shipped()
-                except BridgeFailed as exc:
-                    request.complete(error=str(exc))
-                    raise
-                self.reporter.sync_done(record, self.progress.step)
-                request.complete(record.as_dict())
+                await self._carry_out(self.schedule.requested(), [request])
             for request in self.desk.take_requests("checkpoint"):
                 try:
                     info = await self.checkpoint()
@@ -240,7 +229,7 @@ class StepLoop:
             "group_ids": [g.group_id for g in admitted.groups],
             "sync_s": round(sync_s, 4) if sync_s is not None else None,
             # The engines lag this step's weights by a sync an evaluation holds back.
-            "sync_deferred": self._sync_owed,
+            "sync_deferred": self.schedule.owed,
             # The dataset source's reward functions, each one's mean over the step's groups.
             **step_reward_metrics(groups),
             **self.source.stats.step_metrics(),
@@ -257,52 +246,48 @@ class StepLoop:
         return metrics, fenced
 
     async def sync(self, *, skipped: bool, fenced: list[SyncRecord]) -> bool:
-        """The step's sync, if one is due or an operator asked for one (served here rather than
-        again at the boundary). True when the step spent time on a sync."""
-        step = self.progress.step
+        """The step's sync, as the schedule decides (an operator's request taken meanwhile is
+        served here rather than again at the boundary). True when the step spent time on a sync."""
         requests = self.desk.take_requests("sync")
-        if fenced:
-            self._shipped()  # every update of this step was a sync (`shared`)
-        elif not skipped:
-            self._unsynced += 1
-        due = self._unsynced > 0 and (self.bridge.sync_due(step) or self._sync_owed)
-        if requests or due:
-            if requests:
-                await self.evaluations.idle()  # the engines keep an evaluation's version to its end
-            elif self.evaluations.holds_syncs:
-                self._sync_owed = True
-                return False
-            self._shipped()
-            if self.cfg.source.overlap and self.bridge.pipelined and not requests:
-                # The trainer half now; the engines apply and probe while the next step trains.
-                staged = await self.bridge.stage_sync()
-                assert self._work is not None
-                self._work.start_soon(self._finish_sync, staged, step)
-                return True
-            try:
-                record = await self.bridge.sync_now(forced=bool(requests))
-            except BridgeFailed as exc:
-                for request in requests:
-                    request.complete(error=str(exc))
-                raise
-            self.reporter.sync_done(record, step)
-            for request in requests:
-                request.complete(record.as_dict())
-            return True
-        return bool(fenced)
+        decision = self.schedule.after_step(
+            self.progress.step, trained=not skipped, fenced=bool(fenced), requested=bool(requests),
+            held=self.evaluations.holds_syncs,
+        )  # fmt: skip
+        return await self._carry_out(decision, requests) or bool(fenced)
 
-    def _shipped(self) -> None:
-        """The engines get (or got) the trainer's weights: nothing unsynced, nothing owed."""
-        self._sync_owed, self._unsynced = False, 0
+    async def _carry_out(self, decision: Sync, requests: list) -> bool:
+        """Run the sync the schedule decided, if it ships one, and answer `requests` with it: the
+        step's own may be pipelined (its engines' half finishes in the background); an operator's
+        waits for a running evaluation to end (the engines keep its version to its end). True
+        when a sync ran or was staged."""
+        if not decision.ships:
+            return False
+        step = self.progress.step
+        if decision is Sync.FORCED:
+            await self.evaluations.idle()
+        elif decision is Sync.STEP and self.cfg.source.overlap and self.bridge.pipelined:
+            # The trainer half now; the engines apply and probe while the next step trains.
+            staged = await self.bridge.stage_sync()
+            assert self._work is not None
+            self._work.start_soon(self._finish_sync, staged, step)
+            return True
+        try:
+            record = await self.bridge.sync_now(forced=decision is Sync.FORCED)
+        except BridgeFailed as exc:
+            for request in requests:
+                request.complete(error=str(exc))
+            raise
+        self.reporter.sync_done(record, step)
+        for request in requests:
+            request.complete(record.as_dict())
+        return True
 
     async def _end_evaluation(self) -> None:
         """The running evaluation ends, then the sync it held back runs: before the next
         evaluation, and at the run's end (the final evaluation and checkpoint see the trainer's
         last weights)."""
         await self.evaluations.idle()
-        if self._sync_owed:
-            self._shipped()
-            self.reporter.sync_done(await self.bridge.sync_now(), self.progress.step)
+        await self._carry_out(self.schedule.evaluation_ended(), [])
 
     async def _finish_sync(self, staged: StagedSync, step: int) -> None:
         with self.heartbeat.running():
