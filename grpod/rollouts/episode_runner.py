@@ -10,8 +10,11 @@ environment gives its final reward. Each turn leases an engine of its own (`Poli
 long episode does not hold an engine between turns, and the prompt of every turn extends the
 last one, which vLLM's prefix cache serves.
 
-An episode ends when the environment says so, after `max_turns` model turns, or when the next
-turn would have no room left in `max_episode_tokens` (the trainer's `model.max_seq_len`). Versions:
+The environment sees every model turn, the last one too (its final reward may depend on it, and
+an OpenEnv-style environment scores each step it is given). An episode ends when the environment
+says so, after `max_turns` model turns (what the environment answers to the last one is not
+appended), or when the next turn would have no room left in `max_episode_tokens` (the trainer's
+`model.max_seq_len`). Versions:
 a turn's ids are tagged with the older of the versions the engine served when the request was
 sent and when it came back (`EngineLease.sampled_version`); `/v1/completions` reports no
 per-token version, so a turn a sync interrupts counts as the older policy's.
@@ -109,10 +112,8 @@ class EpisodeRunner:
                 )
                 version = lease.sampled_version()
             episode.add_model_turn(completion.token_ids, completion.logprobs, version, completion.finish_reason)
-            if k + 1 == limits.max_turns:
-                break
             reply = await self._ask("reply", environment.respond(completion.text))
-            if reply is None:
+            if reply is None or k + 1 == limits.max_turns:
                 break
             following = self.turns.after_model_turn(completion.token_ids, reply)
             if len(episode.tokens) + len(following) >= limits.max_episode_tokens:

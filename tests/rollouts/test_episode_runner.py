@@ -63,7 +63,7 @@ def test_each_turn_is_given_the_episode_so_far_and_tool_turns_are_appended_as_id
         return [Completion(ids, [-0.1 * (i + 1) for i in range(len(ids))], "stop" if ids[-1] == end else "length", "x")]
 
     runner, engine = runner_over(generate, tokenizer)
-    tool = FixedTool(["12", "19"])
+    tool = FixedTool(["12", "19", "never appended"])
     episode = anyio.run(lambda: runner.play(USER, tool, seed=40))
 
     turns = ChatTurns(tokenizer)
@@ -81,8 +81,9 @@ def test_each_turn_is_given_the_episode_so_far_and_tool_turns_are_appended_as_id
     assert [episode.sampled_by(t) for t in episode.turns] == [[5, 6, 2], [7, 8, 9, 10], [11, 2]]
     assert sum(episode.loss_mask) == 9 and episode.versions[-1] == 4
     assert [episode.versions[t.start] for t in episode.turns] == [3, 3, 4]
-    # The third turn is the last allowed: the environment saw two turns, not three.
-    assert tool.seen == ["x", "x"] and episode.reward == 2.0
+    # The environment saw all three turns (its reward may need the last); the third is the last
+    # allowed, so nothing follows it.
+    assert tool.seen == ["x", "x", "x"] and episode.reward == 3.0
 
 
 def test_a_group_of_episodes_trains_as_one_rollout_group(tokenizer):
@@ -91,7 +92,7 @@ def test_a_group_of_episodes_trains_as_one_rollout_group(tokenizer):
 
     runner, _ = runner_over(generate, tokenizer, max_turns=2)
     group = anyio.run(lambda: runner.play_group(USER, [FixedTool(["1"]), FixedTool([])], group_id="t-0", source="env"))
-    assert group.scores == [1.0, 1.0] and group.policy_version == 3 and group.group_id == "t-0"
+    assert group.scores == [2.0, 1.0] and group.policy_version == 3 and group.group_id == "t-0"
     assert [sum(m) for m in group.loss_mask] == [4, 2]  # the second environment ended after turn one
     assert validate_group(group, vocab_size=len(tokenizer), max_seq_len=200, group_normalised=True) is None
 
