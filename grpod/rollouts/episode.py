@@ -38,10 +38,12 @@ class EpisodeError(ValueError):
 @dataclass(frozen=True)
 class ModelTurn:
     """Where one model turn sits in its episode: its prompt was `tokens[:start]`, its sampled ids
-    are `tokens[start:end]`; `finish_reason` is the engine's (`length`: cut off at max_tokens)."""
+    are `tokens[start:end]`, `version` the oldest policy version that sampled them (kept for an
+    empty turn too); `finish_reason` is the engine's (`length`: cut off at max_tokens)."""
 
     start: int
     end: int
+    version: int
     finish_reason: str | None
 
 
@@ -77,11 +79,12 @@ class Episode:
         the version that sampled them (one for the turn, or one per id when the weights changed
         while it ran)."""
         versions = [version] * len(token_ids) if isinstance(version, int) else list(version)
-        if not (len(token_ids) == len(logprobs) == len(versions)):
+        if not (len(token_ids) == len(logprobs) == len(versions)) or not (versions or isinstance(version, int)):
             raise EpisodeError(
                 f"a model turn of {len(token_ids)} ids has {len(logprobs)} logprobs and {len(versions)} versions"
             )
-        turn = ModelTurn(len(self.tokens), len(self.tokens) + len(token_ids), finish_reason)
+        oldest = version if isinstance(version, int) else min(versions)
+        turn = ModelTurn(len(self.tokens), len(self.tokens) + len(token_ids), oldest, finish_reason)
         self.tokens += token_ids
         self.loss_mask += [1] * len(token_ids)
         self.logprobs += [float(lp) for lp in logprobs]
@@ -117,8 +120,8 @@ class Episode:
 
     @property
     def oldest_version(self) -> int | None:
-        """The oldest version that sampled one of its ids (None before the first model turn)."""
-        return min((v for v, m in zip(self.versions, self.loss_mask, strict=True) if m), default=None)
+        """The oldest version that sampled one of its model turns (None before the first)."""
+        return min((turn.version for turn in self.turns), default=None)
 
 
 def episode_group(
@@ -132,13 +135,17 @@ def episode_group(
     overrides: list[dict[str, Any]] | None = None,
 ) -> RolloutGroup:
     """The `RolloutGroup` of a task's episodes: one training sequence each, scored by its final
-    reward, `policy_version` the oldest version of any sampled id, `token_versions` per token."""
+    reward, `policy_version` the oldest version of any sampled id. `token_versions` is written
+    only when the sampled ids span several versions: without it every loss token is
+    `policy_version`'s, which is then exact (and a one-version group, the common case, keeps the
+    size and the wire shape it always had)."""
     if not episodes:
         raise EpisodeError(f"group {group_id!r} has no episodes")
     unscored = [i for i, e in enumerate(episodes) if e.reward is None]
     if unscored:
         raise EpisodeError(f"group {group_id!r}: episodes {unscored} have no reward; score every episode first")
-    sampled = [e.oldest_version for e in episodes if e.oldest_version is not None]
+    sampled = {v for e in episodes for v, m in zip(e.versions, e.loss_mask, strict=True) if m}
+    oldest = [e.oldest_version for e in episodes if e.oldest_version is not None]
     return RolloutGroup(
         tokens=[list(e.tokens) for e in episodes],
         loss_mask=[list(e.loss_mask) for e in episodes],
@@ -147,8 +154,8 @@ def episode_group(
         truncated=[e.truncated for e in episodes],
         temperature=temperature,
         top_p=top_p,
-        policy_version=min(sampled, default=0),
-        token_versions=[list(e.versions) for e in episodes],
+        policy_version=min(oldest, default=0),
+        token_versions=[list(e.versions) for e in episodes] if len(sampled) > 1 else None,
         source=source,
         group_id=group_id,
         extra=dict(extra or {}),

@@ -17,6 +17,7 @@ import structlog
 
 from grpod.inference.client import Completion
 from grpod.rollouts.buffer import RolloutBuffer
+from grpod.rollouts.episode import Episode, episode_group
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.source import MayGenerate, SourceStats
 
@@ -91,20 +92,21 @@ class SamplingSource:
         extra: dict[str, Any] | None = None,
         overrides: list[dict[str, Any]] | None = None,
     ) -> RolloutGroup:
-        """The group record of `sampled` completions of `prompt` (counted as generated); its
-        `extra` names the engine that sampled it; `overrides` are per completion."""
-        completions = sampled.completions
+        """The group record of `sampled` completions of `prompt` (counted as generated): each
+        completion a one-turn episode scored by its score; its `extra` names the engine that
+        sampled it; `overrides` are per completion."""
+        episodes = []
+        for completion, score in zip(sampled.completions, scores, strict=True):
+            episode = Episode.start(prompt)
+            episode.add_model_turn(completion.token_ids, completion.logprobs, sampled.version, completion.finish_reason)
+            episode.reward = score
+            episodes.append(episode)
         self.stats.generated += 1
         self.stats.succeeded()
-        return RolloutGroup(
-            tokens=[prompt + list(c.token_ids) for c in completions],
-            loss_mask=[[0] * len(prompt) + [1] * len(c.token_ids) for c in completions],
-            scores=scores,
-            inference_logprobs=[[0.0] * len(prompt) + [float(x) for x in c.logprobs] for c in completions],
-            truncated=[c.finish_reason == "length" for c in completions],
+        return episode_group(
+            episodes,
             temperature=self.src.temperature,
             top_p=self.src.top_p,
-            policy_version=sampled.version,
             source=self.kind,
             group_id=group_id,
             extra={"engine": sampled.engine, **(extra or {})},

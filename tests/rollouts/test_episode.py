@@ -60,6 +60,7 @@ def test_a_single_completion_is_a_one_turn_episode():
     episode.reward = 0.5
     group = episode_group([episode], temperature=1.0, top_p=1.0, source="builtin", group_id="g")
     assert group.tokens == [[1, 2, 7, 8]] and group.loss_mask == [[0, 0, 1, 1]] and group.policy_version == 6
+    assert group.token_versions is None, "one version: policy_version says it all"
     assert validate_group(group, **{**LIMITS, "group_normalised": False}) is None
 
 
