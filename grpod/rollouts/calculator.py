@@ -62,7 +62,8 @@ def calculate(expression: str) -> str:
     value = _value(tree.body)
     if isinstance(value, int):
         return str(value)
-    return str(int(value)) if value.is_integer() else f"{value:.6g}"
+    # A quotient: integral ones as integers while a float holds them exactly, others in 6 digits.
+    return str(int(value)) if value.is_integer() and abs(value) < 2**53 else f"{value:.6g}"
 
 
 class CalculatorEnvironment:
