@@ -78,12 +78,17 @@ class Episode:
         """Append the ids the engine sampled given `tokens` as they were, with their logprobs and
         the version that sampled them (one for the turn, or one per id when the weights changed
         while it ran)."""
-        versions = [version] * len(token_ids) if isinstance(version, int) else list(version)
-        if not (len(token_ids) == len(logprobs) == len(versions)) or not (versions or isinstance(version, int)):
+        if isinstance(version, int):
+            versions, oldest = [version] * len(token_ids), version
+        elif version:
+            versions = list(version)
+            oldest = min(versions)
+        else:
+            raise EpisodeError("an empty model turn names the version that ran it as one int")
+        if not (len(token_ids) == len(logprobs) == len(versions)):
             raise EpisodeError(
                 f"a model turn of {len(token_ids)} ids has {len(logprobs)} logprobs and {len(versions)} versions"
             )
-        oldest = version if isinstance(version, int) else min(versions)
         turn = ModelTurn(len(self.tokens), len(self.tokens) + len(token_ids), oldest, finish_reason)
         self.tokens += token_ids
         self.loss_mask += [1] * len(token_ids)

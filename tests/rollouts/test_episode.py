@@ -39,6 +39,10 @@ def test_a_turn_may_carry_one_version_per_id_and_must_be_consistent():
     assert episode.versions == [0, 4, 4, 5] and episode.oldest_version == 4
     with pytest.raises(EpisodeError, match="2 ids has 1 logprobs"):
         episode.add_model_turn([8, 9], [-1.0], 5)
+    with pytest.raises(EpisodeError, match="empty model turn"):
+        episode.add_model_turn([], [], [])
+    empty = episode.add_model_turn([], [], 3)  # the engine sampled nothing; the turn still has a version
+    assert empty.start == empty.end and episode.oldest_version == 3
     with pytest.raises(EpisodeError, match="non-empty prompt"):
         Episode.start([])
 
