@@ -190,7 +190,7 @@ class InferenceConfig(_Section):
         1,
         ge=0,
         description="Engines on this node, each its own vLLM process group, port (inference.port + i when "
-        "fixed), log (vllm-<i>.log) and restart budget; requests go to the available one with the fewest "
+        "fixed), log (vllm.log for engine 0, vllm-<i>.log after) and restart budget; requests go to the available one with the fewest "
         "outstanding. Each engine's cores (CPU: VLLM_CPU_OMP_THREADS_BIND) or GPU (CUDA_VISIBLE_DEVICES) come "
         "from cpu_binds / gpu_ids, else engine i takes core / GPU i. 0: none on this node, every engine is a "
         "`grpod agent`'s (cluster.agents).",
