@@ -74,12 +74,11 @@ SYNC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 
 @contextmanager
 def timed(phases: dict[str, float], name: str) -> Iterator[None]:
-    """Add the seconds the block takes to `phases[name]` (a phase a sync may pass through twice)."""
+    """Add the seconds the block took to `phases[name]` once it is done (a sync may pass through a
+    phase twice: a retry); a block that raises adds nothing."""
     began = time.perf_counter()
-    try:
-        yield
-    finally:
-        phases[name] = phases.get(name, 0.0) + time.perf_counter() - began
+    yield
+    phases[name] = phases.get(name, 0.0) + time.perf_counter() - began
 
 
 class BridgeFailed(RuntimeError):
@@ -327,19 +326,14 @@ class Bridge(ModeSteps):
         self.pool.admit(engines)
         return result
 
-    def _reference_now(self, engine: InferenceEngine) -> list[list[float]]:
-        """The trainer's scores recorded at the current version's sync (a relaunched engine is
-        probed against them, never against the trainer's live weights)."""
-        reference = self.probes.reference_for(self.policy.version)
-        if reference is None:
-            message = f"no probe reference recorded for policy version {self.policy.version}; {engine.name} stays closed"
-            raise self._failed(message)
-        return reference
-
     # ---- syncs ------------------------------------------------------------------------------
     def sync_due(self, step: int) -> bool:
         """The mode's cadence: a sync falls due after `step` (the step loop's schedule asks)."""
         return step % self.cfg.sync_every == 0
+
+    async def after_step(self, step: int) -> SyncRecord | None:
+        """A whole sync if one is due after `step` (the synchronous way; the step loop may pipeline)."""
+        return await self.sync_now() if self.sync_due(step) else None
 
     async def fence(self, update: Update) -> SyncRecord | None:
         """Run one optimizer update (`update`, the trainer's apply). Modes that ship a copy need
@@ -470,7 +464,10 @@ class Bridge(ModeSteps):
         await self._relaunch_lost(engine, reason)
         await self._catch_up(engine)
         self.pool.mark_current([engine], self.policy.version)
-        reference = self._reference_now(engine)
+        # Probed against the trainer's scores recorded at the current version's sync, never its live weights.
+        reference = self.probes.reference_for(self.policy.version)
+        if reference is None:
+            raise self._failed(f"no probe reference recorded for policy version {self.policy.version}; {engine.name} stays closed")
         if self.pool.single:
             self._fire("RECOVERED")
             result = await self._probe_and_serve(reference, engines=[engine])

@@ -47,7 +47,6 @@ Transition table:
 
 from __future__ import annotations
 
-import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ from typing import Any
 import anyio
 import structlog
 
-from grpod.bridges.base import Bridge
+from grpod.bridges.base import Bridge, timed
 from grpod.bridges.common import Event, lifecycle_rows, mode_states
 from grpod.inference.client import InferenceRequestError
 from grpod.inference.engine import InferenceEngine
@@ -174,28 +173,24 @@ class BroadcastBridge(Bridge):
     ) -> None:
         """Fence `engines`, send `staged` as `version` to all of them in one group (the epoch's
         group of the members, or one of their own for a catch-up), resume them."""
-        t = time.perf_counter()
-        group = await self._weight_group(engines) if epoch_group else None
-        phases["group"] = phases.get("group", 0.0) + time.perf_counter() - t
-        t = time.perf_counter()
-        for engine in engines:
-            engine.close()
-            assert engine.client is not None
-            await engine.client.pause(mode="keep")
-        phases["pause"] = phases.get("pause", 0.0) + time.perf_counter() - t
-        t = time.perf_counter()
-        if group is not None:
-            await group.sync(staged, weight_version=str(version))
-        else:  # a catch-up: a group of its own for these engines
-            clients = [EngineWeightClient.for_process(engine.process) for engine in engines]
-            async with open_weight_group(clients, self.transfer) as own:
-                await own.sync(staged, weight_version=str(version))
-        phases["broadcast"] = phases.get("broadcast", 0.0) + time.perf_counter() - t
-        t = time.perf_counter()
-        for engine in engines:
-            assert engine.client is not None
-            await engine.client.end_fence(version)
-        phases["reset_resume"] = phases.get("reset_resume", 0.0) + time.perf_counter() - t
+        with timed(phases, "group"):
+            group = await self._weight_group(engines) if epoch_group else None
+        with timed(phases, "pause"):
+            for engine in engines:
+                engine.close()
+                assert engine.client is not None
+                await engine.client.pause(mode="keep")
+        with timed(phases, "broadcast"):
+            if group is not None:
+                await group.sync(staged, weight_version=str(version))
+            else:  # a catch-up: a group of its own for these engines
+                clients = [EngineWeightClient.for_process(engine.process) for engine in engines]
+                async with open_weight_group(clients, self.transfer) as own:
+                    await own.sync(staged, weight_version=str(version))
+        with timed(phases, "reset_resume"):
+            for engine in engines:
+                assert engine.client is not None
+                await engine.client.end_fence(version)
 
     async def _catch_up(self, engine: InferenceEngine) -> None:
         """A relaunched engine came up on the run's initial weights: send it the last synced ones

@@ -42,11 +42,11 @@ recovery after a crash relaunches it with the current adapter preloaded. Transit
 
 from __future__ import annotations
 
-import time
 from http import HTTPStatus
 from pathlib import Path
 
 from grpod.bridges.adapters import Adapter, LoraBridge
+from grpod.bridges.base import timed
 from grpod.bridges.common import Event, lifecycle_rows, mode_states
 from grpod.inference.client import InferenceRequestError
 from grpod.inference.supervised import SupervisedInference
@@ -85,21 +85,19 @@ class LoraOnlyBridge(LoraBridge):
         new = Adapter(version, staged)
         registered = self._registered.setdefault(engine.name, set())
         engine.close()
-        t = time.perf_counter()
-        if new.name in registered:
-            # A retried sync (FAILED --SYNC-->) at a version an interrupted attempt registered.
-            # Unload rather than `load_inplace`: vLLM would reload an in-place adapter from disk
-            # at every engine step for as long as it is served.
-            await self._unload(engine, new.name)
-        registered.add(new.name)
-        await engine.client.load_lora_adapter(new.name, str(new.path))
-        await engine.client.set_generate_model(new.name)
-        phases["load"] = phases.get("load", 0.0) + time.perf_counter() - t
-        t = time.perf_counter()
-        for name in sorted(registered - {new.name}):
-            await self._unload(engine, name)
-        await self._bump_version_and_reset_cache(engine, version)
-        phases["unload_reset"] = phases.get("unload_reset", 0.0) + time.perf_counter() - t
+        with timed(phases, "load"):
+            if new.name in registered:
+                # A retried sync (FAILED --SYNC-->) at a version an interrupted attempt registered.
+                # Unload rather than `load_inplace`: vLLM would reload an in-place adapter from disk
+                # at every engine step for as long as it is served.
+                await self._unload(engine, new.name)
+            registered.add(new.name)
+            await engine.client.load_lora_adapter(new.name, str(new.path))
+            await engine.client.set_generate_model(new.name)
+        with timed(phases, "unload_reset"):
+            for name in sorted(registered - {new.name}):
+                await self._unload(engine, name)
+            await self._bump_version_and_reset_cache(engine, version)
 
     async def _applied(self, staged: Path, version: int) -> None:
         self.adapter = Adapter(version, staged)

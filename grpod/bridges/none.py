@@ -32,12 +32,11 @@ Either way the sync ends with the alignment probe. Transition table:
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import anyio
 
-from grpod.bridges.base import Bridge
+from grpod.bridges.base import Bridge, timed
 from grpod.bridges.common import Event, lifecycle_rows, mode_states
 from grpod.inference.supervised import SupervisedInference
 from grpod.weights.versions import VersionedDirs
@@ -89,13 +88,12 @@ class NoneBridge(Bridge):
             return
         assert engine.client is not None
         engine.close()
-        t = time.perf_counter()
-        await engine.client.pause(mode="keep")
-        # A reload that fails leaves vLLM paused: half-loaded weights are never served.
-        # grpod's reload: vLLM's, then the (possibly tied) output head re-packed (reload_ext).
-        await engine.client.collective_rpc("grpod_reload_weights", args=[str(staged)])
-        await engine.client.end_fence(version)
-        phases["reload"] = phases.get("reload", 0.0) + time.perf_counter() - t
+        with timed(phases, "reload"):
+            await engine.client.pause(mode="keep")
+            # A reload that fails leaves vLLM paused: half-loaded weights are never served.
+            # grpod's reload: vLLM's, then the (possibly tied) output head re-packed (reload_ext).
+            await engine.client.collective_rpc("grpod_reload_weights", args=[str(staged)])
+            await engine.client.end_fence(version)
 
     async def _applied(self, staged: Path, version: int) -> None:
         self.current_weights = staged
