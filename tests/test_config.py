@@ -150,8 +150,11 @@ def test_check_config_cli_exit_2(tmp_path, override, fragment):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "etc" / "examples").glob("**/*.toml")), ids=lambda p: p.name)
 def test_example_configs_are_valid(path):
+    """Every example loads, and points at a real model or at the tiny one `make model` builds
+    (building it when missing is harmless); none builds a tiny model where a real one is named."""
     cfg = load_config(path)
-    assert cfg.model.init_if_missing is False, "examples point at a real model"
+    tiny = cfg.model.path == Path("models/tiny-arith")
+    assert tiny or cfg.model.init_if_missing is False, "examples point at a real model"
 
 
 @pytest.mark.parametrize(
