@@ -50,6 +50,7 @@ from grpod.rollouts.replay import record_groups
 from grpod.rollouts.rewards import step_reward_metrics
 from grpod.run.checkpoint import CheckpointDiskFull
 from grpod.run.store import BrokenTrainerState, RunSnapshot
+from grpod.service.race import first_of
 
 log = structlog.get_logger(__name__)
 
@@ -342,19 +343,16 @@ class StepLoop:
 
     async def fetch(self) -> None:
         """Keep the buffer filled (overlap mode) until cancelled, drained or the source ends."""
-        async with anyio.create_task_group() as tg:
 
-            async def end_on_drain() -> None:
-                await self.desk.drained.wait()
-                tg.cancel_scope.cancel()
+        async def produce() -> None:
+            if self.desk.draining:
+                return
+            await self.source.run(self.buffer, self.desk.wait_resumed)
+            # Only a finite source (replay) returns: the run ends once the buffer is used up.
+            self.source_exhausted = True
+            self.desk.wake()
 
-            tg.start_soon(end_on_drain)
-            if not self.desk.draining:
-                await self.source.run(self.buffer, self.desk.wait_resumed)
-                # Only a finite source (replay) returns: the run ends once the buffer is used up.
-                self.source_exhausted = True
-                self.desk.wake()
-            tg.cancel_scope.cancel()
+        await first_of(produce, self.desk.drained.wait)
 
     def _apply_setting(self, change: SettingChange) -> None:
         if change.key == "train.lr":
