@@ -29,12 +29,12 @@ def test_plot_errors_name_the_problem(tmp_path):
 
 
 def test_the_algorithm_metrics_have_panels_and_status_rows():
-    from grpod.cli import _render_status
+    from grpod.daemon.status import render_table, status_table
     from grpod.plot import PANELS
 
     plotted = {key for _, _, keys in PANELS for key in keys}
     assert {"entropy", "clipped_low_fraction", "clipped_high_fraction", "mismatch_kl", "tis_masked_fraction"} <= plotted
-    table = _render_status({"last_metrics": {"entropy": 1.25, "clipped_fraction": 0.1, "mismatch_kl": 0.002}})
+    table = render_table(status_table({"last_metrics": {"entropy": 1.25, "clipped_fraction": 0.1, "mismatch_kl": 0.002}}))
     assert "entropy" in table and "1.25" in table and "clipped_fraction" in table and "mismatch_kl" in table
 
 
@@ -55,11 +55,11 @@ def test_dataset_runs_plot_mean_at_k_and_each_reward_function():
 
 
 def test_status_shows_the_sources_drops_and_each_reward_function():
-    from grpod.cli import _render_status
+    from grpod.daemon.status import render_table, status_table
 
-    table = _render_status({
+    table = render_table(status_table({
         "source": {"kind": "dataset", "generated": 40, "dropped": 3, "drop_reasons": {"reward_error": 2, "reward_timeout": 1}},
         "last_metrics": {"reward_mean": 0.5, "reward/correct": 0.25},
-    })
+    }))
     assert "dataset: 40 generated, 3 dropped {'reward_error': 2, 'reward_timeout': 1}" in table
     assert "reward/correct" in table and "0.25" in table
