@@ -35,6 +35,10 @@ log = structlog.get_logger(__name__)
 
 # The only values vLLM accepts for --max-lora-rank (vllm.config.lora.MaxLoRARanks).
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# What both LoRA modes' transitions do (their docstring tables' notes); each adds how it applies.
+LORA_NOTES = {("IDLE", "START"): "write the initial adapter, launch with it preloaded",
+              ("SERVING", "SYNC"): "adapter → new versioned directory",
+              ("SERVING", "LOST"): "relaunch on the base with the current adapter"}
 
 
 class LoraRankUnsupported(ValueError):

@@ -55,7 +55,7 @@ import anyio
 import structlog
 
 from grpod.bridges.base import Bridge, timed
-from grpod.bridges.common import Event, lifecycle_rows, mode_states
+from grpod.bridges.common import Event, mode_states, mode_table
 from grpod.inference.client import InferenceRequestError
 from grpod.inference.engine import InferenceEngine
 from grpod.weights.transfer import (
@@ -76,12 +76,7 @@ log = structlog.get_logger(__name__)
 State = mode_states("BROADCASTING")
 
 
-TABLE = {
-    **lifecycle_rows(State, Event, "BROADCASTING"),
-    (State.SERVING, Event.SYNC): State.SAVING,
-    (State.SAVING, Event.SAVED): State.BROADCASTING,
-    (State.BROADCASTING, Event.APPLIED): State.PROBING,
-}
+TABLE = mode_table(State, Event, "BROADCASTING")
 
 Weights = list[tuple[str, Any]]
 

@@ -63,3 +63,26 @@ def lifecycle_rows(S: type[enum.Enum], E: type[enum.Enum], sync_state: str) -> d
             rows[(state, E.STOP)] = S.STOPPING
     rows[(S.STOPPING, E.STOPPED)] = S.STOPPED
     return rows
+
+
+def mode_table(S: type[enum.Enum], E: type[enum.Enum], sync_state: str) -> dict:
+    """A mode's whole table: the lifecycle rows, and its sync path SERVING --SYNC--> SAVING
+    --SAVED--> <sync_state> --APPLIED--> PROBING (what a mode does in each step is its own)."""
+    applying = S[sync_state]
+    return {
+        **lifecycle_rows(S, E, sync_state),
+        (S.SERVING, E.SYNC): S.SAVING,
+        (S.SAVING, E.SAVED): applying,
+        (applying, E.APPLIED): S.PROBING,
+    }
+
+
+def lifecycle_notes(sync_state: str) -> dict[tuple[str, str], str]:
+    """What the lifecycle rows do, as every mode's docstring table notes them."""
+    return {
+        ("PROBING", "PROBE_SKIP"): "bridge.probe_every: this sync is not probed",
+        (sync_state, "LOST"): "vLLM died mid-sync: relaunch on the previous weights",
+        ("RECOVERING", "RETRY"): "apply the same sync once more",
+        ("FAILED", "SYNC"): "an operator's `ctl sync` retries",
+    }
+

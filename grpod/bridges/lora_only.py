@@ -21,23 +21,10 @@ evicted adapter from its directory, which is why pruning keeps at least the prev
 
 New generations wait at the availability gate from the load until the probe passed, so nothing
 is sampled from an adapter the probe has not vouched for. vLLM itself never restarts on a sync;
-recovery after a crash relaunches it with the current adapter preloaded. Transition table:
+recovery after a crash relaunches it with the current adapter preloaded.
 
-    IDLE        --START------>  LAUNCHING     (write the initial adapter, launch with it preloaded)
-    LAUNCHING   --READY------>  PROBING
-    PROBING     --PROBE_OK--->  SERVING
-    PROBING     --PROBE_FAIL->  FAILED
-    PROBING     --PROBE_SKIP->  SERVING       (bridge.probe_every: this sync is not probed)
-    SERVING     --SYNC------->  SAVING        (adapter → new versioned directory)
-    SAVING      --SAVED------>  SWAPPING      (load new name, switch requests, unload old, reset cache)
-    SWAPPING    --APPLIED---->  PROBING
-    SERVING     --LOST------->  RECOVERING    (relaunch on the base with the current adapter)
-    RECOVERING  --RECOVERED-->  PROBING
-    SWAPPING    --LOST------->  RECOVERING    (vLLM died mid-sync: relaunch on the previous weights)
-    RECOVERING  --RETRY------>  SWAPPING      (apply the same sync once more)
-    FAILED      --SYNC------->  SAVING        (an operator's `ctl sync` retries)
-    any         --FAIL------->  FAILED
-    any         --STOP------->  STOPPING --STOPPED--> STOPPED
+The transition table (appended to this docstring from `TABLE` below: written once):
+
 """
 
 from __future__ import annotations
@@ -45,9 +32,10 @@ from __future__ import annotations
 from http import HTTPStatus
 from pathlib import Path
 
-from grpod.bridges.adapters import Adapter, LoraBridge
+from grpod.bridges.adapters import LORA_NOTES, Adapter, LoraBridge
 from grpod.bridges.base import timed
-from grpod.bridges.common import Event, lifecycle_rows, mode_states
+from grpod.bridges.common import Event, lifecycle_notes, mode_states, mode_table
+from grpod.bridges.machine import docstring_table
 from grpod.inference.client import InferenceRequestError
 from grpod.inference.supervised import SupervisedInference
 
@@ -55,12 +43,12 @@ from grpod.inference.supervised import SupervisedInference
 State = mode_states("SWAPPING")
 
 
-TABLE = {
-    **lifecycle_rows(State, Event, "SWAPPING"),
-    (State.SERVING, Event.SYNC): State.SAVING,
-    (State.SAVING, Event.SAVED): State.SWAPPING,
-    (State.SWAPPING, Event.APPLIED): State.PROBING,
-}
+TABLE = mode_table(State, Event, "SWAPPING")
+
+# What this mode's transitions do, beside the lifecycle's notes; the table itself is appended
+# to the module docstring from TABLE (written once).
+NOTES = LORA_NOTES | {("SAVING", "SAVED"): "load new name, switch requests, unload old, reset cache"}
+__doc__ += docstring_table(TABLE, lifecycle_notes("SWAPPING") | NOTES)
 
 
 class LoraOnlyBridge(LoraBridge):

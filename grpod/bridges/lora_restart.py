@@ -11,43 +11,31 @@ only ever serves one adapter. Every `bridge.sync_every` steps:
 The stop and launch are the lifecycle every restarting mode shares (`Bridge._relaunch`, as `none`
 with `reload = "restart"`); only the launch arguments differ. Requests wait at the availability
 gate while vLLM is down; requests in flight when it stops fail and their groups are dropped.
-Recovery after a crash relaunches the same way with the current adapter. Transition table:
+Recovery after a crash relaunches the same way with the current adapter.
 
-    IDLE        --START------>  LAUNCHING     (write the initial adapter, launch with it preloaded)
-    LAUNCHING   --READY------>  PROBING
-    PROBING     --PROBE_OK--->  SERVING
-    PROBING     --PROBE_FAIL->  FAILED
-    PROBING     --PROBE_SKIP->  SERVING       (bridge.probe_every: this sync is not probed)
-    SERVING     --SYNC------->  SAVING        (adapter → new versioned directory)
-    SAVING      --SAVED------>  RESTARTING    (stop, wait released, launch with the new adapter)
-    RESTARTING  --APPLIED---->  PROBING
-    SERVING     --LOST------->  RECOVERING    (relaunch on the base with the current adapter)
-    RECOVERING  --RECOVERED-->  PROBING
-    RESTARTING  --LOST------->  RECOVERING    (vLLM died mid-sync: relaunch on the previous weights)
-    RECOVERING  --RETRY------>  RESTARTING    (apply the same sync once more)
-    FAILED      --SYNC------->  SAVING        (an operator's `ctl sync` retries)
-    any         --FAIL------->  FAILED
-    any         --STOP------->  STOPPING --STOPPED--> STOPPED
+The transition table (appended to this docstring from `TABLE` below: written once):
+
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from grpod.bridges.adapters import Adapter, LoraBridge
-from grpod.bridges.common import Event, lifecycle_rows, mode_states
+from grpod.bridges.adapters import LORA_NOTES, Adapter, LoraBridge
+from grpod.bridges.common import Event, lifecycle_notes, mode_states, mode_table
+from grpod.bridges.machine import docstring_table
 from grpod.inference.supervised import SupervisedInference
 
 # The lifecycle states every mode has, plus the one this mode's sync passes through.
 State = mode_states("RESTARTING")
 
 
-TABLE = {
-    **lifecycle_rows(State, Event, "RESTARTING"),
-    (State.SERVING, Event.SYNC): State.SAVING,
-    (State.SAVING, Event.SAVED): State.RESTARTING,
-    (State.RESTARTING, Event.APPLIED): State.PROBING,
-}
+TABLE = mode_table(State, Event, "RESTARTING")
+
+# What this mode's transitions do, beside the lifecycle's notes; the table itself is appended
+# to the module docstring from TABLE (written once).
+NOTES = LORA_NOTES | {("SAVING", "SAVED"): "stop, wait released, launch with the new adapter"}
+__doc__ += docstring_table(TABLE, lifecycle_notes("RESTARTING") | NOTES)
 
 
 class LoraRestartBridge(LoraBridge):

@@ -92,3 +92,21 @@ def render_table(table: Mapping[tuple[enum.Enum, enum.Enum], enum.Enum]) -> str:
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     return "\n".join(f"{a:<{w0}}  --{b:<{w1}}-->  {c}" for a, b, c in rows)
+
+
+def docstring_table(table: Mapping[tuple[enum.Enum, enum.Enum], enum.Enum], notes: Mapping[tuple[str, str], str]) -> str:
+    """The transition table as a mode's module docstring prints it, made from the table itself (a
+    mode module appends it to its docstring, so the rows are written once): one row per
+    transition in state order, a note where `notes[(state, event)]` gives one, and FAIL and STOP,
+    which every live state has, folded into the two `any` rows."""
+    states = list(type(next(iter(table.values()))))
+    events = list(type(next(iter(table))[1]))
+    rows = []
+    for (source, event), target in sorted(table.items(), key=lambda r: (states.index(r[0][0]), events.index(r[0][1]))):
+        if event.name in ("FAIL", "STOP", "STOPPED"):
+            continue
+        note = notes.get((source.name, event.name))
+        arrow = f"    {source.name:<11} --{event.name:-<11}>  {target.name}"
+        rows.append(f"{arrow:<46}({note})" if note else arrow)
+    rows += ["    any         --FAIL------->  FAILED", "    any         --STOP------->  STOPPING --STOPPED--> STOPPED"]
+    return "\n".join(rows) + "\n"

@@ -11,23 +11,10 @@ a new versioned directory (`<run>/weights/v000007`), then either
 - `reload = "restart"`: stop vLLM (process group), wait until its processes, port and memory are
   gone, relaunch it on the new directory, wait until healthy.
 
-Either way the sync ends with the alignment probe. Transition table:
+Either way the sync ends with the alignment probe.
 
-    IDLE        --START------>  LAUNCHING
-    LAUNCHING   --READY------>  PROBING
-    PROBING     --PROBE_OK--->  SERVING
-    PROBING     --PROBE_FAIL->  FAILED
-    PROBING     --PROBE_SKIP->  SERVING       (bridge.probe_every: this sync is not probed)
-    SERVING     --SYNC------->  SAVING
-    SAVING      --SAVED------>  APPLYING      (reload in place, or stop + relaunch)
-    APPLYING    --APPLIED---->  PROBING
-    SERVING     --LOST------->  RECOVERING    (relaunch on the current weights)
-    RECOVERING  --RECOVERED-->  PROBING
-    APPLYING    --LOST------->  RECOVERING    (vLLM died mid-sync: relaunch on the previous weights)
-    RECOVERING  --RETRY------>  APPLYING      (apply the same sync once more)
-    FAILED      --SYNC------->  SAVING        (an operator's `ctl sync` retries)
-    any         --FAIL------->  FAILED
-    any         --STOP------->  STOPPING --STOPPED--> STOPPED
+The transition table (appended to this docstring from `TABLE` below: written once):
+
 """
 
 from __future__ import annotations
@@ -37,7 +24,8 @@ from pathlib import Path
 import anyio
 
 from grpod.bridges.base import Bridge, timed
-from grpod.bridges.common import Event, lifecycle_rows, mode_states
+from grpod.bridges.common import Event, lifecycle_notes, mode_states, mode_table
+from grpod.bridges.machine import docstring_table
 from grpod.inference.supervised import SupervisedInference
 from grpod.weights.versions import VersionedDirs
 
@@ -45,12 +33,13 @@ from grpod.weights.versions import VersionedDirs
 State = mode_states("APPLYING")
 
 
-TABLE = {
-    **lifecycle_rows(State, Event, "APPLYING"),
-    (State.SERVING, Event.SYNC): State.SAVING,
-    (State.SAVING, Event.SAVED): State.APPLYING,
-    (State.APPLYING, Event.APPLIED): State.PROBING,
-}
+TABLE = mode_table(State, Event, "APPLYING")
+
+# What this mode's transitions do, beside the lifecycle's notes; the table itself is appended
+# to the module docstring from TABLE (written once).
+NOTES = {("SAVING", "SAVED"): "reload in place, or stop + relaunch",
+         ("SERVING", "LOST"): "relaunch on the current weights"}
+__doc__ += docstring_table(TABLE, lifecycle_notes("APPLYING") | NOTES)
 
 
 RELOAD_EXTENSION = "grpod.weights.reload_ext.ReloadExtension"

@@ -32,23 +32,8 @@ dtype the trainer's master weights have), `inference.enforce_eager = true` (comp
 keep the addresses of vLLM's own copy), and on a GPU the trainer and vLLM on the same device
 (checked by device UUID at attach).
 
-Transition table:
+The transition table (appended to this docstring from `TABLE` below: written once):
 
-    IDLE        --START------>  LAUNCHING     (share the trainer's weights, launch vLLM, attach)
-    LAUNCHING   --READY------>  PROBING
-    PROBING     --PROBE_OK--->  SERVING
-    PROBING     --PROBE_FAIL->  FAILED
-    PROBING     --PROBE_SKIP->  SERVING       (bridge.probe_every: this sync is not probed)
-    SERVING     --SYNC------->  SAVING        (nothing to write: the buffer is the weights)
-    SAVING      --SAVED------>  FENCED        (paused; optimizer step; cache reset; version bump)
-    FENCED      --APPLIED---->  PROBING       (resumed)
-    SERVING     --LOST------->  RECOVERING    (relaunch vLLM, re-attach to the same buffer)
-    RECOVERING  --RECOVERED-->  PROBING
-    FENCED      --LOST------->  RECOVERING    (vLLM died mid-fence: relaunch, re-attach)
-    RECOVERING  --RETRY------>  FENCED        (apply the same sync once more)
-    FAILED      --SYNC------->  SAVING        (an operator's `ctl sync` retries)
-    any         --FAIL------->  FAILED
-    any         --STOP------->  STOPPING --STOPPED--> STOPPED
 """
 
 from __future__ import annotations
@@ -62,7 +47,8 @@ import anyio
 import structlog
 
 from grpod.bridges.base import Bridge, BridgeFailed, SyncRecord, Update
-from grpod.bridges.common import Event, lifecycle_rows, mode_states
+from grpod.bridges.common import Event, lifecycle_notes, mode_states, mode_table
+from grpod.bridges.machine import docstring_table
 from grpod.config import ModelConfig, run_key
 from grpod.inference.client import InferenceRequestError
 from grpod.inference.supervised import SupervisedInference
@@ -82,12 +68,16 @@ class SharedModeUnsupported(ValueError):
 State = mode_states("FENCED")
 
 
-TABLE = {
-    **lifecycle_rows(State, Event, "FENCED"),
-    (State.SERVING, Event.SYNC): State.SAVING,
-    (State.SAVING, Event.SAVED): State.FENCED,
-    (State.FENCED, Event.APPLIED): State.PROBING,
-}
+TABLE = mode_table(State, Event, "FENCED")
+
+# What this mode's transitions do, beside the lifecycle's notes; the table itself is appended
+# to the module docstring from TABLE (written once).
+NOTES = {("IDLE", "START"): "share the trainer's weights, launch vLLM, attach",
+         ("SERVING", "SYNC"): "nothing to write: the buffer is the weights",
+         ("SAVING", "SAVED"): "paused; optimizer step; cache reset; version bump",
+         ("FENCED", "APPLIED"): "resumed", ("SERVING", "LOST"): "relaunch vLLM, re-attach to the same buffer",
+         ("FENCED", "LOST"): "vLLM died mid-fence: relaunch, re-attach"}
+__doc__ += docstring_table(TABLE, lifecycle_notes("FENCED") | NOTES)
 
 
 def shared_dir(run_dir: Path) -> Path:
