@@ -74,7 +74,6 @@ log = structlog.get_logger(__name__)
 
 # Files a HF model directory holds besides its weights and config, which vLLM and from_pretrained
 # need to load the tokenizer.
-GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
@@ -439,10 +438,12 @@ class Trainer:
         """
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        if self.train_cfg.lora:
-            self.model.save_pretrained(out, safe_serialization=True)
-        else:
-            save_hf_export(self.model, out, self.model_path)
+        self.model.save_pretrained(out, safe_serialization=True)
+        if not self.train_cfg.lora:
+            for name in TOKENIZER_FILES:
+                source = self.model_path / name
+                if source.is_file():
+                    shutil.copy2(source, out / name)
         log.info("weights_saved", out=str(out), lora=self.train_cfg.lora, step=self.step)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -490,35 +491,6 @@ class Trainer:
         """Weights and optimizer state from the sharded checkpoint of trainer ranks under torchrun
         (`grpod.training.sharded`), gathered into this one process."""
         load_sharded_state(self.model, self.optimizer, path)
-
-
-def save_hf_export(model: PreTrainedModel, out: Path, model_path: Path, state_dict: dict | None = None) -> None:
-    """The model as an HF directory vLLM loads: safetensors, and the tokenizer files and
-    generation_config.json of `model_path` as they were shipped.
-
-    The generation config is copied as shipped; transformers 5 refuses to save one that
-    sets sampling knobs (temperature, top_p, ...) without `do_sample`, as many shipped configs do,
-    and a sync must not die of the model's metadata (grpod sends every sampling parameter itself).
-    """
-    shipped = getattr(model, "generation_config", None)
-    try:
-        if shipped is not None:
-            shipped.validate(strict=True)
-    except ValueError:
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig()  # the shipped file is copied below
-    else:
-        shipped = None  # a config transformers saves as it is
-    try:
-        model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
-    finally:
-        if shipped is not None:
-            model.generation_config = shipped
-    for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
-        source = Path(model_path) / name
-        if source.is_file():
-            shutil.copy2(source, Path(out) / name)
 
 
 def predicting_logits(model, batch: MicroBatch) -> torch.Tensor:

@@ -507,22 +507,3 @@ def test_a_sequence_sampled_by_two_versions_is_corrected_with_each_tokens_own_lo
     assert metrics["tis_masked_fraction"] == pytest.approx(4 / 7)
     assert metrics["logprob_diff_max"] == pytest.approx(0.5, abs=1e-4)
     assert metrics["logprob_diff_mean"] == pytest.approx(0.5 * 4 / 7, abs=1e-4)
-
-
-def test_the_hf_export_keeps_a_shipped_generation_config_transformers_would_refuse(tmp_path):
-    """Many shipped generation configs set sampling knobs without do_sample; transformers 5 refuses
-    to save such a config, and mode `none` died at its first sync of it. The export copies the
-    model's own file instead."""
-    import json
-
-    model_dir = tmp_path / "model"
-    save_model(*build_model(seed=0), model_dir)
-    shipped = json.loads((model_dir / "generation_config.json").read_text()) | {"temperature": 0.3, "top_p": 0.5, "top_k": 3}
-    (model_dir / "generation_config.json").write_text(json.dumps(shipped))
-    trainer = build_trainer(config(), model_dir)
-    trainer.save_weights(tmp_path / "export")
-    assert json.loads((tmp_path / "export" / "generation_config.json").read_text()) == shipped
-    assert trainer.model.generation_config.temperature == 0.3  # the loaded model's own config, kept
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
-    for name, tensor in trainer.model.state_dict().items():
-        assert torch.equal(reloaded.state_dict()[name], tensor), name
