@@ -85,11 +85,12 @@ class RewardLoadError(ConfigError):
 class RewardFailure(Exception):
     """One reward function failed on one group; `reason` is what the dropped group is counted as."""
 
-    def __init__(self, reason: str, function: str, detail: str) -> None:
+    def __init__(self, reason: str, function: str, detail: str, exc_type: str = "") -> None:
         super().__init__(f"reward function {function!r}: {detail}")
         self.reason = reason
         self.function = function
         self.detail = detail
+        self.exc_type = exc_type  # what user code raised, when it raised (the start-up probe reads it)
 
 
 @dataclass(frozen=True)

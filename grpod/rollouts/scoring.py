@@ -105,14 +105,12 @@ class RewardScorer:
             try:
                 returned = self._in_process[index](**call.kwargs())
             except Exception as exc:  # noqa: BLE001 — e.g. a row without the column it reads
-                raise RewardFailure("reward_error", function.name, f"raised {exc!r}") from None
+                raise RewardFailure("reward_error", function.name, f"raised {exc!r}", type(exc).__name__) from None
             return checked_rewards(function.name, returned, len(call.completions)), {}
         try:
             return await self.pool.call(index, call.kwargs())
         except PoolCallFailed as failure:
-            error = RewardFailure(failure.reason, function.name, failure.detail)
-            error.exc_type = failure.exc_type
-            raise error from None
+            raise RewardFailure(failure.reason, function.name, failure.detail, failure.exc_type) from None
 
     async def score(self, call: RewardCall) -> GroupRewards:
         """Every function on one group (concurrently), combined; RewardFailure if one fails."""
@@ -150,9 +148,8 @@ class RewardScorer:
             try:
                 await self._call(index, call)
             except RewardFailure as failure:
-                exc_type = getattr(failure, "exc_type", "")
                 fatal = failure.reason in ("reward_bad_type", "reward_bad_length", "reward_timeout", "reward_crash")
-                if fatal or exc_type in FATAL_AT_PROBE:
+                if fatal or failure.exc_type in FATAL_AT_PROBE:
                     raise RewardLoadError(
                         f"reward function {function.name!r} ({function.where}) failed its start-up call on {where} "
                         f"with a placeholder completion: {failure.detail}. grpod calls it as TRL does: "
