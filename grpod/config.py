@@ -332,7 +332,8 @@ class DatasetConfig(_Section):
 
 _SOURCE_KIND = (
     'Where rollouts come from: "builtin" (arithmetic through vLLM), "dataset" (your prompts and reward '
-    'functions), "atropos" (Atropos\' trajectory API; Atropos is archived), "replay" (an earlier run\'s groups); a key of another kind '
+    'functions), "environment" (multi-turn episodes: tools, games, verifiers or OpenEnv environments), "atropos" '
+    '(Atropos\' trajectory API; Atropos is archived), "replay" (an earlier run\'s groups); a key of another kind '
     "is an error."
 )
 
@@ -443,6 +444,78 @@ class DatasetSourceConfig(_SamplingSourceCommon):
         return self
 
 
+class EnvironmentConfig(_Section):
+    """source.kind = "environment": multi-turn episodes against an environment (`[source.environment]`,
+    `grpod/rollouts/environment.py`)."""
+
+    adapter: Literal["calculator", "openenv", "verifiers"] = Field(
+        "calculator",
+        description='What plays the environment\'s side: "calculator" (grpod\'s arithmetic word problems with a '
+        'calculator tool), "openenv" (an OpenEnv environment: `name` served by a server grpod starts, or `url`), '
+        '"verifiers" (a verifiers environment `name`, run in its own venv\'s process).',
+    )
+    name: str | None = Field(
+        None,
+        description='openenv: the environment class, "package.module:Class" or "path/to/file.py:Class"; verifiers: '
+        "the environment's module name as `vf.load_environment` takes it (its directory goes on `path`).",
+        examples=["examples.agent_envs.guess_env:GuessEnvironment"],
+    )
+    args: dict[str, Any] = Field(
+        {}, description="Keyword arguments the environment is built with (a TOML table)."
+    )
+    url: str | None = Field(
+        None,
+        description="openenv: the base URL of an environment server you started (grpod then starts none).",
+        examples=["http://127.0.0.1:8010"],
+    )
+    python: Path | None = Field(
+        None,
+        description="verifiers: the interpreter of the venv that has verifiers (unset: .venv-verifiers/bin/python, "
+        "which `make verifiers` builds).",
+        examples=[".venv-verifiers/bin/python"],
+    )
+    path: list[Path] = Field(
+        [], description="Directories put first on the environment process's import path (your environment's code)."
+    )
+    max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode at most.")
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=8,
+        description="Tokens per episode, prompt and tool turns included (unset: model.max_seq_len).",
+        examples=[1024],
+    )
+    timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="One environment call (a reply to a model turn, a reward) taking longer than this drops its "
+        "group (`environment_timeout`); a process grpod started for it is restarted.",
+    )
+    start_timeout_s: float = Field(
+        120.0, gt=0, description="How long an environment process grpod starts may take to answer its health check."
+    )
+    task_seed: int = Field(1234, description="Seed of the task stream (task i of a run is a function of it and i).")
+
+
+class EnvironmentSourceConfig(_SamplingSourceCommon):
+    """source.kind = "environment": multi-turn episodes, token in / token out (`[source.environment]`).
+    `max_tokens` caps each model turn; `concurrency` is groups in flight."""
+
+    kind: Literal["environment"] = Field("environment", description=_SOURCE_KIND)
+    environment: EnvironmentConfig = Field(EnvironmentConfig(), description="The environment and its limits.")
+
+    @model_validator(mode="after")
+    def _adapter_needs(self) -> EnvironmentSourceConfig:
+        env = self.environment
+        if env.adapter == "verifiers" and not env.name:
+            raise ValueError("source.environment.adapter = 'verifiers' needs source.environment.name (the environment)")
+        if env.adapter == "openenv" and not (env.name or env.url):
+            raise ValueError(
+                "source.environment.adapter = 'openenv' needs source.environment.name (an Environment class grpod "
+                "serves) or source.environment.url (a server you started)"
+            )
+        return self
+
+
 class AtroposSourceConfig(_SourceCommon):
     """source.kind = "atropos": scored groups from Atropos' trajectory API (`run-api`). Atropos was
     archived on 2026-07-04 and its users are moving to verifiers and openenv: kept for existing
@@ -492,11 +565,12 @@ def _tag(default: str, key: str):
 SourceConfig = Annotated[
     Annotated[BuiltinSourceConfig, Tag("builtin")]
     | Annotated[DatasetSourceConfig, Tag("dataset")]
+    | Annotated[EnvironmentSourceConfig, Tag("environment")]
     | Annotated[AtroposSourceConfig, Tag("atropos")]
     | Annotated[ReplaySourceConfig, Tag("replay")],
     _tag("builtin", "kind"),
 ]
-SOURCE_KINDS = ("builtin", "dataset", "atropos", "replay")
+SOURCE_KINDS = ("builtin", "dataset", "environment", "atropos", "replay")
 
 
 class LossConfig(_Section):

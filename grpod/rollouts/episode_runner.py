@@ -29,29 +29,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
-
 import anyio
 
 from grpod.inference.policy import Policy
 from grpod.rollouts.chat_turns import ChatTurns, Message
+from grpod.rollouts.environments import EnvironmentFailure, TurnEnvironment
 from grpod.rollouts.episode import Episode, episode_group
 from grpod.rollouts.group import RolloutGroup
 
 
-class EnvironmentTimeout(TimeoutError):
+class EnvironmentTimeout(EnvironmentFailure):
     """An environment did not answer within `environment_timeout_s`."""
 
-
-class TurnEnvironment(Protocol):
-    """One episode's environment (a fresh one per episode: it may keep the episode's state)."""
-
-    async def respond(self, text: str) -> list[Message] | None:
-        """The messages that follow the model turn whose text is `text` (role `tool` or `user`),
-        or None: the episode is over."""
-
-    async def reward(self) -> float:
-        """The episode's final reward, asked once when it is over."""
+    def __init__(self, message: str) -> None:
+        super().__init__("environment_timeout", message)
 
 
 @dataclass(frozen=True)

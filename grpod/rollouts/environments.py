@@ -1,0 +1,64 @@
+"""What an environment adapter is: the protocol the environment source (`source.kind =
+"environment"`) plays episodes through, and the one failure type every adapter raises.
+
+An adapter is a family of episodes: task `index` of a split is always the same task (same opening
+messages), and each `open` gives a fresh `TurnEnvironment` for one episode of it, which the episode
+runner (`grpod.rollouts.episode_runner`) steps with the model's turns, token in / token out. An
+adapter is an async context manager: entering starts what it needs (an environment server, a worker
+process in another venv), each in a process group of its own, waiting for its health check within
+`source.environment.start_timeout_s`; leaving stops all of it by process group, on every exit path.
+A process an adapter started that dies is restarted by the adapter (its next `open` waits for the
+new one), never by the caller.
+
+Failures: everything an environment does wrong — its process died, a call took longer than
+`source.environment.timeout_s`, its code raised, it answered something malformed — reaches the
+source as `EnvironmentFailure` with a short `reason` (`environment_crash`, `environment_timeout`,
+`environment_error`); the source drops the group with that reason and goes on training.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+from grpod.rollouts.chat_turns import Message
+
+Split = Literal["train", "eval"]
+
+
+class EnvironmentFailure(Exception):
+    """An environment that failed one episode: `reason` names how (module docstring)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class TurnEnvironment(Protocol):
+    """One episode's environment (a fresh one per episode: it may keep the episode's state)."""
+
+    async def respond(self, text: str) -> list[Message] | None:
+        """The messages that follow the model turn whose text is `text` (role `tool` or `user`),
+        or None: the episode is over."""
+
+    async def reward(self) -> float:
+        """The episode's final reward, asked once when it is over."""
+
+    async def aclose(self) -> None:
+        """Release the episode (its session on a server); called once, whatever happened."""
+
+
+class EnvironmentAdapter(Protocol):
+    """A family of episodes (module docstring)."""
+
+    name: str
+
+    async def __aenter__(self) -> EnvironmentAdapter: ...
+
+    async def __aexit__(self, *exc_info: object) -> None: ...
+
+    async def open(self, index: int, split: Split) -> tuple[list[Message], TurnEnvironment]:
+        """A fresh environment for one episode of task `index` of `split`, and the episode's opening
+        messages (the same for every episode of that task)."""
+
+    def health(self) -> dict[str, Any]:
+        """What `ctl status` shows of the adapter (its processes, restarts); {} if nothing."""
