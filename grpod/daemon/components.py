@@ -113,7 +113,8 @@ async def start_parts(
     reporter,
     resources: AsyncExitStack,
 ) -> RunParts:
-    """`resources` owns what lives as long as the run (the reward workers), closed after it."""
+    """`resources` owns what lives as long as the run (the reward workers, an environment's
+    processes), closed after it."""
     began = time.perf_counter()
     phases = progress.startup
 
@@ -129,6 +130,11 @@ async def start_parts(
 
         prepared = await prepare_dataset(cfg, log_path=run_dir / "rewards.log")
         resources.push_async_callback(prepared.scorer.aclose)
+        began = mark("inputs_s", began)
+    elif cfg.source.kind == "environment":
+        from grpod.rollouts.environment_source import prepare_environment
+
+        prepared = await prepare_environment(cfg.source, run_dir, resources)
         began = mark("inputs_s", began)
     world = trainer_world()
     reporter.attach(world=world)

@@ -1,9 +1,18 @@
-"""`CalculatorEnvironment`: a scripted tool environment for multi-turn episodes (a `TurnEnvironment`).
+"""The calculator environment (`source.environment.adapter = "calculator"`, grpod's own): arithmetic
+word problems the model may solve with a calculator tool (`CalculatorAdapter`), one
+`CalculatorEnvironment` per episode.
 
 The model may call a calculator by writing `<tool>expression</tool>` in its turn; the environment
 answers with the value as a `tool` message, and the episode goes on. A turn without a call is the
 model's final answer: the episode ends, and its reward is 1.0 when the last integer that turn
-writes is the task's `answer`, else 0.0. An episode cut off before any final answer scores 0.0.
+writes is the task's `answer`, else 0.0, plus `tool_bonus` (an adapter argument, default 0.0) when
+the episode made at least one call the calculator could evaluate. An episode cut off before any
+final answer scores only its bonus.
+
+Tasks. Task `index` of a split is drawn from a generator seeded by (`task_seed`, split, index):
+one of a few two-step word problems with operands up to 99, answers exact integers. The problem
+space is split once by a hash of the question (about one in five is held out for "eval"), so
+evaluation never measures a problem training saw, whatever the seeds.
 
 The expression is evaluated without `eval`: only integers, `+ - * / // %`, unary signs and
 parentheses, at most `MAX_EXPRESSION_CHARS` characters, so a model cannot run code or make the
@@ -14,10 +23,15 @@ value stays below 10^200, which a float division takes). A malformed expression 
 from __future__ import annotations
 
 import ast
+import hashlib
 import operator
+import random
 import re
+from pathlib import Path
+from typing import Any
 
 from grpod.rollouts.chat_turns import Message
+from grpod.rollouts.environments import Split
 
 MAX_EXPRESSION_CHARS = 200
 TOOL_CALL = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
@@ -69,10 +83,12 @@ def calculate(expression: str) -> str:
 class CalculatorEnvironment:
     """One episode of a task whose answer is the integer `answer` (module docstring)."""
 
-    def __init__(self, answer: int) -> None:
+    def __init__(self, answer: int, tool_bonus: float = 0.0) -> None:
         self.answer = answer
+        self.tool_bonus = tool_bonus
         self.final: str | None = None
         self.calls = 0
+        self.good_calls = 0
 
     async def respond(self, text: str) -> list[Message] | None:
         calls = TOOL_CALL.findall(text)
@@ -82,10 +98,80 @@ class CalculatorEnvironment:
         self.calls += 1
         try:
             result = calculate(calls[-1])
+            self.good_calls += 1
         except CalculationError as exc:
             result = f"error: {exc}"
         return [{"role": "tool", "content": result}]
 
     async def reward(self) -> float:
         found = _INTEGER.findall(self.final or "")
-        return 1.0 if found and int(found[-1]) == self.answer else 0.0
+        correct = 1.0 if found and int(found[-1]) == self.answer else 0.0
+        return correct + (self.tool_bonus if self.good_calls else 0.0)
+
+    async def aclose(self) -> None:
+        pass
+
+
+SYSTEM_PROMPT = (
+    "You solve arithmetic word problems. You have a calculator: to use it, write <tool>expression</tool>, "
+    "for example <tool>12*7+3</tool>, and stop; its result comes back to you. When you know the answer, "
+    "write: Answer: <number>"
+)
+HELD_OUT_MODULUS = 5
+_PEOPLE = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana")
+# (question template, answer) with operands a, b, c: every answer an exact integer.
+_TEMPLATES = (
+    ("{p} has {a} coins and earns {b} coins a day for {c} days. How many coins does {p} have then?",
+     lambda a, b, c: a + b * c),
+    ("A box holds {a} pens. {p} buys {c} boxes and gives away {b} pens. How many pens does {p} have left?",
+     lambda a, b, c: a * c - b),
+    ("{p} reads {a} pages a day for {c} days, then {b} more pages. How many pages does {p} read in all?",
+     lambda a, b, c: a * c + b),
+    ("A farm has {a} rows of {c} trees, and {b} trees are cut down. How many trees are left?",
+     lambda a, b, c: a * c - b),
+)
+
+
+def _held_out(question: str) -> bool:
+    return int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "big") % HELD_OUT_MODULUS == 0
+
+
+def word_problem(seed: int, split: Split, index: int) -> tuple[str, int]:
+    """Task `index` of `split`: a question and its integer answer (module docstring)."""
+    rng = random.Random(f"{seed}:{split}:{index}")
+    while True:
+        template, answer = rng.choice(_TEMPLATES)
+        a, b, c = rng.randint(11, 99), rng.randint(2, 30), rng.randint(2, 9)
+        if a * c - b < 0:
+            continue
+        question = template.format(p=rng.choice(_PEOPLE), a=a, b=b, c=c)
+        if _held_out(question) == (split == "eval"):
+            return question, answer(a, b, c)
+
+
+class CalculatorAdapter:
+    """grpod's calculator environment as an `EnvironmentAdapter`: in process, nothing to start.
+    `args`: `tool_bonus` (float, default 0.0)."""
+
+    name = "calculator"
+
+    def __init__(self, cfg, *, run_dir: Path | None = None) -> None:
+        unknown = set(cfg.args) - {"tool_bonus"}
+        if unknown:
+            raise ValueError(f"source.environment.args: the calculator takes tool_bonus only, not {sorted(unknown)}")
+        self.seed = cfg.task_seed
+        self.tool_bonus = float(cfg.args.get("tool_bonus", 0.0))
+
+    async def __aenter__(self) -> CalculatorAdapter:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        pass
+
+    async def open(self, index: int, split: Split) -> tuple[list[Message], CalculatorEnvironment]:
+        question, answer = word_problem(self.seed, split, index)
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        return messages, CalculatorEnvironment(answer, self.tool_bonus)
+
+    def health(self) -> dict[str, Any]:
+        return {}

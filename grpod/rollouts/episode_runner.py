@@ -86,6 +86,12 @@ class EpisodeRunner:
         sampling with `seed + k`."""
         limits = self.limits
         episode = Episode.start(self.turns.prompt(messages))
+        if len(episode.tokens) >= limits.max_episode_tokens:
+            raise EnvironmentFailure(
+                "prompt_too_long",
+                f"the episode's opening is {len(episode.tokens)} tokens: no room for a model turn within "
+                f"{limits.max_episode_tokens} (model.max_seq_len / source.environment.max_episode_tokens)",
+            )
         for k in range(limits.max_turns):
             room = limits.max_episode_tokens - len(episode.tokens)
             if room < 1:

@@ -25,7 +25,8 @@ def make_source(
     prepared: Any = None,
 ) -> RolloutSource:
     """The source `cfg.source.kind` names, handed its own section and the values it needs
-    (`prepared`: the dataset source's inputs, checked before launch by `prepare_dataset`).
+    (`prepared`: the dataset source's inputs, checked before launch by `prepare_dataset`; the
+    environment source's adapter, started before launch by `prepare_environment`).
     Blocking (the dataset source tokenizes its rows): run it in a worker thread."""
     src = cfg.source
     if src.kind == "replay":
@@ -51,6 +52,13 @@ def make_source(
     dynamic = DynamicSampling(
         src.dynamic_sampling, src.dynamic_sampling_max_filtered, cfg.train.advantages, cfg.completion_budget
     )
+    if src.kind == "environment":
+        from grpod.rollouts.environment_source import EnvironmentSource
+
+        return EnvironmentSource(
+            src, tokenizer, policy, prepared, max_seq_len=cfg.model.max_seq_len, eval_cfg=cfg.eval,
+            engine_wait_s=cfg.inference.start_timeout_s, dynamic_sampling=dynamic, cursor=cursor,
+        )
     if src.kind == "dataset":
         from grpod.rollouts.dataset import DatasetSource
 

@@ -1,0 +1,240 @@
+"""The environment source (`source.kind = "environment"`): multi-turn episodes, token in / token out.
+
+Each group is `source.group_size` episodes of one task: the adapter (`grpod.rollouts.environments`:
+grpod's calculator, an OpenEnv or a verifiers environment) opens one fresh environment per
+episode for task `index`, the episode runner (`grpod.rollouts.episode_runner`) plays them
+concurrently against the policy's engines, each model turn capped at `source.max_tokens` tokens,
+at most `source.environment.max_turns` turns, and the group is scored by the episodes' final
+rewards. Tasks are drawn by index, so the source's cursor is one integer and a resumed run
+continues the stream.
+
+Every episode's opening messages must be the same (one task per group): an adapter that gives
+different ones for one index is an error of the environment (`environment_error`). A group an
+environment fails (`EnvironmentFailure`: crash, timeout, error) or a generation fails is dropped
+with its reason and counted; training goes on. With `source.dynamic_sampling`, groups without a
+learning signal are not queued, as for the other sampling sources.
+
+Evaluation: one greedy episode of each of the first `eval.size` tasks of the "eval" split;
+`eval_accuracy` is the share whose reward reaches `eval.correct_threshold`, `eval_reward` their
+mean reward.
+
+The adapter lives as long as the run: `prepare_environment` builds and enters it (starting its
+processes) before any engine launches, and opens task 0 once, so a name that does not import or
+an environment that cannot start stops `grpod start` with exit 2 before anything else runs.
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from grpod.config import ConfigError, EnvironmentConfig, EnvironmentSourceConfig, EvalConfig
+from grpod.inference.policy import Policy
+from grpod.rollouts.chat_turns import ChatTurns
+from grpod.rollouts.dynamic_sampling import DynamicSampling
+from grpod.rollouts.environments import EnvironmentAdapter, EnvironmentFailure, Split, TurnEnvironment
+from grpod.rollouts.episode_runner import EpisodeLimits, EpisodeRunner
+from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.sampling_source import GENERATION_RETRY_S, SamplingSource, SamplingStats
+
+log = structlog.get_logger(__name__)
+
+# Held-out episodes in flight at once during an evaluation.
+EVAL_CONCURRENCY = 16
+
+
+def make_adapter(cfg: EnvironmentConfig, run_dir: Path) -> EnvironmentAdapter:
+    """The adapter `cfg.adapter` names (imported only when asked for)."""
+    if cfg.adapter == "openenv":
+        from grpod.rollouts.openenv_adapter import OpenEnvAdapter
+
+        return OpenEnvAdapter(cfg, run_dir=run_dir)
+    if cfg.adapter == "verifiers":
+        from grpod.rollouts.verifiers_adapter import VerifiersAdapter
+
+        return VerifiersAdapter(cfg, run_dir=run_dir)
+    from grpod.rollouts.calculator import CalculatorAdapter
+
+    return CalculatorAdapter(cfg, run_dir=run_dir)
+
+
+async def prepare_environment(src: EnvironmentSourceConfig, run_dir: Path, resources: AsyncExitStack) -> EnvironmentAdapter:
+    """The run's adapter, entered into `resources` (left when the run ends), its first task opened
+    once as a check; any failure is a `ConfigError` naming the environment (module docstring)."""
+    env = src.environment
+    what = f"source.environment (adapter {env.adapter!r}{f', name {env.name!r}' if env.name else ''})"
+    try:
+        adapter = make_adapter(env, run_dir)
+        await resources.enter_async_context(adapter)
+        with anyio.fail_after(env.start_timeout_s):
+            messages, episode = await adapter.open(0, "train")
+            await episode.aclose()
+    except TimeoutError:
+        raise ConfigError(f"{what}: opening its first task took longer than {env.start_timeout_s:g} s") from None
+    except Exception as exc:  # noqa: BLE001 — whatever the environment's code raised, said once, exit 2
+        raise ConfigError(f"{what} cannot start: {type(exc).__name__}: {exc}") from exc
+    if not messages:
+        raise ConfigError(f"{what}: task 0 opens with no messages; an episode needs a prompt")
+    return adapter
+
+
+def _failure(exc: BaseException) -> BaseException:
+    """The first leaf of a task group's exception group, an `EnvironmentFailure` first."""
+    if isinstance(exc, BaseExceptionGroup):
+        leaves = [_failure(inner) for inner in exc.exceptions]
+        return next((e for e in leaves if isinstance(e, EnvironmentFailure)), leaves[0])
+    return exc
+
+
+@dataclass
+class EnvironmentStats(SamplingStats):
+    episodes: int = 0
+    model_turns: int = 0
+    truncated_episodes: int = 0
+
+
+class EnvironmentSource(SamplingSource):
+    kind = "environment"
+
+    def __init__(
+        self,
+        src: EnvironmentSourceConfig,
+        tokenizer,
+        policy: Policy,
+        adapter: EnvironmentAdapter,
+        *,
+        max_seq_len: int,
+        eval_cfg: EvalConfig,
+        engine_wait_s: float,
+        dynamic_sampling: DynamicSampling,
+        cursor: dict | None = None,
+    ) -> None:
+        self.src = src
+        self.env = src.environment
+        self.policy = policy
+        self.adapter = adapter
+        self.eval_cfg = eval_cfg
+        self.engine_wait_s = engine_wait_s
+        self.max_tokens = src.max_tokens
+        self.turns = ChatTurns(tokenizer)
+        self.max_episode_tokens = min(self.env.max_episode_tokens or max_seq_len, max_seq_len)
+        self.runner = self._runner(src.temperature)
+        self.next_index = int((cursor or {}).get("next_index", 0))
+        self.stats = EnvironmentStats()
+        self.dynamic_sampling = dynamic_sampling
+
+    def _runner(self, temperature: float) -> EpisodeRunner:
+        limits = EpisodeLimits(
+            temperature=temperature, max_tokens=self.max_tokens, max_turns=self.env.max_turns,
+            max_episode_tokens=self.max_episode_tokens, top_p=self.src.top_p,
+        )
+        return EpisodeRunner(
+            self.policy, self.turns, limits, engine_wait_s=self.engine_wait_s, environment_timeout_s=self.env.timeout_s
+        )
+
+    def cursor(self) -> dict:
+        return {"kind": self.kind, "next_index": self.next_index}
+
+    async def _open(self, index: int, split: Split, count: int) -> tuple[list, list[TurnEnvironment]]:
+        """`count` fresh environments of task `index`, and their (common) opening messages; what was
+        opened is closed again if opening the rest fails."""
+        opened: list[TurnEnvironment] = []
+        first: list | None = None
+        try:
+            for _ in range(count):
+                with anyio.fail_after(self.env.timeout_s):
+                    messages, environment = await self.adapter.open(index, split)
+                opened.append(environment)
+                if first is None:
+                    first = messages
+                elif messages != first:
+                    raise EnvironmentFailure(
+                        "environment_error",
+                        f"task {index} ({split}) opened with different messages for two episodes; an environment "
+                        "must give one task per index (seed its reset with the index)",
+                    )
+        except TimeoutError:
+            await self._close(opened)
+            raise EnvironmentFailure(
+                "environment_timeout", f"opening task {index} ({split}) took longer than {self.env.timeout_s:g} s"
+            ) from None
+        except BaseException:
+            await self._close(opened)
+            raise
+        return first or [], opened
+
+    async def _close(self, environments: list[TurnEnvironment]) -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.env.timeout_s):
+            for environment in environments:
+                try:
+                    await environment.aclose()
+                except Exception as exc:  # noqa: BLE001 — a failed close loses nothing of the group
+                    log.warning("environment_close_failed", error=str(exc)[:300])
+
+    async def generate_group(self) -> RolloutGroup | None:
+        index = self.next_index
+        self.next_index += 1
+        environments: list[TurnEnvironment] = []
+        try:
+            messages, environments = await self._open(index, "train", self.src.group_size)
+            group = await self.runner.play_group(
+                messages, environments, group_id=f"environment-{index}", source=self.kind
+            )
+        except Exception as exc:  # noqa: BLE001 — a failed episode drops its group, never the run
+            failure = _failure(exc)
+            reason = failure.reason if isinstance(failure, EnvironmentFailure) else type(failure).__name__
+            self.stats.failed(reason, f"task {index}: {type(failure).__name__}: {failure}")
+            log.warning("episode_failed", task=index, reason=reason, error=str(failure)[:300])
+            await anyio.sleep(GENERATION_RETRY_S)
+            return None
+        finally:
+            await self._close(environments)
+        self.stats.generated += 1
+        self.stats.succeeded()
+        self.stats.episodes += len(group.tokens)
+        self.stats.sampled_tokens += sum(sum(mask) for mask in group.loss_mask)
+        self.stats.truncated_episodes += sum(group.truncated)
+        self.stats.model_turns += sum(
+            1 for mask in group.loss_mask for t in range(len(mask)) if mask[t] and (t == 0 or not mask[t - 1])
+        )
+        return group
+
+    async def evaluate(self, size: int, max_tokens: int) -> dict[str, Any]:
+        """Greedy episodes of the first `size` held-out tasks (module docstring)."""
+        runner = self._runner(0.0)
+        version = self.policy.version
+        rewards: list[float] = []
+        failed = 0
+        limiter = anyio.Semaphore(EVAL_CONCURRENCY)
+
+        async def one(index: int) -> None:
+            nonlocal failed
+            async with limiter:
+                environments: list[TurnEnvironment] = []
+                try:
+                    messages, environments = await self._open(index, "eval", 1)
+                    episode = await runner.play(messages, environments[0])
+                    rewards.append(float(episode.reward))
+                except Exception as exc:  # noqa: BLE001 — one failed held-out episode is counted, not fatal
+                    failed += 1
+                    log.warning("eval_episode_failed", task=index, error=str(_failure(exc))[:300])
+                finally:
+                    await self._close(environments)
+
+        async with anyio.create_task_group() as tg:
+            for index in range(size):
+                tg.start_soon(one, index)
+        threshold = self.eval_cfg.correct_threshold
+        scored = max(len(rewards), 1)
+        return {
+            "eval_accuracy": sum(r >= threshold for r in rewards) / scored,
+            "eval_reward": sum(rewards) / scored,
+            "eval_size": len(rewards),
+            "eval_failed": failed,
+            "policy_version": version,
+        }
