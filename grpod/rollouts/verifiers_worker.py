@@ -1,0 +1,348 @@
+"""The verifiers worker: a child process of `VerifiersAdapter` that plays a verifiers environment's
+side of grpod's episodes, in the verifiers venv (`make verifiers`; it cannot share grpod's).
+
+Run as `<verifiers venv>/bin/python path/to/verifiers_worker.py '<json spec>'` with the spec
+{"name", "args", "eval_args", "path"}. It imports only the standard library, verifiers and
+`grpod.rollouts.reward_worker` (stdlib only: the frame format and `_die_with_parent`, i.e.
+PR_SET_PDEATHSIG, are shared with the reward workers). Frames both ways are an 8-byte length and a body: a pickle of plain data from
+the daemon, JSON back. First frame: ("ready", env id) or ("load_error", why).
+
+What verifiers 0.4.0 (`verifiers.v1`) calls an environment, and how it is played here. There is
+no `vf.load_environment(name, **kwargs)` in 0.4.0: an environment is a `Taskset` package (a module
+whose `__all__` exports one `vf.Taskset` subclass, optionally one `vf.Env` subclass) found by id:
+- loading: `vf.resolve_env_config({"taskset": {"id": name, **args}})` narrows the config to the
+  taskset's own `TasksetConfig` subclass (`utils/loaders.py: resolve_env_config`,
+  `env_config_type`), and `vf.load_environment(config)` builds the `Env` (`environment_class`:
+  the package's exported `Env`, else `SingleAgentEnv`; `Env.__init__` loads the taskset);
+- tasks: iterating `env.taskset` (`Taskset.__iter__`) yields `Task`s with `data.idx` set; task
+  `index` is the index-th (modulo the size of a finite taskset). Its opening is
+  `data.system_prompt` and `data.prompt` (a string or messages);
+- turns: `Env.run(task, agents)` is the environment's control flow. A multi-turn env opens
+  `agents.<seat>.interaction(task)` and calls `await interaction.turn(message)` (the user turn
+  that follows the model's reply; a bare `turn()` takes a prompted task's opening reply), reads
+  `segment.last_reply`, and stops on `segment.terminated` (`agent.py: Interaction.turn`,
+  `Segment`; the pattern of `tasksets/textarena`). A plain taskset's `SingleAgentEnv.run` is
+  `agents.agent.run(task)`: one model reply. Here the agents are grpod's stand-ins
+  (`_PolicySeat`): `turn(message)` hands `message` to grpod as what follows the model's turn and
+  waits for grpod's next model turn; grpod never runs a verifiers harness or model client — it
+  samples every model turn itself, token in / token out. An episode grpod ends early (its
+  max_turns) gets a terminated segment, as verifiers' own limits give;
+- rewards: when `run` returns, each trace is scored by `Task.score(trace)` (the task's
+  `@vf.reward`/`@vf.metric` methods, without a runtime), then `Env.finalize(task, episode)`
+  (cross-trace judgement: `record_reward` on the traces); the reward is the policy seat's
+  `Trace.reward` (the sum of score x weight).
+
+Only what `run` does with the seat's interaction is supported: harnesses, runtimes, MCP
+toolsets and model clients are never started (a text tool call is the env's to parse, as the
+example `etc/examples/agent-envs/vf_calculator` does). Every call into user code that raises
+becomes an ("error", where, what) reply, never the end of the process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# Run by file path, this directory is first on the import path, and grpod's `rollouts/signal.py`
+# would shadow the standard library's `signal` (imported by asyncio): put grpod's checkout there
+# instead, before any other import (`grpod.rollouts.reward_worker` is imported from it below).
+sys.path[0] = __file__.rsplit("/", 3)[0]
+
+import asyncio
+import itertools
+import json
+import os
+import traceback
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from grpod.rollouts.reward_worker import _die_with_parent, read_request, write_reply  # noqa: E402
+
+# How long the worker waits for an episode's env code to reach its next turn, or to finish,
+# before it answers anyway; the daemon's own bound (source.environment.timeout_s) is what a user
+# sees: it kills the worker first.
+STEP_WAIT_S = 3600.0
+
+
+class UserCodeError(Exception):
+    """The environment's code raised; the message says where and what."""
+
+
+def _text(content: Any) -> str:
+    import verifiers.v1 as vf
+
+    return content if isinstance(content, str) else vf.types.content_text(content)
+
+
+def _wire(messages: Any) -> list[dict[str, str]]:
+    """verifiers messages (typed, or wire dicts) as grpod's plain {"role", "content"} dicts."""
+    out = []
+    for message in messages:
+        if isinstance(message, dict):
+            out.append({"role": str(message["role"]), "content": _text(message.get("content"))})
+        else:
+            out.append({"role": message.role, "content": _text(message.content)})
+    return out
+
+
+class _Episode:
+    """One episode: the env's `run` as an asyncio task, and the hand-over of turns with grpod."""
+
+    def __init__(self, env: Any, task: Any) -> None:
+        self.env, self.task = env, task
+        self.events: asyncio.Queue = asyncio.Queue()  # ("turn", messages) | ("done", reward) | ("error", why)
+        self.reply: asyncio.Future | None = None
+        self.ended = False  # grpod ended it: every further turn is terminated
+        self.reward: float | None = None
+        self.runner: asyncio.Task | None = None
+
+    async def play(self) -> None:
+        import verifiers.v1 as vf
+
+        episode = vf.Episode(env=vf.EnvInfo(id=self.env.config.env_id),
+                             task=vf.TraceTask(type=type(self.task).__name__, data=self.task.data))
+        seat = _PolicySeat(self, episode)
+        try:
+            try:
+                await self.env.setup(_Seats(seat))
+                await self.env.run(self.task, _Seats(seat))
+            except Exception as exc:  # noqa: BLE001 — user code
+                raise UserCodeError(f"{type(self.env).__name__}.run() raised {exc!r}") from exc
+            if not episode.traces:
+                raise UserCodeError(f"{type(self.env).__name__}.run() played no turn with the policy")
+            for trace in episode.traces:
+                try:
+                    await self.task.score(trace)
+                except Exception as exc:  # noqa: BLE001 — the task's @vf.reward methods
+                    raise UserCodeError(f"{type(self.task).__name__}.score() raised {exc!r}") from exc
+            try:
+                await self.env.finalize(self.task, episode)
+            except Exception as exc:  # noqa: BLE001 — user code
+                raise UserCodeError(f"{type(self.env).__name__}.finalize() raised {exc!r}") from exc
+            self.reward = float(sum(trace.reward for trace in episode.traces))
+            self.events.put_nowait(("done", None))
+        except UserCodeError as exc:
+            cause = "".join(traceback.format_exception(exc.__cause__ or exc)[-3:])
+            self.events.put_nowait(("error", f"{exc}\n{cause}"[:4000]))
+
+
+class _Interaction:
+    """What an env's `run` holds as `interaction`: `turn`, `trace` (verifiers' `Interaction`)."""
+
+    def __init__(self, episode: _Episode, trace: Any) -> None:
+        self.episode, self.trace = episode, trace
+
+    def _add(self, message: Any, sampled: bool = False) -> None:
+        import verifiers.v1 as vf
+
+        parent = len(self.trace.nodes) - 1 if self.trace.nodes else None
+        self.trace.nodes.append(vf.MessageNode(parent=parent, message=message, sampled=sampled))
+
+    async def turn(self, message: Any = None) -> Any:
+        import verifiers.v1 as vf
+        from verifiers.v1.agent import Segment
+        from verifiers.v1.dialects import parse_message
+
+        episode = self.episode
+        if episode.ended:
+            return Segment(messages=[], terminated=True)
+        if isinstance(message, str):
+            messages = [vf.UserMessage(content=message)]
+        else:
+            messages = [parse_message(m) if isinstance(m, dict) else m for m in message or []]
+        for item in messages:
+            self._add(item)
+        episode.reply = asyncio.get_running_loop().create_future()
+        episode.events.put_nowait(("turn", _wire(messages)))
+        text = await episode.reply
+        if text is None:  # grpod ended the episode (its max_turns)
+            episode.ended = True
+            return Segment(messages=[], terminated=True)
+        reply = vf.AssistantMessage(content=text)
+        self._add(reply, sampled=True)
+        return Segment(messages=[reply])
+
+
+class _PolicySeat:
+    """The agent seat grpod's policy plays (verifiers' `Agent`: `interaction`, `run`)."""
+
+    def __init__(self, episode: _Episode, record: Any) -> None:
+        self.episode, self.record = episode, record
+        self.trainable = True
+
+    def _trace(self, task: Any) -> Any:
+        import verifiers.v1 as vf
+
+        trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data),
+                         agent=vf.AgentInfo(config=vf.AgentConfig()))
+        return trace
+
+    @asynccontextmanager
+    async def interaction(self, task: Any):
+        trace = self._trace(task)
+        interaction = _Interaction(self.episode, trace)
+        for message in _opening(task):
+            interaction._add(message)
+        try:
+            yield interaction
+        finally:
+            trace.is_completed = trace.ok = True
+            self.record.traces.append(trace)
+
+    async def run(self, task: Any) -> Any:
+        """A plain taskset's one reply (`SingleAgentEnv.run`)."""
+        async with self.interaction(task) as interaction:
+            await interaction.turn()
+        return interaction.trace
+
+
+class _Seats:
+    """`Agents`: every seat name is the policy's (grpod trains one policy)."""
+
+    def __init__(self, seat: _PolicySeat) -> None:
+        self._seat = seat
+
+    def __getattr__(self, name: str) -> _PolicySeat:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self.__dict__["_seat"]
+
+
+def _opening(task: Any) -> list[Any]:
+    import verifiers.v1 as vf
+    from verifiers.v1.dialects import parse_message
+
+    data = task.data
+    messages: list[Any] = []
+    if data.system_prompt:
+        messages.append(vf.SystemMessage(content=data.system_prompt))
+    if isinstance(data.prompt, str):
+        messages.append(vf.UserMessage(content=data.prompt))
+    elif data.prompt:
+        messages.extend(parse_message(m) if isinstance(m, dict) else m for m in data.prompt)
+    return messages
+
+
+class EnvironmentHost:
+    """The loaded environment, its task streams per split, and the open episodes."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import verifiers.v1 as vf
+
+        for directory in reversed(spec.get("path") or []):
+            sys.path.insert(0, directory)
+        train = {"taskset": {"id": spec["name"], **(spec.get("args") or {})}}
+        self.env = vf.load_environment(vf.resolve_env_config(train))
+        envs = {"train": self.env}
+        if spec.get("eval_args"):
+            evaluation = {"taskset": {"id": spec["name"], **(spec.get("args") or {}), **spec["eval_args"]}}
+            envs["eval"] = vf.load_environment(vf.resolve_env_config(evaluation))
+        self.envs = envs
+        self.tasks: dict[str, tuple[Any, list[Any]]] = {split: (iter(env.taskset), []) for split, env in envs.items()}
+        self.episodes: dict[int, _Episode] = {}
+        self.ids = itertools.count(1)
+
+    def task(self, index: int, split: str) -> Any:
+        """Task `index` of `split` (modulo the size of a finite taskset)."""
+        stream, seen = self.tasks.get(split, self.tasks["train"])
+        while len(seen) <= index:
+            task = next(stream, None)
+            if task is None:
+                break
+            seen.append(task)
+        if not seen:
+            raise UserCodeError(f"the taskset {self.env.config.taskset.id!r} has no tasks")
+        return seen[index % len(seen)]
+
+    async def open(self, index: int, split: str) -> tuple[int, list[dict[str, str]]]:
+        env = self.envs.get(split, self.env)
+        episode = _Episode(env, self.task(index, split))
+        key = next(self.ids)
+        self.episodes[key] = episode
+        episode.runner = asyncio.get_running_loop().create_task(episode.play())
+        kind, value = await episode.events.get()
+        if kind == "error":
+            await self.close(key)
+            raise UserCodeError(value)
+        if kind == "done":
+            await self.close(key)
+            raise UserCodeError(f"{type(env).__name__}.run() ended before the policy's first turn")
+        return key, _wire(_opening(episode.task)) + value
+
+    async def respond(self, key: int, text: str) -> list[dict[str, str]] | None:
+        episode = self._episode(key)
+        if episode.reply is None or episode.reply.done():
+            raise UserCodeError("the episode is not waiting for a model turn (it is over)")
+        episode.reply.set_result(text)
+        kind, value = await episode.events.get()
+        if kind == "error":
+            raise UserCodeError(value)
+        return value if kind == "turn" else None
+
+    async def reward(self, key: int) -> float:
+        episode = self._episode(key)
+        if episode.reward is None:  # grpod cut it short: end it as verifiers' limits do
+            if episode.reply is not None and not episode.reply.done():
+                episode.reply.set_result(None)
+            while episode.reward is None:
+                kind, value = await episode.events.get()
+                if kind == "error":
+                    raise UserCodeError(value)
+                if kind == "turn":  # the env answered a terminated segment with another turn
+                    episode.reply.set_result(None)
+        return episode.reward
+
+    async def close(self, key: int) -> None:
+        episode = self.episodes.pop(key, None)
+        if episode is not None and episode.runner is not None and not episode.runner.done():
+            episode.runner.cancel()
+            await asyncio.gather(episode.runner, return_exceptions=True)
+
+    def _episode(self, key: int) -> _Episode:
+        if key not in self.episodes:
+            raise UserCodeError(f"no open episode {key} (closed, or the worker restarted)")
+        return self.episodes[key]
+
+
+async def _serve(host: EnvironmentHost, requests: Any, replies: Any) -> None:
+    loop = asyncio.get_running_loop()
+    calls = {"task": lambda i, s: _wire(_opening(host.task(i, s))), "open": host.open,
+             "respond": host.respond, "reward": host.reward, "close": host.close}
+    while True:
+        message = await loop.run_in_executor(None, read_request, requests)
+        if message is None:
+            return
+        op, *args = message
+        try:
+            result = calls[op](*args)
+            if asyncio.iscoroutine(result):
+                result = await asyncio.wait_for(result, STEP_WAIT_S)
+            reply: tuple = ("ok", result)
+        except UserCodeError as exc:
+            reply = ("error", op, str(exc))
+        except Exception as exc:  # noqa: BLE001 — a bug in user code reached outside an episode
+            reply = ("error", op, "".join(traceback.format_exception(exc)[-3:])[:4000])
+        write_reply(replies, reply)
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    _die_with_parent()
+    requests = os.fdopen(os.dup(0), "rb")
+    replies = os.fdopen(os.dup(1), "wb")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        host = EnvironmentHost(spec)
+    except BaseException as exc:  # noqa: BLE001 — an environment that raises or exits at import
+        write_reply(replies, ("load_error", "".join(traceback.format_exception(exc)[-4:])[:4000]))
+        return 0
+    write_reply(replies, ("ready", host.env.config.env_id))
+    asyncio.run(_serve(host, requests, replies))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
