@@ -39,7 +39,7 @@ model-smollm2: setup
 	$(VENV)/bin/grpod init-model --from-gguf $(SMOLLM2_WHEEL) --out $(SMOLLM2_DIR) --if-missing
 
 # verifiers==0.4.0 in a venv of its own (it would downgrade openai and mcp under vLLM in .venv):
-# the verifiers adapter's worker runs there. ~35 s, 97 packages, ~570 MB (no torch).
+# the verifiers adapter's worker runs there. ~35 s, 96 packages, ~570 MB (no torch).
 VF_VENV := .venv-verifiers
 VF_STAMP := $(VF_VENV)/.grpod-installed
 verifiers: $(VF_STAMP)

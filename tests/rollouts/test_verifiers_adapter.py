@@ -1,0 +1,156 @@
+"""`VerifiersAdapter` with its real worker in the real verifiers venv (`make verifiers`), playing
+the example environment `etc/examples/agent-envs/vf_calculator` and a hanging one written here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from grpod.config import EnvironmentConfig
+from grpod.rollouts.environments import EnvironmentFailure
+from grpod.rollouts.verifiers_adapter import VerifiersAdapter, worker_python
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "etc" / "examples" / "agent-envs"
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(not (REPO / ".venv-verifiers" / "bin" / "python").exists(),
+                       reason="no .venv-verifiers: run `make verifiers`"),
+]
+
+HANGING_ENV = '''
+import asyncio
+import verifiers.v1 as vf
+
+
+class HangTaskset(vf.Taskset[vf.Task, vf.TasksetConfig]):
+    def load(self):
+        yield vf.Task(vf.TaskData(prompt="say anything"))
+
+
+class HangEnvConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig()
+
+
+class HangEnv(vf.Env[HangEnvConfig]):
+    async def run(self, task, agents):
+        async with agents.agent.interaction(task) as interaction:
+            await interaction.turn()
+            await asyncio.sleep(3600)
+
+
+__all__ = ["HangEnv", "HangTaskset"]
+'''
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def calculator(**overrides) -> EnvironmentConfig:
+    fields = {"adapter": "verifiers", "name": "vf_calculator", "path": [EXAMPLES],
+              "python": REPO / ".venv-verifiers" / "bin" / "python"}
+    return EnvironmentConfig(**{**fields, **overrides})
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def test_openings_are_deterministic_per_index(tmp_path):
+    async with VerifiersAdapter(calculator(args={"seed": 3}), run_dir=tmp_path) as adapter:
+        first, episode = await adapter.open(5, "train")
+        await episode.aclose()
+        again, episode = await adapter.open(5, "train")
+        await episode.aclose()
+        other = await adapter.task(6, "train")
+    assert first == again
+    assert [m["role"] for m in first] == ["system", "user"]
+    assert other != first
+
+
+async def test_a_scripted_episode_gets_the_tool_output_and_the_reward(tmp_path):
+    async with VerifiersAdapter(calculator(), run_dir=tmp_path) as adapter:
+        opening, episode = await adapter.open(0, "train")
+        assert "Dana had 96 coins and gave away 3 coins to each of 6 friends" in opening[-1]["content"]
+        reply = await episode.respond("Let me compute. <tool>96 - 3 * 6</tool>")
+        assert reply == [{"role": "user", "content": "<result>78</result>"}]
+        assert await episode.respond("<answer>78</answer>") is None
+        assert await episode.reward() == pytest.approx(1.1)  # correct (1.0) + format (0.1)
+        await episode.aclose()
+        # An episode grpod cuts short (its max_turns) still gets its reward: a terminated turn ends it.
+        _, episode = await adapter.open(1, "train")
+        assert await episode.respond("<tool>2 + 2</tool>") == [{"role": "user", "content": "<result>4</result>"}]
+        assert await episode.reward() == 0.0
+        await episode.aclose()
+
+
+async def test_a_killed_worker_fails_its_episode_and_the_next_open_works(tmp_path):
+    async with VerifiersAdapter(calculator(), run_dir=tmp_path) as adapter:
+        _, episode = await adapter.open(0, "train")
+        os.kill(adapter.worker.pid, signal.SIGKILL)
+        with pytest.raises(EnvironmentFailure) as caught:
+            await episode.respond("<tool>1 + 1</tool>")
+        assert caught.value.reason == "environment_crash"
+        assert "SIGKILL" in str(caught.value)
+        await episode.aclose()
+        opening, fresh = await adapter.open(0, "train")
+        assert opening[-1]["role"] == "user"
+        await fresh.aclose()
+        assert adapter.health()["restarts"] == 1
+        with pytest.raises(EnvironmentFailure) as caught:  # the old episode died with the old worker
+            await episode.reward()
+        assert caught.value.reason == "environment_crash"
+
+
+async def test_a_hanging_call_times_out_and_the_worker_is_replaced(tmp_path):
+    (tmp_path / "vf_hang.py").write_text(textwrap.dedent(HANGING_ENV))
+    cfg = calculator(name="vf_hang", path=[tmp_path], timeout_s=2.0)
+    async with VerifiersAdapter(cfg, run_dir=tmp_path) as adapter:
+        _, episode = await adapter.open(0, "train")
+        pid = adapter.worker.pid
+        started = time.monotonic()
+        with pytest.raises(EnvironmentFailure) as caught:
+            await episode.respond("anything")
+        assert caught.value.reason == "environment_timeout"
+        assert time.monotonic() - started < 2.0 + 5.0
+        assert _gone(pid)
+        _, episode = await adapter.open(0, "train")
+        assert adapter.health()["restarts"] == 1
+        await episode.aclose()
+
+
+async def test_exit_leaves_no_process_on_every_path(tmp_path):
+    adapter = VerifiersAdapter(calculator(), run_dir=tmp_path)
+    with anyio.CancelScope() as scope:
+        async with adapter:
+            pid = adapter.worker.pid
+            _, episode = await adapter.open(0, "train")
+            scope.cancel()
+            await anyio.sleep(10)
+    assert _gone(pid)
+    with pytest.raises(RuntimeError):
+        async with VerifiersAdapter(calculator(), run_dir=tmp_path) as adapter:
+            pid = adapter.worker.pid
+            raise RuntimeError("the source failed")
+    assert _gone(pid)
+
+
+async def test_an_environment_that_does_not_load_says_why(tmp_path):
+    with pytest.raises(EnvironmentFailure, match="no_such_env"):
+        async with VerifiersAdapter(calculator(name="no_such_env"), run_dir=tmp_path):
+            pass
+    with pytest.raises(EnvironmentFailure, match="make verifiers"):
+        worker_python(calculator(python=tmp_path / "missing" / "python"))
