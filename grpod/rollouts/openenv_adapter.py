@@ -1,0 +1,501 @@
+"""`OpenEnvAdapter`: OpenEnv environments as grpod episodes (`source.environment.adapter = "openenv"`).
+
+Where the environment runs:
+- `url` set: an OpenEnv server you started (any of OpenEnv's servers: `create_app` / `create_fastapi_app`
+  behind uvicorn, a container, a Space); grpod starts nothing, and waits for its `/health` at entry.
+- `name` set ("package.module:Class" or "path/to/file.py:Class", an OpenEnv `Environment` subclass
+  built with `args`): grpod serves that class itself with OpenEnv's own app
+  (`openenv.core.env_server.create_fastapi_app`, uvicorn) in a child process:
+  `python -m grpod.rollouts.openenv_adapter serve NAME --fd N` (`--port P` serves it on a port of
+  your choosing, for `url`). The child runs in a process group of its own, dies with the daemon
+  (PR_SET_PDEATHSIG) and writes its output to `<run>/environment.log`. It listens on a socket
+  the adapter binds once on 127.0.0.1 (a free port) and passes to every launch, so the URL stays
+  the same across restarts and no other process can take the port in between. Entry returns once
+  `/health` answers (within `start_timeout_s`); a server that died is relaunched by the next `open`
+  (which waits for it; `health()["restarts"]` counts relaunches); a call that timed out kills the
+  server (SIGKILL: its step is stuck, and a stuck step holds its session's slot for good), so the
+  next `open` relaunches it; leaving the adapter stops the group (SIGTERM, `STOP_GRACE_S`, SIGKILL),
+  also when cancelled. `cfg.path` directories go first on the child's import path. The class is
+  served with up to `MAX_SESSIONS` concurrent episodes when it declares
+  `SUPPORTS_CONCURRENT_SESSIONS = True` (OpenEnv refuses more than one otherwise: mark your class
+  if its instances share no state).
+
+An episode is one session on OpenEnv's WebSocket endpoint (`/ws`), through OpenEnv's own client
+(`openenv.core.generic_client.GenericEnvClient`: `reset`, `step`, `close`):
+- `open(index, split)` resets with `seed = task_seed(cfg.task_seed, split, index)` (and an
+  `episode_id`), so every episode of a task gets the same task;
+- observation -> messages: an observation whose `messages` field is a list of chat messages
+  (`{"role", "content"}` dicts) gives those messages; otherwise its `prompt` string gives one
+  `user` message. The reset observation gives the opening messages, each step's the reply to the
+  model's turn (roles `user` or `tool`). Any other observation is an `environment_error`;
+- model turn -> action: the turn's text goes into the action's `message` field (OpenEnv's echo
+  and TextArena actions call it so) or, if the action has no such field, into its only required
+  string field (read from the server's `/schema` at entry);
+- a step whose observation is `done` ends the episode (`respond` returns None); the episode's
+  reward is the sum of the rewards of its steps (None counts as 0): OpenEnv rewards each step.
+
+Failures (`EnvironmentFailure`, messages name the environment, the task and the turn): a call
+longer than `timeout_s` is `environment_timeout`; a refused, reset or closed connection (the
+server died) is `environment_crash`; an error the server answered (the environment raised, an
+action it refused, a malformed observation) is `environment_error`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import typing
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import structlog
+
+from grpod.config import EnvironmentConfig
+from grpod.inference import release
+from grpod.inference.process import LaunchLog, _exit_code
+from grpod.rollouts.chat_turns import Message
+from grpod.rollouts.environments import EnvironmentFailure, Split
+
+log = structlog.get_logger(__name__)
+
+# Between start-up health probes: until uvicorn serves, a probe waits in the listening socket's
+# backlog and is answered as soon as it does.
+STARTUP_POLL_S = 0.1
+HEALTH_PROBE_TIMEOUT_S = 5.0
+# SIGTERM to SIGKILL when the adapter stops its server; uvicorn itself is told to close open
+# sessions within UVICORN_GRACE_S.
+STOP_GRACE_S = 5.0
+UVICORN_GRACE_S = 2
+KILL_WAIT_S = 10.0
+# A server that dropped a connection is given this long to be seen exited (`wait_dying`).
+DYING_WAIT_S = 1.0
+# Concurrent sessions a server grpod starts allows, for a class that supports several.
+MAX_SESSIONS = 1024
+REPLY_ROLES = ("user", "tool")
+
+
+def task_seed(seed: int, split: Split, index: int) -> int:
+    """The reset seed of task `index` of `split`: a function of (source.environment.task_seed,
+    split, index) alone, in OpenEnv's range (a non-negative int, 32 bits)."""
+    return random.Random(f"{seed}:{split}:{index}").getrandbits(32)
+
+
+def observation_messages(observation: dict[str, Any], where: str) -> list[Message]:
+    """The chat messages an observation stands for (module docstring)."""
+    messages = observation.get("messages")
+    if isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    prompt = observation.get("prompt")
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    raise EnvironmentFailure(
+        "environment_error",
+        f"{where}: its observation has neither `messages` (a list of chat messages) nor `prompt` (a string); "
+        f"its fields: {sorted(observation)}",
+    )
+
+
+def action_field(schema: dict[str, Any]) -> str:
+    """The field of the action (its JSON schema) that takes the model's text (module docstring)."""
+    properties = schema.get("properties", {})
+    if "message" in properties:
+        return "message"
+    strings = [
+        name for name in schema.get("required", []) if properties.get(name, {}).get("type") == "string"
+    ]
+    if len(strings) != 1:
+        raise ValueError(
+            f"the environment's action has no `message` field and {len(strings)} required string fields "
+            f"({', '.join(strings) or 'none'}): grpod cannot tell which one takes the model's text; "
+            f"name it `message`. Action fields: {sorted(properties)}"
+        )
+    return strings[0]
+
+
+def _client_api() -> tuple[type, tuple[type[BaseException], ...]]:
+    """OpenEnv's WebSocket client and the exceptions that mean "the connection is gone" (an
+    optional dependency, imported when an adapter starts: importing it takes seconds)."""
+    try:
+        from openenv.core.generic_client import GenericEnvClient
+        from websockets.exceptions import WebSocketException
+    except ImportError as exc:
+        raise RuntimeError(
+            f"source.environment.adapter = 'openenv' needs openenv-core: pip install 'grpod[openenv]' ({exc})"
+        ) from exc
+    return GenericEnvClient, (OSError, EOFError, WebSocketException)
+
+
+async def _get_json(url: str, timeout_s: float) -> Any:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        async with session.get(url) as response:
+            response.raise_for_status()
+            return await response.json()
+
+
+async def wait_healthy(url: str, timeout_s: float, exited: Callable[[], str | None]) -> None:
+    """Return once `url/health` answers; RuntimeError after `timeout_s` or once `exited()` says
+    why the server is gone."""
+    with anyio.move_on_after(timeout_s):
+        while True:
+            gone = exited()
+            if gone is not None:
+                raise RuntimeError(gone)
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                await _get_json(f"{url}/health", min(HEALTH_PROBE_TIMEOUT_S, timeout_s))
+                return
+            await anyio.sleep(STARTUP_POLL_S)
+    raise RuntimeError(f"no answer from {url}/health within source.environment.start_timeout_s = {timeout_s:g} s")
+
+
+class EnvironmentServer:
+    """The OpenEnv server process grpod starts for `cfg.name` (module docstring): launched,
+    relaunched after a death, stopped by its process group. One lock orders the three."""
+
+    def __init__(self, cfg: EnvironmentConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.log = LaunchLog(self.run_dir / "environment.log")
+        self.restarts = 0
+        self.generation = 0
+        self._socket: socket.socket | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._last_pid: int | None = None
+        self._exit_code: int | None = None
+        self._lock = anyio.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's PID (the last launch's once stopped)."""
+        return self._last_pid
+
+    @property
+    def running(self) -> bool:
+        return self._popen is not None and _exit_code(self._popen) is None
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", __name__, "serve", self.cfg.name, "--args", json.dumps(self.cfg.args)]
+        for directory in self.cfg.path:
+            argv += ["--path", str(Path(directory).resolve())]
+        return argv + ["--fd", str(self._socket.fileno())]
+
+    def death(self) -> str:
+        """What became of the server, for error messages."""
+        code = _exit_code(self._popen) if self._popen is not None else self._exit_code
+        status = "is running" if code is None else f"exited with code {code}"
+        return f"the environment server (pid {self.pid}, {self.url}) {status}; its log: {self.log.path}"
+
+    async def start(self) -> None:
+        """Bind the port and launch; return once healthy (RuntimeError otherwise, nothing left)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        async with self._lock:
+            await self._launch()
+
+    async def ensure_running(self) -> int:
+        """The generation of a running server: the current one, or a relaunch of a dead one."""
+        async with self._lock:
+            if not self.running:
+                log.warning("openenv_server_restarting", why=self.death())
+                await self._stop(signal.SIGKILL)
+                self.restarts += 1
+                await self._launch()
+            return self.generation
+
+    async def kill_stuck(self, generation: int, why: str) -> None:
+        """Kill launch `generation` (a call to it timed out) unless it is already replaced."""
+        async with self._lock:
+            if generation == self.generation and self.running:
+                log.warning("openenv_server_killed", pid=self.pid, why=why)
+                await self._stop(signal.SIGKILL)
+
+    async def wait_dying(self, generation: int) -> None:
+        """After launch `generation` dropped a connection: wait (at most DYING_WAIT_S) until it has
+        exited if it is dying. A killed process closes its sockets a moment before it can be
+        waited for, and until then the next `open` would take it for alive."""
+        popen = self._popen
+        if generation != self.generation or popen is None or _exit_code(popen) is not None:
+            return
+        pidfd = os.pidfd_open(popen.pid)  # the leader is unreaped until _stop: the PID is still its
+        try:
+            with anyio.move_on_after(DYING_WAIT_S):
+                await anyio.wait_readable(pidfd)
+        finally:
+            os.close(pidfd)
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._stop(signal.SIGTERM)
+            finally:
+                if self._socket is not None:
+                    self._socket.close()
+
+    async def _launch(self) -> None:
+        argv = self.argv()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTHONUNBUFFERED="1")
+        with self.log.open_for_launch(argv) as log_file:
+            # From the event loop's thread on purpose: PR_SET_PDEATHSIG fires when the thread that
+            # forked the child ends, and a worker thread of anyio's pool ends when idle.
+            self._popen = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                pass_fds=(self._socket.fileno(),), start_new_session=True,
+            )  # fmt: skip
+        self._last_pid = self._popen.pid
+        self.generation += 1
+        log.info("openenv_server_launched", pid=self.pid, url=self.url, log=str(self.log.path))
+        started = time.monotonic()
+
+        def exited() -> str | None:
+            code = _exit_code(self._popen)
+            return None if code is None else f"it exited with code {code}"
+
+        try:
+            await wait_healthy(self.url, self.cfg.start_timeout_s, exited)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await self._stop(signal.SIGKILL)
+            if isinstance(exc, RuntimeError):
+                raise RuntimeError(
+                    f"the OpenEnv server for {self.cfg.name!r} did not start: {exc}; {self.log.excerpt()}"
+                ) from None
+            raise
+        log.info("openenv_server_healthy", pid=self.pid, elapsed_s=round(time.monotonic() - started, 2))
+
+    async def _stop(self, first: signal.Signals) -> None:
+        """Signal the group (`first`, then SIGKILL after STOP_GRACE_S), wait until it is gone, and
+        reap the leader (only then: until reaped, its PID, the group's ID, cannot be reused)."""
+        popen = self._popen
+        if popen is None:
+            return
+        with anyio.CancelScope(shield=True):
+            pgid = popen.pid
+            for sig, wait_s in ((first, STOP_GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
+                if not release.group_members(pgid):
+                    break
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, sig)
+                with contextlib.suppress(release.ReleaseTimeoutError):
+                    await release.wait_group_gone(pgid, wait_s)
+            if popen.poll() is None:  # the leader left its group
+                popen.kill()
+            self._exit_code = await anyio.to_thread.run_sync(popen.wait, KILL_WAIT_S)
+            self._popen = None
+            log.info("openenv_server_stopped", pid=pgid, exit_code=self._exit_code, signal=first.name)
+
+
+class OpenEnvEpisode:
+    """One episode: a session on the server's WebSocket endpoint (a `TurnEnvironment`)."""
+
+    def __init__(self, adapter: OpenEnvAdapter, client: Any, where: str, generation: int) -> None:
+        self.adapter = adapter
+        self.client = client
+        self.where = where
+        self.generation = generation
+        self.turn = 0
+        self.total = 0.0
+        self.done = False
+
+    async def call(self, what: str, request: Callable[[], Awaitable[Any]]) -> Any:
+        """`request()` bounded by timeout_s, its failures as `EnvironmentFailure` (module docstring)."""
+        where = f"{self.where}, turn {self.turn}: {what}"
+        try:
+            with anyio.fail_after(self.adapter.cfg.timeout_s):
+                return await request()
+        except TimeoutError:
+            await self.adapter.after_timeout(self.generation, where)
+            raise EnvironmentFailure(
+                "environment_timeout",
+                f"{where} took longer than source.environment.timeout_s = {self.adapter.cfg.timeout_s:g} s",
+            ) from None
+        except self.adapter.connection_errors as exc:
+            await self.adapter.after_connection_lost(self.generation)
+            raise EnvironmentFailure("environment_crash", f"{where}: connection lost ({exc!r}); {self.adapter.server_state()}") from None
+        except (RuntimeError, ValueError) as exc:  # the server's error answer (GenericEnvClient raises RuntimeError), bad JSON
+            raise EnvironmentFailure("environment_error", f"{where}: {exc}") from None
+
+    async def respond(self, text: str) -> list[Message] | None:
+        self.turn += 1
+        result = await self.call("step", lambda: self.client.step({self.adapter.text_field: text}))
+        self.total += float(result.reward or 0.0)
+        if result.done:
+            self.done = True
+            return None
+        messages = observation_messages(result.observation, f"{self.where}, turn {self.turn}")
+        roles = {m["role"] for m in messages} - set(REPLY_ROLES)
+        if roles:
+            raise EnvironmentFailure("environment_error", f"{self.where}, turn {self.turn}: a reply with role(s) {sorted(roles)}, not user or tool")
+        return messages
+
+    async def reward(self) -> float:
+        return self.total
+
+    async def aclose(self) -> None:
+        """End the session: ask the server to close it and wait until it has. (`client.close()`
+        alone closes the socket right after asking, and OpenEnv's server, closing its side,
+        logged a WebSocketDisconnect traceback for nearly every episode.)"""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.adapter.cfg.timeout_s):
+            with contextlib.suppress(Exception):
+                if self.client._ws is not None:
+                    await self.client._send({"type": "close"})
+                    await self.client._ws.wait_closed()
+            with contextlib.suppress(Exception):
+                await self.client.close()
+
+
+class OpenEnvAdapter:
+    """An OpenEnv environment as an `EnvironmentAdapter` (module docstring)."""
+
+    def __init__(self, cfg: EnvironmentConfig, *, run_dir: Path) -> None:
+        if not (cfg.name or cfg.url):
+            raise ValueError("source.environment.adapter = 'openenv' needs source.environment.name or .url")
+        self.cfg = cfg
+        self.name = cfg.name or cfg.url
+        self.server = EnvironmentServer(cfg, run_dir) if not cfg.url else None
+        self.url = cfg.url.rstrip("/") if cfg.url else None
+        self.text_field = "message"
+        self.connection_errors: tuple[type[BaseException], ...] = (OSError,)
+        self._client_cls: type | None = None
+        self._episodes = itertools.count()
+
+    async def __aenter__(self) -> OpenEnvAdapter:
+        self._client_cls, self.connection_errors = await anyio.to_thread.run_sync(_client_api)
+        try:
+            if self.server is not None:
+                await self.server.start()
+                self.url = self.server.url
+            else:
+                await wait_healthy(self.url, self.cfg.start_timeout_s, lambda: None)
+            schema = await _get_json(f"{self.url}/schema", self.cfg.timeout_s)
+            self.text_field = action_field(schema.get("action", {}))
+        except BaseException:
+            await self.__aexit__()
+            raise
+        log.info("openenv_ready", environment=self.name, url=self.url, action_field=self.text_field)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self.server is not None:
+            await self.server.aclose()
+
+    async def open(self, index: int, split: Split) -> tuple[list[Message], OpenEnvEpisode]:
+        where = f"openenv environment {self.name} (task {index} of {split})"
+        generation = 0
+        if self.server is not None:
+            try:
+                generation = await self.server.ensure_running()
+            except RuntimeError as exc:
+                raise EnvironmentFailure("environment_crash", f"{where}: {exc}") from None
+        client = self._client_cls(
+            base_url=self.url, connect_timeout_s=self.cfg.timeout_s, message_timeout_s=2 * self.cfg.timeout_s
+        )
+        episode = OpenEnvEpisode(self, client, where, generation)
+        try:
+            seed = task_seed(self.cfg.task_seed, split, index)
+            episode_id = f"grpod-{split}-{index}-{next(self._episodes)}"
+            result = await episode.call("reset", lambda: client.reset(seed=seed, episode_id=episode_id))
+            messages = observation_messages(result.observation, where)
+        except BaseException:
+            await episode.aclose()
+            raise
+        return messages, episode
+
+    async def after_timeout(self, generation: int, where: str) -> None:
+        if self.server is not None:
+            await self.server.kill_stuck(generation, f"{where} timed out")
+
+    async def after_connection_lost(self, generation: int) -> None:
+        if self.server is not None:
+            await self.server.wait_dying(generation)
+
+    def server_state(self) -> str:
+        return self.server.death() if self.server is not None else f"the environment server at {self.url} closed it"
+
+    def health(self) -> dict[str, Any]:
+        if self.server is None:
+            return {"server": self.url}
+        return {"server": self.url, "pid": self.server.pid, "restarts": self.server.restarts, "log": str(self.server.log.path)}
+
+
+# ---- the server process (`python -m grpod.rollouts.openenv_adapter serve ...`) ----------------
+
+
+def action_observation_classes(env_cls: type) -> tuple[type, type]:
+    """The Action and Observation classes of an OpenEnv `Environment` subclass: its generic
+    parameters (`Environment[MyAction, MyObservation, MyState]`), else its `step`'s annotations."""
+    from openenv.core.env_server.types import Action, Observation
+
+    for klass in env_cls.__mro__:
+        for base in getattr(klass, "__orig_bases__", ()):
+            args = typing.get_args(base)
+            if len(args) >= 2 and all(isinstance(a, type) for a in args[:2]):
+                if issubclass(args[0], Action) and issubclass(args[1], Observation):
+                    return args[0], args[1]
+    hints = typing.get_type_hints(env_cls.step)
+    action, observation = hints.get("action"), hints.get("return")
+    if isinstance(action, type) and isinstance(observation, type):
+        return action, observation
+    raise TypeError(
+        f"{env_cls.__name__}: cannot tell its Action and Observation classes; declare it as "
+        f"Environment[MyAction, MyObservation, MyState] or annotate step(self, action: MyAction) -> MyObservation"
+    )
+
+
+def serve(name: str, args: dict[str, Any], path: list[str], *, fd: int | None, host: str, port: int) -> None:
+    """Serve the Environment class `name` with OpenEnv's app until SIGTERM."""
+    import uvicorn
+    from openenv.core.env_server import create_fastapi_app
+
+    from grpod.rollouts.reward_worker import _die_with_parent
+    from grpod.rollouts.rewards import import_function
+
+    if fd is not None:  # started by an adapter: it dies with the daemon
+        _die_with_parent()
+    sys.path[:0] = path
+    env_cls = import_function(name)
+    action_cls, observation_cls = action_observation_classes(env_cls)
+    sessions = MAX_SESSIONS if getattr(env_cls, "SUPPORTS_CONCURRENT_SESSIONS", False) else 1
+    if sessions == 1:
+        print(f"{name}: SUPPORTS_CONCURRENT_SESSIONS is not set: one episode at a time", file=sys.stderr)
+    app = create_fastapi_app(functools.partial(env_cls, **args), action_cls, observation_cls, max_concurrent_envs=sessions)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=UVICORN_GRACE_S)
+    sockets = [socket.socket(fileno=fd)] if fd is not None else None
+    print(f"serving {name} ({action_cls.__name__} -> {observation_cls.__name__}, {sessions} sessions)", file=sys.stderr)
+    uvicorn.Server(config).run(sockets=sockets)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grpod.rollouts.openenv_adapter")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("serve", help="serve an OpenEnv Environment class with OpenEnv's app")
+    p.add_argument("name", help='"package.module:Class" or "path/to/file.py:Class"')
+    p.add_argument("--args", default="{}", help="the class's keyword arguments, a JSON object")
+    p.add_argument("--path", action="append", default=[], help="a directory put first on the import path")
+    p.add_argument("--fd", type=int, help="a listening socket to serve on (what grpod passes)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8010)
+    ns = parser.parse_args(argv)
+    serve(ns.name, json.loads(ns.args), ns.path, fd=ns.fd, host=ns.host, port=ns.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,189 @@
+"""`OpenEnvAdapter` against real OpenEnv servers: one grpod starts (the shipped guess-the-number
+example, an environment whose step hangs) and one the test serves itself (`url`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import textwrap
+from functools import partial
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+
+from grpod.config import EnvironmentConfig
+from grpod.rollouts.environments import EnvironmentFailure
+from grpod.rollouts.openenv_adapter import OpenEnvAdapter, action_observation_classes
+
+pytestmark = pytest.mark.anyio
+
+GUESS = str(Path(__file__).resolve().parents[2] / "etc/examples/agent-envs/guess_env.py") + ":GuessEnvironment"
+# A server's start-up imports OpenEnv (seconds on a busy 2-core machine).
+START_TIMEOUT_S = 60.0
+
+STUCK_ENV = """
+import time
+
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class Say(Action):
+    message: str
+
+
+class Heard(Observation):
+    prompt: str
+
+
+class StuckEnvironment(Environment[Say, Heard, State]):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        return Heard(prompt=f"task {seed}")
+
+    def step(self, action, timeout_s=None, **kwargs):
+        time.sleep(60)
+        return Heard(prompt="too late")
+
+    @property
+    def state(self):
+        return State()
+"""
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # OpenEnv's client is written for asyncio
+
+
+def _cfg(**kw) -> EnvironmentConfig:
+    return EnvironmentConfig(adapter="openenv", timeout_s=5.0, start_timeout_s=START_TIMEOUT_S, **kw)
+
+
+def _range(prompt: str) -> tuple[int, int]:
+    low, high = re.search(r"from (\d+) to (\d+)", prompt).groups()
+    return int(low), int(high)
+
+
+async def _play_binary_search(episode, opening: str) -> int:
+    """Win a guessing game by bisection; the number of guesses it took."""
+    low, high = _range(opening)
+    for turn in range(1, 10):
+        guess = (low + high) // 2
+        reply = await episode.respond(f"My guess is {guess}")
+        if reply is None:
+            return turn
+        assert reply[0]["role"] == "user"
+        if reply[0]["content"].startswith("Higher"):
+            low = guess + 1
+        else:
+            assert reply[0]["content"].startswith("Lower"), reply
+            high = guess - 1
+    raise AssertionError("the game never ended")
+
+
+async def test_guess_episodes_through_a_server_grpod_starts(tmp_path):
+    async with OpenEnvAdapter(_cfg(name=GUESS), run_dir=tmp_path) as adapter:
+        health = adapter.health()
+        assert health["restarts"] == 0 and health["server"].startswith("http://127.0.0.1:")
+        first, won = await adapter.open(3, "train")
+        again, lost = await adapter.open(3, "train")
+        other, third = await adapter.open(4, "train")
+        assert first == again and first != other
+        assert [m["role"] for m in first] == ["user"] and "reply with one number" in first[0]["content"]
+        assert (await adapter.open(3, "eval"))[0] != first
+
+        turns = await _play_binary_search(won, first[0]["content"])
+        assert await won.reward() == pytest.approx(1.0 - 0.1 * (turns - 1))
+
+        for left in (4, 3, 2, 1):
+            reply = await lost.respond("no idea")
+            assert reply == [{"role": "user", "content": f"Reply with one number from {_range(first[0]['content'])[0]} to "
+                              f"{_range(first[0]['content'])[1]}. {left} guess{'es' if left > 1 else ''} left."}]
+        assert await lost.respond("still no idea") is None
+        assert await lost.reward() == 0.0
+        for episode in (won, lost, third):
+            await episode.aclose()
+        pid = health["pid"]
+        assert psutil.pid_exists(pid)
+    assert not psutil.pid_exists(pid)
+    assert (tmp_path / "environment.log").read_text().startswith("=== grpod launch")
+
+
+async def test_a_killed_server_fails_its_episode_and_is_restarted_for_the_next(tmp_path):
+    cfg = _cfg(name=GUESS)
+    async with OpenEnvAdapter(cfg, run_dir=tmp_path) as adapter:
+        opening, episode = await adapter.open(0, "train")
+        assert await episode.respond("0") is not None  # below every range: "Higher."
+        pid = adapter.health()["pid"]
+        os.kill(pid, signal.SIGKILL)
+        with anyio.fail_after(cfg.timeout_s + 5), pytest.raises(EnvironmentFailure) as failure:
+            await episode.respond("0")
+        assert failure.value.reason == "environment_crash"
+        assert "(task 0 of train), turn 2: step" in str(failure.value)
+        await episode.aclose()
+
+        again, episode = await adapter.open(0, "train")
+        assert again == opening
+        health = adapter.health()
+        assert health["restarts"] == 1 and health["pid"] != pid and not psutil.pid_exists(pid)
+        assert await episode.respond("0") is not None
+        await episode.aclose()
+        pid = health["pid"]
+    assert not psutil.pid_exists(pid)
+
+
+async def test_a_step_that_hangs_times_out_and_its_server_is_killed(tmp_path):
+    (tmp_path / "stuck_env.py").write_text(textwrap.dedent(STUCK_ENV))
+    cfg = EnvironmentConfig(adapter="openenv", name="stuck_env:StuckEnvironment", path=[tmp_path], timeout_s=1.0,
+                            start_timeout_s=START_TIMEOUT_S)
+    async with OpenEnvAdapter(cfg, run_dir=tmp_path / "run") as adapter:
+        opening, episode = await adapter.open(7, "train")
+        assert opening[0]["content"].startswith("task ")
+        pid = adapter.health()["pid"]
+        with anyio.fail_after(15), pytest.raises(EnvironmentFailure) as failure:
+            await episode.respond("hello")
+        assert failure.value.reason == "environment_timeout"
+        assert "stuck_env:StuckEnvironment (task 7 of train), turn 1: step" in str(failure.value)
+        assert not psutil.pid_exists(pid)  # its step held a session for good: the server was killed
+        await episode.aclose()
+    assert not psutil.pid_exists(pid)
+
+
+async def test_url_mode_uses_a_server_it_did_not_start(tmp_path):
+    import uvicorn
+    from openenv.core.env_server import create_fastapi_app
+
+    from grpod.rollouts.rewards import import_function
+
+    guess_cls = import_function(GUESS)
+    app = create_fastapi_app(partial(guess_cls, span=10), *action_observation_classes(guess_cls), max_concurrent_envs=4)
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve, [listener])
+        async with OpenEnvAdapter(_cfg(url=url + "/"), run_dir=tmp_path) as adapter:
+            assert adapter.health() == {"server": url}
+            opening, episode = await adapter.open(5, "train")
+            assert opening == (await adapter.open(5, "train"))[0]
+            turns = await _play_binary_search(episode, opening[0]["content"])
+            assert await episode.reward() == pytest.approx(1.0 - 0.1 * (turns - 1))
+            await episode.aclose()
+        server.should_exit = True
+    listener.close()
+    assert not list((tmp_path).iterdir())  # grpod started nothing, logged nothing here
+
+
+async def test_url_mode_without_a_server_fails_at_entry(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    cfg = EnvironmentConfig(adapter="openenv", url=f"http://127.0.0.1:{port}", start_timeout_s=0.5)
+    with pytest.raises(RuntimeError, match="no answer from .*/health within"):
+        async with OpenEnvAdapter(cfg, run_dir=tmp_path):
+            pass
