@@ -10,7 +10,9 @@ Where the environment runs:
   your choosing, for `url`). The child runs in a process group of its own, dies with the daemon
   (PR_SET_PDEATHSIG) and writes its output to `<run>/environment.log`. It listens on a socket
   the adapter binds once on 127.0.0.1 (a free port) and passes to every launch, so the URL stays
-  the same across restarts and no other process can take the port in between. Entry returns once
+  the same across restarts and no other process can take the port in between (while no server
+  runs, a connection waits in that socket's backlog: an `open` racing a death times out rather than
+  being refused). Entry returns once
   `/health` answers (within `start_timeout_s`); a server that died is relaunched by the next `open`
   (which waits for it; `health()["restarts"]` counts relaunches); a call that timed out kills the
   server (SIGKILL: its step is stuck, and a stuck step holds its session's slot for good), so the
@@ -222,6 +224,8 @@ class EnvironmentServer:
 
     async def kill_stuck(self, generation: int, why: str) -> None:
         """Kill launch `generation` (a call to it timed out) unless it is already replaced."""
+        if generation != self.generation:  # without waiting for the lock a relaunch holds
+            return
         async with self._lock:
             if generation == self.generation and self.running:
                 log.warning("openenv_server_killed", pid=self.pid, why=why)
@@ -312,7 +316,6 @@ class OpenEnvEpisode:
         self.generation = generation
         self.turn = 0
         self.total = 0.0
-        self.done = False
 
     async def call(self, what: str, request: Callable[[], Awaitable[Any]]) -> Any:
         """`request()` bounded by timeout_s, its failures as `EnvironmentFailure` (module docstring)."""
@@ -328,8 +331,10 @@ class OpenEnvEpisode:
             ) from None
         except self.adapter.connection_errors as exc:
             await self.adapter.after_connection_lost(self.generation)
-            raise EnvironmentFailure("environment_crash", f"{where}: connection lost ({exc!r}); {self.adapter.server_state()}") from None
-        except (RuntimeError, ValueError) as exc:  # the server's error answer (GenericEnvClient raises RuntimeError), bad JSON
+            raise EnvironmentFailure(
+                "environment_crash", f"{where}: connection lost ({exc!r}); {self.adapter.server_state()}"
+            ) from None
+        except (RuntimeError, ValueError) as exc:  # an error answer (GenericEnvClient raises RuntimeError), bad JSON
             raise EnvironmentFailure("environment_error", f"{where}: {exc}") from None
 
     async def respond(self, text: str) -> list[Message] | None:
@@ -337,12 +342,12 @@ class OpenEnvEpisode:
         result = await self.call("step", lambda: self.client.step({self.adapter.text_field: text}))
         self.total += float(result.reward or 0.0)
         if result.done:
-            self.done = True
             return None
         messages = observation_messages(result.observation, f"{self.where}, turn {self.turn}")
         roles = {m["role"] for m in messages} - set(REPLY_ROLES)
         if roles:
-            raise EnvironmentFailure("environment_error", f"{self.where}, turn {self.turn}: a reply with role(s) {sorted(roles)}, not user or tool")
+            where = f"{self.where}, turn {self.turn}"
+            raise EnvironmentFailure("environment_error", f"{where}: a reply with role(s) {sorted(roles)} (user, tool)")
         return messages
 
     async def reward(self) -> float:
@@ -432,7 +437,8 @@ class OpenEnvAdapter:
     def health(self) -> dict[str, Any]:
         if self.server is None:
             return {"server": self.url}
-        return {"server": self.url, "pid": self.server.pid, "restarts": self.server.restarts, "log": str(self.server.log.path)}
+        server = self.server
+        return {"server": self.url, "pid": server.pid, "restarts": server.restarts, "log": str(server.log.path)}
 
 
 # ---- the server process (`python -m grpod.rollouts.openenv_adapter serve ...`) ----------------
@@ -464,18 +470,26 @@ def serve(name: str, args: dict[str, Any], path: list[str], *, fd: int | None, h
     import uvicorn
     from openenv.core.env_server import create_fastapi_app
 
+    from openenv.core.env_server.interfaces import Environment
+
     from grpod.rollouts.reward_worker import _die_with_parent
-    from grpod.rollouts.rewards import import_function
+    from grpod.rollouts.rewards import RewardLoadError, import_function
 
     if fd is not None:  # started by an adapter: it dies with the daemon
         _die_with_parent()
     sys.path[:0] = path
-    env_cls = import_function(name)
+    try:
+        env_cls = import_function(name)
+    except RewardLoadError as exc:
+        sys.exit(f"cannot load the environment class {name!r}: {exc.__cause__ or exc}")
+    if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
+        sys.exit(f"{name!r} is {env_cls!r}, not a subclass of OpenEnv's Environment")
     action_cls, observation_cls = action_observation_classes(env_cls)
     sessions = MAX_SESSIONS if getattr(env_cls, "SUPPORTS_CONCURRENT_SESSIONS", False) else 1
     if sessions == 1:
         print(f"{name}: SUPPORTS_CONCURRENT_SESSIONS is not set: one episode at a time", file=sys.stderr)
-    app = create_fastapi_app(functools.partial(env_cls, **args), action_cls, observation_cls, max_concurrent_envs=sessions)
+    factory = functools.partial(env_cls, **args)
+    app = create_fastapi_app(factory, action_cls, observation_cls, max_concurrent_envs=sessions)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=UVICORN_GRACE_S)
     sockets = [socket.socket(fileno=fd)] if fd is not None else None
     print(f"serving {name} ({action_cls.__name__} -> {observation_cls.__name__}, {sessions} sessions)", file=sys.stderr)

@@ -101,10 +101,10 @@ async def test_guess_episodes_through_a_server_grpod_starts(tmp_path):
         turns = await _play_binary_search(won, first[0]["content"])
         assert await won.reward() == pytest.approx(1.0 - 0.1 * (turns - 1))
 
-        for left in (4, 3, 2, 1):
+        low, high = _range(first[0]["content"])
+        for left in ("4 guesses", "3 guesses", "2 guesses", "1 guess"):
             reply = await lost.respond("no idea")
-            assert reply == [{"role": "user", "content": f"Reply with one number from {_range(first[0]['content'])[0]} to "
-                              f"{_range(first[0]['content'])[1]}. {left} guess{'es' if left > 1 else ''} left."}]
+            assert reply == [{"role": "user", "content": f"Reply with one number from {low} to {high}. {left} left."}]
         assert await lost.respond("still no idea") is None
         assert await lost.reward() == 0.0
         for episode in (won, lost, third):
