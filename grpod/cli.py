@@ -94,6 +94,21 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             await prepared.scorer.aclose()
 
         anyio.run(check)
+    elif cfg.source.kind == "environment":  # the environment starts and opens a task, as at `grpod start`
+        import tempfile
+        from contextlib import AsyncExitStack
+        from pathlib import Path
+
+        import anyio
+
+        from grpod.rollouts.environment_source import prepare_environment
+
+        async def check_environment() -> None:
+            with tempfile.TemporaryDirectory(prefix="grpod-check-") as logs:
+                async with AsyncExitStack() as stack:
+                    await prepare_environment(cfg.source, Path(logs), stack)
+
+        anyio.run(check_environment)
     if args.print:
         print(json.dumps(cfg.model_dump(mode="json"), indent=2))
     else:

@@ -458,7 +458,7 @@ class EnvironmentConfig(_Section):
         None,
         description='openenv: the environment class, "package.module:Class" or "path/to/file.py:Class"; verifiers: '
         "the environment's module name as `vf.load_environment` takes it (its directory goes on `path`).",
-        examples=["examples.agent_envs.guess_env:GuessEnvironment"],
+        examples=["etc/examples/agent-envs/guess_env.py:GuessEnvironment"],
     )
     args: dict[str, Any] = Field(
         {}, description="Keyword arguments the environment is built with (a TOML table)."

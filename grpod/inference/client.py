@@ -26,6 +26,7 @@ from grpod.inference.routes import (
     PAUSE_ROUTE,
     RESUME_ROUTE,
     SERVED_MODEL_NAME,
+    TOKENS_GENERATE_ROUTE,
 )
 from grpod.inference.sampling import NEUTRAL_SAMPLING
 
@@ -53,6 +54,34 @@ class Completion:
     logprobs: list[float]
     finish_reason: str | None
     text: str
+    # The policy version that sampled each id (`per_token_versions`); None: not reported.
+    versions: list[int] | None = None
+
+
+def _checked(route: str, completions: list[Completion], n: int) -> list[Completion]:
+    """`completions` if they are `n`, each with one logprob per id; else the answer's error."""
+    for c in completions:
+        if len(c.token_ids) != len(c.logprobs):
+            raise InferenceRequestError(
+                route, 200, f"{len(c.token_ids)} token ids but {len(c.logprobs)} logprobs in one completion"
+            )
+    if len(completions) != n:
+        raise InferenceRequestError(route, 200, f"asked for {n} completions, got {len(completions)}")
+    return completions
+
+
+def token_versions(spans: list[dict[str, Any]] | None, count: int) -> list[int] | None:
+    """One version per sampled id from vLLM's `weight_versions` spans (`{version, start, end}` over
+    output-token indexes); None when the engine labelled none or the spans do not cover every id
+    exactly once (the caller then falls back to the lease's version)."""
+    if not spans:
+        return None
+    versions: list[int] = []
+    for span in spans:
+        if int(span["start"]) != len(versions) or int(span["end"]) < len(versions):
+            return None
+        versions += [int(span["version"])] * (int(span["end"]) - int(span["start"]))
+    return versions if len(versions) == count else None
 
 
 class InferenceClient(SessionClient):
@@ -155,9 +184,22 @@ class InferenceClient(SessionClient):
         model: str = SERVED_MODEL_NAME,
         cache_salt: str | None = None,
         stop_token_ids: list[int] | None = None,
+        per_token_versions: bool = False,
+        min_tokens: int = 0,
     ) -> list[Completion]:
         """Sample `n` completions of a token-id prompt, each with one logprob per generated token
-        (every other sampling parameter stated neutral: `grpod.inference.sampling`)."""
+        (every other sampling parameter stated neutral: `grpod.inference.sampling`).
+
+        `per_token_versions`: through vLLM's token-in/token-out route (`/inference/v1/generate`), which
+        also reports which weight version sampled each id: a completion a weight update interrupts
+        (the engine pauses between two tokens, takes the weights and resumes) says which of its ids
+        each version sampled (`Completion.versions`). `min_tokens`: no end of sequence before that
+        many ids (benchmarks and tests that need long generations; it changes the distribution)."""
+        if per_token_versions:
+            return await self._generate_versioned(
+                prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                model=model, cache_salt=cache_salt, stop_token_ids=stop_token_ids, min_tokens=min_tokens or None,
+            )
         route = "/v1/completions"
         body: dict[str, Any] = {
             **NEUTRAL_SAMPLING,
@@ -176,6 +218,8 @@ class InferenceClient(SessionClient):
             body["cache_salt"] = cache_salt
         if stop_token_ids:
             body["stop_token_ids"] = stop_token_ids
+        if min_tokens:
+            body["min_tokens"] = min_tokens
         answer = await self._request("POST", route, json_body=body)
         try:
             choices = sorted(answer["choices"], key=lambda c: c["index"])
@@ -190,14 +234,36 @@ class InferenceClient(SessionClient):
             ]
         except (KeyError, TypeError, ValueError) as exc:
             raise InferenceRequestError(route, 200, f"unexpected answer shape ({exc!r}): {str(answer)[:200]}") from None
-        for c in completions:
-            if len(c.token_ids) != len(c.logprobs):
-                raise InferenceRequestError(
-                    route, 200, f"{len(c.token_ids)} token ids but {len(c.logprobs)} logprobs in one completion"
-                )
-        if len(completions) != n:
-            raise InferenceRequestError(route, 200, f"asked for {n} completions, got {len(completions)}")
-        return completions
+        return _checked(route, completions, n)
+
+    async def _generate_versioned(
+        self, prompt_ids: list[int], *, n: int, cache_salt: str | None, model: str, **sampling: Any
+    ) -> list[Completion]:
+        route = TOKENS_GENERATE_ROUTE
+        params = {k: v for k, v in sampling.items() if v is not None}
+        body: dict[str, Any] = {
+            "token_ids": prompt_ids,
+            "model": model,
+            "output_mode": "text",
+            "sampling_params": {**NEUTRAL_SAMPLING, **params, "n": n, "logprobs": 0},
+        }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        answer = await self._request("POST", route, json_body=body)
+        try:
+            completions = []
+            for c in sorted(answer["choices"], key=lambda c: c["index"]):
+                ids = [int(t) for t in c["token_ids"]]
+                completions.append(Completion(
+                    token_ids=ids,
+                    logprobs=[float(entry["logprob"]) for entry in (c["logprobs"] or {}).get("content") or []],
+                    finish_reason=c.get("finish_reason"),
+                    text=c.get("text") or "",
+                    versions=token_versions(c.get("weight_versions"), len(ids)),
+                ))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InferenceRequestError(route, 200, f"unexpected answer shape ({exc!r}): {str(answer)[:200]}") from None
+        return _checked(route, completions, n)
 
     async def score(self, token_ids: list[int], *, model: str = SERVED_MODEL_NAME, cache_salt: str | None = None) -> list[float]:
         """Logprob of `token_ids[t]` given `token_ids[:t]` for t = 1..n-1, at temperature 1."""

@@ -141,6 +141,9 @@ def server_argv(
         # grpod.inference.sampling): the trainer replicates plain temperature sampling only.
         "--generation-config", "vllm",
         "--disable-access-log-for-endpoints", "/health",
+        # vLLM's token-in / token-out route, which reports the weight version of every sampled id
+        # (multi-turn episodes use it: a weight update in flight splits a turn between versions).
+        "--enable-scale-out",
     ]  # fmt: skip
     if gpu:
         args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
@@ -403,12 +406,12 @@ class InferenceProcess:
     @property
     def running(self) -> bool:
         """True from launch until the server process has exited."""
-        return self._popen is not None and _exit_code(self._popen) is None
+        return self._popen is not None and exit_code_of(self._popen) is None
 
     @property
     def exit_code(self) -> int | None:
         """The server's exit code once it has exited (negative: killed by that signal)."""
-        return _exit_code(self._popen) if self._popen is not None else self._last_exit_code
+        return exit_code_of(self._popen) if self._popen is not None else self._last_exit_code
 
     def client(self, timeout_s: float | None = None) -> InferenceClient:
         """A client for this launch of the server (use it as `async with`): it accepts only
@@ -515,7 +518,7 @@ class InferenceProcess:
         async with self.client() as client:
             with anyio.move_on_after(timeout):
                 while True:
-                    code = _exit_code(self._popen)
+                    code = exit_code_of(self._popen)
                     if code is not None:
                         holder = self._port_holder()
                         if holder is not None:
@@ -573,7 +576,7 @@ class InferenceProcess:
                 await anyio.wait_readable(pidfd)
             finally:
                 os.close(pidfd)
-        return _exit_code(popen)
+        return exit_code_of(popen)
 
     async def _reap_leader(self) -> int:
         """Reap the leader once its group is gone; it has exited unless it left the group."""
@@ -651,7 +654,7 @@ class InferenceProcess:
         )
 
 
-def _exit_code(popen: subprocess.Popen[bytes]) -> int | None:
+def exit_code_of(popen: subprocess.Popen[bytes]) -> int | None:
     """The child's exit code if it has exited, without reaping it (see the module docstring)."""
     if popen.returncode is not None:
         return popen.returncode

@@ -17,6 +17,8 @@ GENERATE_ROUTE = "/generate"
 GENERATE_MODEL_ROUTE = "/grpod/generate_model"
 PAUSE_ROUTE = "/grpod/pause"
 RESUME_ROUTE = "/grpod/resume"
+# vLLM's token-in / token-out route (served with --enable-scale-out): per-token weight versions.
+TOKENS_GENERATE_ROUTE = "/inference/v1/generate"
 UNGUARDED_ROUTES = frozenset({"/health"})
 # The model name grpod serves the policy under (vLLM's --served-model-name, first of the names).
 SERVED_MODEL_NAME = "policy"

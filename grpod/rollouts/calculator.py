@@ -10,7 +10,9 @@ the episode made at least one call the calculator could evaluate. An episode cut
 final answer scores only its bonus.
 
 Tasks. Task `index` of a split is drawn from a generator seeded by (`task_seed`, split, index):
-one of a few two-step word problems with operands up to 99, answers exact integers. The problem
+one of a few one- and two-step word problems with operands up to 99, answers exact integers,
+opened by a system prompt that explains the tool and one worked exchange of the same template
+with other operands (`demonstration`). The problem
 space is split once by a hash of the question (about one in five is held out for "eval"), so
 evaluation never measures a problem training saw, whatever the seeds.
 
@@ -112,24 +114,25 @@ class CalculatorEnvironment:
         pass
 
 
-SYSTEM_PROMPT = (
-    "You solve arithmetic word problems. You have a calculator: to use it, write <tool>expression</tool>, "
-    "for example <tool>12*7+3</tool>, and stop; its result comes back to you. When you know the answer, "
-    "write: Answer: <number>"
-)
+SYSTEM_PROMPT = "You have a calculator. Write <tool>expression</tool> to use it. Then write: Answer: <number>"
 HELD_OUT_MODULUS = 5
 _PEOPLE = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana")
-# (question template, answer) with operands a, b, c: every answer an exact integer.
+# (question, the expression that answers it) over operands a, b, c and a person p.
 _TEMPLATES = (
-    ("{p} has {a} coins and earns {b} coins a day for {c} days. How many coins does {p} have then?",
-     lambda a, b, c: a + b * c),
+    ("A box holds {a} pens. How many pens are in {c} boxes?", "{a}*{c}"),
+    ("{p} has {a} coins and finds {b} more. How many coins does {p} have?", "{a}+{b}"),
+    ("{p} has {a} coins and earns {b} coins a day for {c} days. How many coins does {p} have then?", "{a}+{b}*{c}"),
     ("A box holds {a} pens. {p} buys {c} boxes and gives away {b} pens. How many pens does {p} have left?",
-     lambda a, b, c: a * c - b),
+     "{a}*{c}-{b}"),
     ("{p} reads {a} pages a day for {c} days, then {b} more pages. How many pages does {p} read in all?",
-     lambda a, b, c: a * c + b),
-    ("A farm has {a} rows of {c} trees, and {b} trees are cut down. How many trees are left?",
-     lambda a, b, c: a * c - b),
+     "{a}*{c}+{b}"),
+    ("A farm has {a} rows of {c} trees, and {b} trees are cut down. How many trees are left?", "{a}*{c}-{b}"),
 )
+# The worked exchange before each task uses the task's own template with these operands. Measured on
+# SmolLM2-135M-Instruct (temperature 1): a system prompt alone drew a calculator call in 2 of 48
+# samples; a worked exchange of another shape in 15-19 of 32; one of the question's own shape in
+# 23-28 of 32 (many with the wrong operands: what training teaches).
+_DEMO = {"a": 12, "b": 7, "c": 15, "p": "Tom"}
 
 
 def _held_out(question: str) -> bool:
@@ -138,15 +141,32 @@ def _held_out(question: str) -> bool:
 
 def word_problem(seed: int, split: Split, index: int) -> tuple[str, int]:
     """Task `index` of `split`: a question and its integer answer (module docstring)."""
+    question, _, answer = _task(seed, split, index)
+    return question, answer
+
+
+def _task(seed: int, split: Split, index: int) -> tuple[str, int, int]:
+    """Task `index` of `split`: its question, template and answer."""
     rng = random.Random(f"{seed}:{split}:{index}")
     while True:
-        template, answer = rng.choice(_TEMPLATES)
-        a, b, c = rng.randint(11, 99), rng.randint(2, 30), rng.randint(2, 9)
-        if a * c - b < 0:
-            continue
-        question = template.format(p=rng.choice(_PEOPLE), a=a, b=b, c=c)
-        if _held_out(question) == (split == "eval"):
-            return question, answer(a, b, c)
+        which = rng.randrange(len(_TEMPLATES))
+        values = {"a": rng.randint(11, 99), "b": rng.randint(2, 30), "c": rng.randint(2, 9), "p": rng.choice(_PEOPLE)}
+        question = _TEMPLATES[which][0].format(**values)
+        answer = int(calculate(_TEMPLATES[which][1].format(**values)))
+        if answer >= 0 and _held_out(question) == (split == "eval"):
+            return question, which, answer
+
+
+def demonstration(which: int) -> list[Message]:
+    """A worked exchange of template `which`: the question, the calculator call, its result, the answer."""
+    question, expression = _TEMPLATES[which]
+    value = calculate(expression.format(**_DEMO))
+    return [
+        {"role": "user", "content": question.format(**_DEMO)},
+        {"role": "assistant", "content": f"<tool>{expression.format(**_DEMO)}</tool>"},
+        {"role": "tool", "content": value},
+        {"role": "assistant", "content": f"Answer: {value}"},
+    ]
 
 
 class CalculatorAdapter:
@@ -169,8 +189,8 @@ class CalculatorAdapter:
         pass
 
     async def open(self, index: int, split: Split) -> tuple[list[Message], CalculatorEnvironment]:
-        question, answer = word_problem(self.seed, split, index)
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        question, which, answer = _task(self.seed, split, index)
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, *demonstration(which), {"role": "user", "content": question}]
         return messages, CalculatorEnvironment(answer, self.tool_bonus)
 
     def health(self) -> dict[str, Any]:

@@ -46,6 +46,9 @@ log = structlog.get_logger(__name__)
 
 # Held-out episodes in flight at once during an evaluation.
 EVAL_CONCURRENCY = 16
+# The source's own bound on an environment call exceeds `source.environment.timeout_s` by this
+# much: an adapter that bounds its calls itself (and kills a stuck process) acts first.
+ADAPTER_MARGIN_S = 5.0
 
 
 def make_adapter(cfg: EnvironmentConfig, run_dir: Path) -> EnvironmentAdapter:
@@ -97,6 +100,10 @@ class EnvironmentStats(SamplingStats):
     model_turns: int = 0
     truncated_episodes: int = 0
 
+    def step_metrics(self) -> dict[str, Any]:
+        # Since this process started: episodes played into groups, their model turns.
+        return {"sampled_tokens": self.sampled_tokens, "episodes": self.episodes, "model_turns": self.model_turns}
+
 
 class EnvironmentSource(SamplingSource):
     kind = "environment"
@@ -134,7 +141,8 @@ class EnvironmentSource(SamplingSource):
             max_episode_tokens=self.max_episode_tokens, top_p=self.src.top_p,
         )
         return EpisodeRunner(
-            self.policy, self.turns, limits, engine_wait_s=self.engine_wait_s, environment_timeout_s=self.env.timeout_s
+            self.policy, self.turns, limits, engine_wait_s=self.engine_wait_s,
+            environment_timeout_s=self.env.timeout_s + ADAPTER_MARGIN_S,
         )
 
     def cursor(self) -> dict:
@@ -147,7 +155,8 @@ class EnvironmentSource(SamplingSource):
         first: list | None = None
         try:
             for _ in range(count):
-                with anyio.fail_after(self.env.timeout_s):
+                # An open may wait for a restarted environment process to come up.
+                with anyio.fail_after(self.env.start_timeout_s + self.env.timeout_s):
                     messages, environment = await self.adapter.open(index, split)
                 opened.append(environment)
                 if first is None:
@@ -161,7 +170,8 @@ class EnvironmentSource(SamplingSource):
         except TimeoutError:
             await self._close(opened)
             raise EnvironmentFailure(
-                "environment_timeout", f"opening task {index} ({split}) took longer than {self.env.timeout_s:g} s"
+                "environment_timeout",
+                f"opening task {index} ({split}) took longer than {self.env.start_timeout_s + self.env.timeout_s:g} s",
             ) from None
         except BaseException:
             await self._close(opened)

@@ -14,10 +14,15 @@ The environment sees every model turn, the last one too (its final reward may de
 an OpenEnv-style environment scores each step it is given). An episode ends when the environment
 says so, after `max_turns` model turns (what the environment answers to the last one is not
 appended), or when the next turn would have no room left in `max_episode_tokens` (the trainer's
-`model.max_seq_len`). Versions:
-a turn's ids are tagged with the older of the versions the engine served when the request was
-sent and when it came back (`EngineLease.sampled_version`); `/v1/completions` reports no
-per-token version, so a turn a sync interrupts counts as the older policy's.
+`model.max_seq_len`).
+
+Versions: each id carries the version that sampled it, as the engine reports it (vLLM's
+token-in / token-out route labels every sampled id with the weight version of the forward pass
+that produced it): a sync never waits for an episode or a long turn to end — the engines pause
+between two tokens, take the weights and resume (`bridge` modes fence with `pause?mode=keep`) —
+and a turn it interrupts trains with the old version on the ids before it and the new one after
+(partial rollouts). An engine that reports no labels falls back to the older of the versions the
+engine served when the request was sent and when it came back (`EngineLease.sampled_version`).
 
 Every wait is bounded: an engine lease by `engine_wait_s`, a request by the client's timeout, an
 environment call by `environment_timeout_s` (`EnvironmentTimeout`). A failed request or
@@ -106,8 +111,9 @@ class EpisodeRunner:
                     seed=None if seed is None else seed + k,
                     model=lease.model,
                     stop_token_ids=self.turns.stop_token_ids,
+                    per_token_versions=True,
                 )
-                version = lease.sampled_version()
+                version = completion.versions or lease.sampled_version()
             episode.add_model_turn(completion.token_ids, completion.logprobs, version, completion.finish_reason)
             reply = await self._ask("reply", environment.respond(completion.text))
             if reply is None or k + 1 == limits.max_turns:

@@ -67,7 +67,7 @@ import structlog
 
 from grpod.config import EnvironmentConfig
 from grpod.inference import release
-from grpod.inference.process import LaunchLog, _exit_code
+from grpod.inference.process import LaunchLog, exit_code_of
 from grpod.rollouts.chat_turns import Message
 from grpod.rollouts.environments import EnvironmentFailure, Split
 
@@ -191,7 +191,7 @@ class EnvironmentServer:
 
     @property
     def running(self) -> bool:
-        return self._popen is not None and _exit_code(self._popen) is None
+        return self._popen is not None and exit_code_of(self._popen) is None
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", __name__, "serve", self.cfg.name, "--args", json.dumps(self.cfg.args)]
@@ -201,7 +201,7 @@ class EnvironmentServer:
 
     def death(self) -> str:
         """What became of the server, for error messages."""
-        code = _exit_code(self._popen) if self._popen is not None else self._exit_code
+        code = exit_code_of(self._popen) if self._popen is not None else self._exit_code
         status = "is running" if code is None else f"exited with code {code}"
         return f"the environment server (pid {self.pid}, {self.url}) {status}; its log: {self.log.path}"
 
@@ -236,7 +236,7 @@ class EnvironmentServer:
         exited if it is dying. A killed process closes its sockets a moment before it can be
         waited for, and until then the next `open` would take it for alive."""
         popen = self._popen
-        if generation != self.generation or popen is None or _exit_code(popen) is not None:
+        if generation != self.generation or popen is None or exit_code_of(popen) is not None:
             return
         pidfd = os.pidfd_open(popen.pid)  # the leader is unreaped until _stop: the PID is still its
         try:
@@ -269,7 +269,7 @@ class EnvironmentServer:
         started = time.monotonic()
 
         def exited() -> str | None:
-            code = _exit_code(self._popen)
+            code = exit_code_of(self._popen)
             return None if code is None else f"it exited with code {code}"
 
         try:
@@ -472,11 +472,11 @@ def serve(name: str, args: dict[str, Any], path: list[str], *, fd: int | None, h
 
     from openenv.core.env_server.interfaces import Environment
 
-    from grpod.rollouts.reward_worker import _die_with_parent
+    from grpod.rollouts.reward_worker import die_with_parent
     from grpod.rollouts.rewards import RewardLoadError, import_function
 
     if fd is not None:  # started by an adapter: it dies with the daemon
-        _die_with_parent()
+        die_with_parent()
     sys.path[:0] = path
     try:
         env_cls = import_function(name)

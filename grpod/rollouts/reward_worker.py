@@ -58,7 +58,7 @@ def read_request(stream: BinaryIO) -> Any | None:
     return pickle.loads(data)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the closed stdin still ends an idle worker
@@ -122,7 +122,7 @@ def _load(specs: list[dict[str, Any]]) -> list[tuple[str, Any]]:
 
 def main(argv: list[str]) -> int:
     specs, memory_mb = json.loads(argv[0]), int(argv[1])
-    _die_with_parent()
+    die_with_parent()
     requests = os.fdopen(os.dup(0), "rb")
     replies = os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -123,6 +123,10 @@ def run_identity(cfg: GrpodConfig) -> dict[str, str]:
         "atropos": lambda: f"atropos at {source.atropos_url}",
         "replay": lambda: f"replay of {source.replay_path}",
         "dataset": lambda: f"dataset {source.dataset.path}",
+        "environment": lambda: (
+            f"environment {source.environment.adapter} {source.environment.name or source.environment.url or ''}"
+            f", task_seed {source.environment.task_seed}"
+        ),
     }[source.kind]()
     return {"model": str(Path(cfg.model.path).resolve()), "source_kind": source.kind, "task": task}
 

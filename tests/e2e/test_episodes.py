@@ -69,6 +69,7 @@ async def test_a_tool_episode_trains_on_the_engines_own_ids(vllm_server, tiny_mo
     turns = ChatTurns(tokenizer)
     tools = [ScriptedTool() for _ in range(EPISODES)]
     async with vllm_server.client() as client:
+        await client.update_weight_version(2)  # the engine's label agrees with the policy's version
         recorder = RecordingClient(client)
         policy, _ = scripted_policy(recorder, version=2)
         runner = EpisodeRunner(

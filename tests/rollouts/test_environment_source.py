@@ -16,7 +16,7 @@ from grpod.inference.client import Completion
 from grpod.models.tiny import build_tokenizer
 from grpod.rollouts.calculator import CalculatorAdapter, word_problem
 from grpod.rollouts.dynamic_sampling import DynamicSampling
-from grpod.rollouts.environment_source import EnvironmentSource, prepare_environment
+from grpod.rollouts.environment_source import ADAPTER_MARGIN_S, EnvironmentSource, prepare_environment
 from grpod.rollouts.environments import EnvironmentFailure
 from grpod.rollouts.validation import validate_group
 from tests.rollouts.conftest import scripted_policy
@@ -59,7 +59,7 @@ def solver(tokenizer, *, call: bool = True, wrong: bool = False):
 
     async def generate(prompt, *, max_tokens, temperature, **kwargs):
         text = tokenizer.decode(prompt)
-        tool_turns = text.count("<|im_start|>tool")
+        tool_turns = text.rsplit("<|im_start|>user", 1)[1].count("<|im_start|>tool")  # after the task's question
         if call and tool_turns == 0:
             out = "<tool>expr</tool>"
         else:
@@ -154,9 +154,11 @@ async def test_a_failing_environment_drops_its_group_and_the_next_one_trains(tok
     adapter = Failing(cfg.source.environment, how)
     source = source_over(solver(tokenizer, call=False), tokenizer, adapter, cfg)
     started = anyio.current_time()
-    with anyio.fail_after(10):
+    with anyio.fail_after(15):
         assert await source.generate_group() is None
-    assert anyio.current_time() - started < 3.0, "a hang is cut at source.environment.timeout_s"
+    # A hang is cut at source.environment.timeout_s (+ the margin left to adapters that bound
+    # their own calls; this one does not).
+    assert anyio.current_time() - started < 0.5 + ADAPTER_MARGIN_S + 2.0
     assert source.stats.drop_reasons == {reason: 1}
     assert str(0) in source.stats.last_error
     # Every environment opened was closed (a mismatch stops opening at the second one).

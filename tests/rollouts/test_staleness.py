@@ -24,17 +24,26 @@ def test_downweight_keeps_with_smaller_weight():
     assert stats.downweighted == 1
 
 
-def test_an_episode_is_as_old_as_its_oldest_model_token():
+def test_an_episode_is_as_old_as_its_oldest_model_token_and_trains_on_its_fresh_ones():
     """Tokens of one sequence sampled by versions 7 and 9 (a sync between turns): the group's age
-    is counted from 7, whatever its policy_version says; masked positions do not count."""
+    is counted from 7, whatever its policy_version says; masked positions do not count. Beyond the
+    bound, the tokens of version 7 leave the loss and those of 9 train; a group with no fresh
+    token left is dropped."""
     group = RolloutGroup(
-        tokens=[[1, 2, 3, 4, 5, 6]], loss_mask=[[0, 1, 1, 0, 1, 1]], scores=[0.0], policy_version=7,
-        token_versions=[[0, 7, 7, 0, 9, 9]],
+        tokens=[[1, 2, 3, 4, 5, 6], [1, 2, 3]], loss_mask=[[0, 1, 1, 0, 1, 1], [0, 1, 1]], scores=[0.0, 1.0],
+        policy_version=7, token_versions=[[0, 7, 7, 0, 9, 9], [0, 7, 8]],
     )
     assert group.oldest_version == 7
     stats = StalenessStats()
     kept, ages = apply_staleness([group], 10, 2, "drop", stats)
-    assert ages == [3] and kept == [] and stats.dropped == 1
+    assert ages == [3] and kept == [group] and stats.dropped == 0
+    assert group.loss_mask == [[0, 0, 0, 0, 1, 1], [0, 0, 1]] and stats.masked_tokens == 3
+
+    stale = RolloutGroup(
+        tokens=[[1, 2, 3]], loss_mask=[[0, 1, 1]], scores=[0.0], policy_version=7, token_versions=[[0, 7, 7]],
+    )
+    kept, ages = apply_staleness([stale], 10, 2, "drop", stats)
+    assert ages == [3] and kept == [] and stats.dropped == 1 and stale.loss_mask == [[0, 1, 1]]
 
     newer = RolloutGroup(
         tokens=[[1, 2, 3, 4]], loss_mask=[[0, 1, 0, 1]], scores=[0.0], policy_version=5,
