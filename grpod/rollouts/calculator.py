@@ -113,6 +113,10 @@ class CalculatorEnvironment:
     async def aclose(self) -> None:
         pass
 
+    def metrics(self) -> dict[str, float]:
+        """Calls made, and calls the calculator could not evaluate (answered `error: ...`)."""
+        return {"tool_calls": float(self.calls), "tool_errors": float(self.calls - self.good_calls)}
+
 
 SYSTEM_PROMPT = "You have a calculator. Write <tool>expression</tool> to use it. Then write: Answer: <number>"
 HELD_OUT_MODULUS = 5

@@ -25,8 +25,9 @@ an environment that cannot start stops `grpod start` with exit 2 before anything
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ EVAL_CONCURRENCY = 16
 # The source's own bound on an environment call exceeds `source.environment.timeout_s` by this
 # much: an adapter that bounds its calls itself (and kills a stuck process) acts first.
 ADAPTER_MARGIN_S = 5.0
+# Environment metrics are averaged over this many of the last episodes.
+ENV_METRIC_WINDOW = 256
 
 
 def make_adapter(cfg: EnvironmentConfig, run_dir: Path) -> EnvironmentAdapter:
@@ -99,10 +102,21 @@ class EnvironmentStats(SamplingStats):
     episodes: int = 0
     model_turns: int = 0
     truncated_episodes: int = 0
+    # What the environments counted (`TurnEnvironment.metrics`), per key: the last episodes' values.
+    environment_metrics: dict[str, deque] = field(default_factory=dict)
 
     def step_metrics(self) -> dict[str, Any]:
-        # Since this process started: episodes played into groups, their model turns.
-        return {"sampled_tokens": self.sampled_tokens, "episodes": self.episodes, "model_turns": self.model_turns}
+        # Since this process started: episodes played into groups, their model turns; and the
+        # mean of each environment metric over the last ENV_METRIC_WINDOW episodes.
+        means = {f"env/{key}": sum(values) / len(values) for key, values in self.environment_metrics.items() if values}
+        return {"sampled_tokens": self.sampled_tokens, "episodes": self.episodes, "model_turns": self.model_turns, **means}
+
+    def record(self, environment: TurnEnvironment) -> None:
+        measured = getattr(environment, "metrics", None)
+        if measured is None:
+            return
+        for key, value in measured().items():
+            self.environment_metrics.setdefault(key, deque(maxlen=ENV_METRIC_WINDOW)).append(float(value))
 
 
 class EnvironmentSource(SamplingSource):
@@ -195,6 +209,8 @@ class EnvironmentSource(SamplingSource):
             group = await self.runner.play_group(
                 messages, environments, group_id=f"environment-{index}", source=self.kind
             )
+            for environment in environments:
+                self.stats.record(environment)
         except Exception as exc:  # noqa: BLE001 — a failed episode drops its group, never the run
             failure = _failure(exc)
             reason = failure.reason if isinstance(failure, EnvironmentFailure) else type(failure).__name__

@@ -46,6 +46,9 @@ class TurnEnvironment(Protocol):
     async def aclose(self) -> None:
         """Release the episode (its session on a server); called once, whatever happened."""
 
+    # Optional: `metrics() -> dict[str, float]`, what the finished episode counted (tool calls,
+    # calls that failed to parse...); the source reports each key's mean as `env/<key>`.
+
 
 class EnvironmentAdapter(Protocol):
     """A family of episodes (module docstring)."""
