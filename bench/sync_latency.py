@@ -55,20 +55,19 @@ def synthetic_groups(rng: random.Random, vocab: int, count: int) -> list[Rollout
     return groups
 
 
-async def measure(mode: str, model: Path, syncs: int, workdir: Path) -> list[dict]:
+def trainer_and_bridge(run_dir: Path, model: Path, overrides: list[str]):
+    """The trainer and the bridge over one engine, built as the daemon builds them (one trainer thread)."""
     cfg = load_config(
-        None,
-        [
-            f"run.dir={json.dumps(str(workdir / mode))}",
-            f"model.path={json.dumps(str(model))}",
-            "train.threads=1",
-            "train.lr=1e-3",
-            "bridge.sync_every=1",
-            *MODES[mode],
-        ],
+        None, [f"run.dir={json.dumps(str(run_dir))}", f"model.path={json.dumps(str(model))}", "train.threads=1", *overrides]
     )
     trainer = build_trainer(cfg)
-    bridge = build_bridge(cfg, cfg.run.dir, build_engines(cfg, cfg.run.dir), trainer=trainer)
+    return trainer, build_bridge(cfg, cfg.run.dir, build_engines(cfg, cfg.run.dir), trainer=trainer)
+
+
+async def measure(mode: str, model: Path, syncs: int, workdir: Path) -> list[dict]:
+    trainer, bridge = trainer_and_bridge(
+        workdir / mode, model, ["train.lr=1e-3", "bridge.sync_every=1", *MODES[mode]]
+    )
     rng = random.Random(0)
     records = []
     try:

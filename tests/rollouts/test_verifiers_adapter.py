@@ -77,7 +77,8 @@ async def test_openings_are_deterministic_per_index(tmp_path):
         await episode.aclose()
         other = await adapter.task(6, "train")
     assert first == again
-    assert [m["role"] for m in first] == ["system", "user"]
+    # The system prompt, the worked exchange of the task's template, the task's question.
+    assert [m["role"] for m in first] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert other != first
 
 

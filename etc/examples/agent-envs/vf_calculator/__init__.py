@@ -35,14 +35,31 @@ INTEGER = re.compile(r"-?\d+")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.FloorDiv: operator.floordiv, ast.Div: operator.truediv, ast.Mod: operator.mod}
 
+# (question, the expression that answers it).
 TEMPLATES = [
     ("{name} has {a} apples and buys {b} bags of {c} apples each. How many apples does {name} have now?",
-     lambda a, b, c: a + b * c),
+     "{a}+{b}*{c}"),
     ("A box holds {c} pens. {name} fills {b} boxes and has {a} pens left over. How many pens are there in all?",
-     lambda a, b, c: b * c + a),
+     "{b}*{c}+{a}"),
     ("{name} had {a} coins and gave away {b} coins to each of {c} friends. How many coins are left?",
-     lambda a, b, c: a - b * c),
+     "{a}-{b}*{c}"),
 ]
+# Each task opens with a worked exchange of its own template (these operands): a 135M chat model
+# copies the protocol from it (without one, SmolLM2-135M-Instruct almost never calls the tool).
+DEMO = {"name": "Tom", "a": 40, "b": 3, "c": 11}
+
+
+def demonstration(template: str, expression: str) -> list[dict]:
+    """The worked exchange: the question, the calculator call, its result, the tagged answer."""
+    value = calculate(expression.format(**DEMO))
+    return [
+        {"role": "user", "content": template.format(**DEMO)},
+        {"role": "assistant", "content": f"<tool>{expression.format(**DEMO)}</tool>"},
+        {"role": "user", "content": f"<result>{value}</result>"},
+        {"role": "assistant", "content": f"<answer>{value}</answer>"},
+    ]
+
+
 NAMES = ["Ada", "Ben", "Chen", "Dana", "Eli", "Fatima", "Goran", "Hana"]
 
 
@@ -97,13 +114,16 @@ class CalculatorTaskset(vf.Taskset[CalculatorTask, CalculatorConfig]):
     def load(self) -> Iterator[CalculatorTask]:
         for i in range(self.config.size):
             rng = random.Random(f"{self.config.seed}:{i}")
-            template, solve = rng.choice(TEMPLATES)
+            template, expression = rng.choice(TEMPLATES)
             a, b, c = rng.randint(10, 99), rng.randint(2, 9), rng.randint(2, 12)
-            if solve(a, b, c) < 0:
+            if int(calculate(expression.format(a=a, b=b, c=c))) < 0:
                 a += b * c
+            question = template.format(name=rng.choice(NAMES), a=a, b=b, c=c)
             yield CalculatorTask(
-                CalculatorData(prompt=template.format(name=rng.choice(NAMES), a=a, b=b, c=c),
-                               system_prompt=SYSTEM_PROMPT, answer=solve(a, b, c)),
+                CalculatorData(
+                    prompt=[*demonstration(template, expression), {"role": "user", "content": question}],
+                    system_prompt=SYSTEM_PROMPT, answer=int(calculate(expression.format(a=a, b=b, c=c))),
+                ),
                 self.config.task,
             )
 
