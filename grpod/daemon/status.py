@@ -100,6 +100,9 @@ def _source_rows(source: dict | None, status: dict) -> Rows:
     ]
     line = f"{source.get('kind')}: " + ", ".join(counts)
     rows: Rows = [("source", line + (f" {source['drop_reasons']}" if source.get("drop_reasons") else ""))]
+    environment = source.get("environment")
+    if environment:
+        rows.append(("environment", ", ".join(f"{k} {v}" for k, v in environment.items())))
     pool = source.get("reward_pool")
     if pool:
         workers = (f"{pool['workers']}/{pool['size']} up, {pool['calls']} calls ({pool.get('mean_call_ms')} ms mean), "

@@ -102,13 +102,16 @@ class EnvironmentStats(SamplingStats):
     episodes: int = 0
     model_turns: int = 0
     truncated_episodes: int = 0
-    # What the environments counted (`TurnEnvironment.metrics`), per key: the last episodes' values.
-    environment_metrics: dict[str, deque] = field(default_factory=dict)
+    # The adapter's processes (`EnvironmentAdapter.health`: server or worker pid, restarts).
+    environment: dict[str, Any] = field(default_factory=dict)
+    # What the environments counted (`TurnEnvironment.metrics`), per key: the last episodes' values
+    # (private: `ctl status` shows `vars(stats)` without them).
+    _episode_metrics: dict[str, deque] = field(default_factory=dict)
 
     def step_metrics(self) -> dict[str, Any]:
         # Since this process started: episodes played into groups, their model turns; and the
         # mean of each environment metric over the last ENV_METRIC_WINDOW episodes.
-        means = {f"env/{key}": sum(values) / len(values) for key, values in self.environment_metrics.items() if values}
+        means = {f"env/{key}": sum(values) / len(values) for key, values in self._episode_metrics.items() if values}
         return {"sampled_tokens": self.sampled_tokens, "episodes": self.episodes, "model_turns": self.model_turns, **means}
 
     def record(self, environment: TurnEnvironment) -> None:
@@ -116,7 +119,7 @@ class EnvironmentStats(SamplingStats):
         if measured is None:
             return
         for key, value in measured().items():
-            self.environment_metrics.setdefault(key, deque(maxlen=ENV_METRIC_WINDOW)).append(float(value))
+            self._episode_metrics.setdefault(key, deque(maxlen=ENV_METRIC_WINDOW)).append(float(value))
 
 
 class EnvironmentSource(SamplingSource):
@@ -220,6 +223,7 @@ class EnvironmentSource(SamplingSource):
             return None
         finally:
             await self._close(environments)
+            self.stats.environment = self.adapter.health()
         self.stats.generated += 1
         self.stats.succeeded()
         self.stats.episodes += len(group.tokens)

@@ -99,6 +99,11 @@ async def test_a_group_is_the_episodes_of_one_task_with_tool_turns_appended(toke
     assert "<|im_start|>tool" in text and f"\n{answer}<|im_end|>" in text, "the tool's result is in the next prompt"
     assert source.stats.episodes == 3 and source.stats.model_turns == 6 and source.stats.generated == 1
     assert source.stats.sampled_tokens == sum(map(sum, group.loss_mask))
+    import json
+
+    from grpod.daemon.status import _source_status
+
+    json.dumps(_source_status(source))  # what `ctl status` sends
     metrics = source.stats.step_metrics()
     assert metrics["env/tool_calls"] == 1.0 and metrics["env/tool_errors"] == 0.0 and metrics["model_turns"] == 6
     assert group.policy_version == 5

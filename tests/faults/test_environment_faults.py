@@ -1,0 +1,148 @@
+"""Cases 27.x: environments that die or hang never stop training, and episodes that span weight
+updates train with the version of every token (issue #27).
+
+One daemon trains SmolLM2-135M-Instruct on an OpenEnv environment served by the server process
+grpod starts (the adapter `openenv`), multi-turn, a sync after every step. The environment is slow
+on purpose (its tool answers in ~2 s, so episodes outlive syncs) and one task in five hangs in its
+tool. While it trains, the test SIGKILLs the environment server (found by its PID in `ctl status`).
+
+  27.1  the environment server SIGKILLed mid-episode: the episodes on it are dropped
+        (environment_crash), the server is restarted, training goes on and the run ends normally
+  27.2  a tool that hangs: its group is dropped (environment_timeout) within timeout_s, the stuck
+        server killed and restarted, training goes on
+  27.3  episodes spanning weight updates: groups whose loss tokens carry several versions were
+        trained (run.record_rollouts), each token with the version vLLM labelled it with
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.faults.injection import follow_to_exit, status_until
+from tests.harness import DaemonProcess, write_config
+
+pytestmark = pytest.mark.faults
+
+STEPS = 8
+TIMEOUT_S = 4.0
+ENVIRONMENT = '''
+import random
+import time
+
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class Say(Action):
+    message: str = ""
+
+
+class Heard(Observation):
+    prompt: str = ""
+
+
+class SlowTool(Environment[Say, Heard, State]):
+    """Two turns: the model asks, a slow tool answers (~2 s; one task in five hangs), the model
+    answers again; reward: the second answer's length mod 3 (so groups carry a signal)."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        super().__init__()
+        self._state = State()
+        self.hangs = False
+        self.turn = 0
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        rng = random.Random(seed)
+        self.hangs = rng.random() < 0.2
+        self.turn = 0
+        self._state = State(episode_id=episode_id, step_count=0)
+        return Heard(prompt=f"Name a fruit that starts with the letter {rng.choice('abcmops')}.", done=False, reward=0.0)
+
+    def step(self, action, timeout_s=None, **kwargs):
+        self.turn += 1
+        if self.turn == 1:
+            time.sleep(3600 if self.hangs else 2.0)
+            return Heard(prompt="The tool says: try again with one word.", done=False, reward=0.0)
+        return Heard(prompt="", done=True, reward=float(len(action.message) % 3))
+
+    @property
+    def state(self):
+        return self._state
+'''
+
+
+def _settings(tmp: Path, model_dir: Path, run_dir: Path) -> dict:
+    return {
+        "run.dir": str(run_dir), "run.progress": True, "run.record_rollouts": True,
+        "model.path": str(model_dir), "model.init_if_missing": False, "model.max_seq_len": 256,
+        "inference.start_timeout_s": 240.0, "inference.kv_cache_bytes": "256M",
+        "source.kind": "environment", "source.group_size": 3, "source.max_tokens": 10,
+        "source.concurrency": 4, "source.prefetch_groups": 4, "source.error_alarm_s": 3600.0,
+        "source.environment.adapter": "openenv", "source.environment.name": f"{tmp / 'slow_tool.py'}:SlowTool",
+        "source.environment.max_turns": 2, "source.environment.timeout_s": TIMEOUT_S,
+        "train.steps": STEPS, "train.groups_per_step": 2, "train.lr": 1e-6, "train.threads": 1,
+        "train.max_staleness": 2,
+        "bridge.mode": "none", "bridge.sync_every": 1, "bridge.probe_every": 1000,
+        "eval.size": 0, "checkpoint.every": 1000,
+    }
+
+
+@pytest.mark.timeout(600)
+def test_environment_faults_drop_groups_and_training_goes_on(tmp_path, smollm2_dir, fault_case):
+    killed_row = fault_case("27.1 environment server SIGKILLed mid-episode")
+    hang_row = fault_case("27.2 a tool that hangs")
+    spans_row = fault_case("27.3 episodes spanning weight updates train with per-token versions")
+    (tmp_path / "slow_tool.py").write_text(ENVIRONMENT)
+    run_dir = tmp_path / "run"
+    daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", _settings(tmp_path, smollm2_dir, run_dir)), run_dir)
+    try:
+        status = status_until(daemon, lambda s: s["step"] >= 1 and (s.get("source") or {}).get("environment", {}).get("pid"),
+                              400, "the first step and the environment server's pid")
+        server = status["source"]["environment"]["pid"]
+        os.kill(server, signal.SIGKILL)
+        killed_at, step_at_kill = time.monotonic(), status["step"]
+        status = status_until(
+            daemon, lambda s: s["source"]["environment"].get("restarts", 0) >= 1 and s["trained_steps"] > step_at_kill,
+            300, "a restarted server and a step trained after the kill",
+        )
+        recovery = time.monotonic() - killed_at
+        code, last = follow_to_exit(daemon, 400, status)
+    finally:
+        daemon.close()
+    assert code == 0, daemon.tail()
+    drops = last["source"]["drop_reasons"]
+    assert drops.get("environment_crash", 0) >= 1, drops
+    assert drops.get("environment_timeout", 0) >= 1, drops
+    assert set(drops) <= {"environment_crash", "environment_timeout"}, drops
+    assert last["trained_steps"] >= STEPS - 2 and last["step"] == STEPS
+    assert not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE
+    assert last["source"]["environment"]["pid"] != server
+    killed_row.recovery_s = round(recovery, 1)
+    killed_row.data_lost = "the groups playing on it only"
+    killed_row.notes = (f"server pid {server} SIGKILLed at step {step_at_kill}; restarted "
+                        f"{last['source']['environment']['restarts']}x in the run; drops {drops}; run ended 0")
+    hang_row.recovery_s = TIMEOUT_S
+    hang_row.data_lost = "that group (and the episodes on the restarted server)"
+    hang_row.notes = f"{drops['environment_timeout']} groups dropped as environment_timeout at timeout_s {TIMEOUT_S:g}"
+
+    spanning = 0
+    for line in (run_dir / "rollouts.jsonl").read_text().splitlines():
+        group = json.loads(line)["group"]  # record_groups: {"step", "group"}
+        versions = group.get("token_versions")
+        if not versions:
+            continue
+        sampled = {v for row, mask in zip(versions, group["loss_mask"], strict=True) for v, m in zip(row, mask, strict=True) if m}
+        spanning += len(sampled) > 1
+    assert spanning >= 1, "no trained group spanned a weight update"
+    spans_row.recovery_s = 0.0
+    spans_row.data_lost = "none"
+    spans_row.notes = f"{spanning} trained groups carried tokens of several versions (rollouts.jsonl)"
