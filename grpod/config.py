@@ -446,7 +446,7 @@ class DatasetSourceConfig(_SamplingSourceCommon):
 
 class EnvironmentConfig(_Section):
     """source.kind = "environment": multi-turn episodes against an environment (`[source.environment]`,
-    `grpod/rollouts/environment.py`)."""
+    `grpod/rollouts/environment_source.py`)."""
 
     adapter: Literal["calculator", "openenv", "verifiers"] = Field(
         "calculator",

@@ -1,7 +1,9 @@
-"""Agents trained by `grpod start` as a user runs it, on real vLLM and SmolLM2-135M-Instruct: an
-OpenEnv environment (the shipped guess-the-number game, served by a server process grpod starts)
-and a verifiers environment (the shipped calculator taskset, in the verifiers venv's worker
-process) each train 5 steps of multi-turn episodes, and leave no environment process behind."""
+"""An agent trained by `grpod start` as a user runs it, on real vLLM and SmolLM2-135M-Instruct: a
+verifiers environment (the shipped calculator taskset, in the verifiers venv's worker process)
+trains 5 steps of multi-turn episodes and leaves no environment process behind. (An OpenEnv
+environment served by the process grpod starts trains 8 steps under faults in
+tests/faults/test_environment_faults.py; the shipped guess game is played in
+tests/rollouts/test_openenv_adapter.py.)"""
 
 from __future__ import annotations
 
@@ -17,12 +19,6 @@ from tests.harness import ROOT
 pytestmark = pytest.mark.e2e
 
 ADAPTERS = {
-    "openenv": [
-        'source.environment.adapter="openenv"',
-        'source.environment.name="etc/examples/agent-envs/guess_env.py:GuessEnvironment"',
-        "source.environment.args={span=10,max_guesses=3}",
-        "source.environment.max_turns=3",
-    ],
     "verifiers": [
         'source.environment.adapter="verifiers"',
         'source.environment.name="vf_calculator"',
