@@ -113,7 +113,7 @@ def test_each_source_kind_and_bridge_mode_has_its_own_keys():
         load_config(None, ["source.atropos_url=http://127.0.0.1:9"])
     with pytest.raises(ConfigError, match="bridge.keep_adapters: unknown key of bridge.mode = 'none'"):
         load_config(None, ["bridge.keep_adapters=2"])
-    with pytest.raises(ConfigError, match="source.kind: must be one of 'builtin', 'dataset', 'atropos', 'replay'"):
+    with pytest.raises(ConfigError, match="source.kind: must be one of 'builtin', 'dataset', 'environment', 'atropos', 'replay'"):
         load_config(None, ["source.kind=batch"])
     assert load_config(None, []).source.kind == "builtin" and load_config(None, []).bridge.mode == "none"
     lora = load_config(None, ["bridge.mode=lora_only", "bridge.keep_adapters=2", "train.lora=true"])

@@ -114,7 +114,9 @@ async def test_an_episode_spanning_weight_updates_trains_with_per_token_versions
     assert group.token_versions is not None and group.policy_version == 5 and group.oldest_version == 5
     # Staleness reads the oldest token (age 2 at version 7), and the bound holds per token: with
     # max_staleness 1 the first turns' ids (version 5) leave the loss, the later turns' train.
-    first_turn_ids = sum(e.turns[0].end - e.turns[0].start for e in (episode, other))
+    # (`other` started once the engine served 7: none of its ids is stale.)
+    first_turn_ids = episode.turns[0].end - episode.turns[0].start
+    assert [turn.version for turn in other.turns] == [7, 7, 7]
     stats = StalenessStats()
     kept, ages = apply_staleness([group], 7, 1, "drop", stats)
     assert ages == [2] and kept == [group] and stats.masked_tokens == first_turn_ids > 0
