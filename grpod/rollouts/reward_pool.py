@@ -280,14 +280,7 @@ class RewardPool:
     async def _kill(self, worker: _Worker) -> None:
         """SIGKILL the process group the pool created for `worker`, and reap it."""
         self._live.pop(worker.pid, None)
-        with anyio.CancelScope(shield=True):
-            if worker.process.returncode is None:
-                with suppress(ProcessLookupError, PermissionError):
-                    os.killpg(worker.pid, signal.SIGKILL)
-            with anyio.move_on_after(REAP_TIMEOUT_S):
-                await worker.process.wait()
-            with suppress(Exception):
-                await worker.process.aclose()
+        await kill_worker(worker)
 
 
 async def _read_reply(worker: _Worker) -> tuple:
@@ -316,3 +309,15 @@ def _first(exc: BaseException, kind: type[BaseException]) -> BaseException | Non
             if found is not None:
                 return found
     return None
+
+
+async def kill_worker(worker: _Worker) -> None:
+    """SIGKILL the process group `worker` leads (its starter created it) and reap it, shielded."""
+    with anyio.CancelScope(shield=True):
+        if worker.process.returncode is None:  # reaped: its PID may be another's now
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.pid, signal.SIGKILL)
+        with anyio.move_on_after(REAP_TIMEOUT_S):
+            await worker.process.wait()
+        with suppress(Exception):
+            await worker.process.aclose()

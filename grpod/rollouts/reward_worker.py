@@ -120,8 +120,9 @@ def _load(specs: list[dict[str, Any]]) -> list[tuple[str, Any]]:
     return [(spec["name"], resolve_function(spec["function"], spec.get("pattern"))) for spec in specs]
 
 
-def main(argv: list[str]) -> int:
-    specs, memory_mb = json.loads(argv[0]), int(argv[1])
+def protocol_channel():
+    """A worker's start: die with the daemon, keep stdin/stdout as the private request and reply
+    streams, and point fd 0 at /dev/null and fd 1 (and `print`) at stderr, the log."""
     die_with_parent()
     requests = os.fdopen(os.dup(0), "rb")
     replies = os.fdopen(os.dup(1), "wb")
@@ -129,6 +130,12 @@ def main(argv: list[str]) -> int:
     os.dup2(devnull, 0)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    return requests, replies
+
+
+def main(argv: list[str]) -> int:
+    specs, memory_mb = json.loads(argv[0]), int(argv[1])
+    requests, replies = protocol_channel()
     try:
         _cap_memory(memory_mb)
         calls = _Calls(_load(specs))

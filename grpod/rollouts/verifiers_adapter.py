@@ -27,7 +27,6 @@ import json
 import os
 import pickle
 import signal
-from contextlib import suppress
 from pathlib import Path
 from subprocess import PIPE
 from typing import Any
@@ -39,7 +38,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from grpod.config import EnvironmentConfig
 from grpod.rollouts.chat_turns import Message
 from grpod.rollouts.environments import EnvironmentFailure, Split
-from grpod.rollouts.reward_pool import REAP_TIMEOUT_S, _read_reply, _Worker
+from grpod.rollouts.reward_pool import _read_reply, _Worker, kill_worker
 from grpod.rollouts.reward_worker import HEADER
 
 log = structlog.get_logger(__name__)
@@ -213,11 +212,4 @@ class VerifiersAdapter:
         worker, self.worker = self.worker, None
         if worker is None:
             return
-        with anyio.CancelScope(shield=True):
-            if worker.process.returncode is None:  # reaped: its PID may be another's now
-                with suppress(ProcessLookupError, PermissionError):
-                    os.killpg(worker.pid, signal.SIGKILL)
-            with anyio.move_on_after(REAP_TIMEOUT_S):
-                await worker.process.wait()
-            with suppress(Exception):
-                await worker.process.aclose()
+        await kill_worker(worker)

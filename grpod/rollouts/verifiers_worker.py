@@ -3,7 +3,7 @@ side of grpod's episodes, in the verifiers venv (`make verifiers`; it cannot sha
 
 Run as `<verifiers venv>/bin/python path/to/verifiers_worker.py '<json spec>'` with the spec
 {"name", "args", "eval_args", "path"}. It imports only the standard library, verifiers and
-`grpod.rollouts.reward_worker` (stdlib only: the frame format and `die_with_parent`, i.e.
+`grpod.rollouts.reward_worker` (stdlib only: the frame format and `protocol_channel`, i.e.
 PR_SET_PDEATHSIG, are shared with the reward workers). Frames both ways are an 8-byte length and a body: a pickle of plain data from
 the daemon, JSON back. First frame: ("ready", env id) or ("load_error", why).
 
@@ -56,7 +56,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from grpod.rollouts.reward_worker import die_with_parent, read_request, write_reply  # noqa: E402
+from grpod.rollouts.reward_worker import protocol_channel, read_request, write_reply  # noqa: E402
 
 # How long the worker waits for an episode's env code to reach its next turn, or to finish,
 # before it answers anyway; the daemon's own bound (source.environment.timeout_s) is what a user
@@ -327,13 +327,7 @@ async def _serve(host: EnvironmentHost, requests: Any, replies: Any) -> None:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
-    die_with_parent()
-    requests = os.fdopen(os.dup(0), "rb")
-    replies = os.fdopen(os.dup(1), "wb")
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    requests, replies = protocol_channel()
     try:
         host = EnvironmentHost(spec)
     except BaseException as exc:  # noqa: BLE001 — an environment that raises or exits at import
