@@ -3,7 +3,7 @@ updates train with the version of every token (issue #27).
 
 One daemon trains SmolLM2-135M-Instruct on an OpenEnv environment served by the server process
 grpod starts (the adapter `openenv`), multi-turn, a sync after every step. The environment is slow
-on purpose (its tool answers in ~2 s, so episodes outlive syncs) and one task in five hangs in its
+on purpose (its tool answers in 5 s, longer than a step and its sync, so episodes span syncs) and one task in five hangs in its
 tool. While it trains, the test SIGKILLs the environment server (found by its PID in `ctl status`).
 
   27.1  the environment server SIGKILLed mid-episode: the episodes on it are dropped
@@ -30,8 +30,8 @@ from tests.harness import DaemonProcess, write_config
 
 pytestmark = pytest.mark.faults
 
-STEPS = 8
-TIMEOUT_S = 4.0
+STEPS = 6
+TIMEOUT_S = 8.0
 ENVIRONMENT = '''
 import random
 import time
@@ -49,7 +49,7 @@ class Heard(Observation):
 
 
 class SlowTool(Environment[Say, Heard, State]):
-    """Two turns: the model asks, a slow tool answers (~2 s; one task in five hangs), the model
+    """Two turns: the model asks, a slow tool answers (5 s; one task in five hangs), the model
     answers again; reward: the second answer's length mod 3 (so groups carry a signal)."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
@@ -70,7 +70,7 @@ class SlowTool(Environment[Say, Heard, State]):
     def step(self, action, timeout_s=None, **kwargs):
         self.turn += 1
         if self.turn == 1:
-            time.sleep(3600 if self.hangs else 2.0)
+            time.sleep(3600 if self.hangs else 5.0)
             return Heard(prompt="The tool says: try again with one word.", done=False, reward=0.0)
         return Heard(prompt="", done=True, reward=float(len(action.message) % 3))
 
@@ -90,7 +90,7 @@ def _settings(tmp: Path, model_dir: Path, run_dir: Path) -> dict:
         "source.environment.adapter": "openenv", "source.environment.name": f"{tmp / 'slow_tool.py'}:SlowTool",
         "source.environment.max_turns": 2, "source.environment.timeout_s": TIMEOUT_S,
         "train.steps": STEPS, "train.groups_per_step": 2, "train.lr": 1e-6, "train.threads": 1,
-        "train.max_staleness": 2,
+        "train.max_staleness": 4,
         "bridge.mode": "none", "bridge.sync_every": 1, "bridge.probe_every": 1000,
         "eval.size": 0, "checkpoint.every": 1000,
     }

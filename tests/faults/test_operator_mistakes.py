@@ -23,6 +23,7 @@ corrupt checkpoints at start) need no vLLM and run in seconds.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -314,6 +315,19 @@ def _prometheus_alarm(port: int) -> float | None:
     return None
 
 
+def _fill(filler: Path) -> bool:
+    """Grow `filler` until its file system is full (ENOSPC); True."""
+    with open(filler, "ab", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(b"\0" * (1 << 20))
+                fh.flush()
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+    return True
+
+
 @pytest.mark.timeout(300)
 def test_a_periodic_checkpoint_on_a_full_disk(run, fault_case):
     row = fault_case("30.8 periodic checkpoint on a full disk (tmpfs filled), then space freed")
@@ -322,11 +336,10 @@ def test_a_periodic_checkpoint_on_a_full_disk(run, fault_case):
     began = time.monotonic()
     status_until(run.daemon, lambda s: s["last_checkpoint"] is not None, 120, "a first periodic checkpoint")
     filler = run.checkpoints / "filler"
-    free = os.statvfs(run.checkpoints).f_bavail * os.statvfs(run.checkpoints).f_frsize
-    with open(filler, "wb") as fh:  # all but 64 KiB of the tmpfs
-        fh.write(b"\0" * max(free - (64 << 10), 0))
     try:
-        status = status_until(run.daemon, lambda s: (s["alarms"].get("checkpoint") or {}).get("active"), 120, "the checkpoint alarm")
+        # Topped up at every poll: a checkpoint pruned meanwhile (keep_last = 1) frees its space again.
+        status = status_until(run.daemon, lambda s: _fill(filler) and (s["alarms"].get("checkpoint") or {}).get("active"),
+                              120, "the checkpoint alarm")
         error = status["alarms"]["checkpoint"]["last_error"]
         assert error.startswith(f"no space left on {run.checkpoints} (tmpfs"), error
         assert "writing " + str(run.checkpoints / "step-") in error, error

@@ -70,7 +70,10 @@ KINDS = {
 }
 FAULTY_CALLS = 50
 WORKERS = 2
-STATUS_BOUND_S = 0.1
+# A reward call frozen in the event loop would hold it for reward_timeout_s (0.5 s) or more; the
+# slowest read must stay under that, and 99 % of them under 100 ms.
+STATUS_BOUND_S = 0.4
+STATUS_P99_S = 0.1
 
 
 def _rows() -> list[dict]:
@@ -179,7 +182,7 @@ def test_reward_faults_drop_groups_and_the_daemon_trains_and_answers(rewards_run
     assert log >= set(KINDS.values()), log
     slowest = max(run.latencies)
     p99 = statistics.quantiles(run.latencies, n=100)[98]
-    assert slowest < STATUS_BOUND_S, f"ctl status took {slowest * 1000:.0f} ms (p99 {p99 * 1000:.0f} ms)"
+    assert slowest < STATUS_BOUND_S and p99 < STATUS_P99_S, f"ctl status took {slowest * 1000:.0f} ms (p99 {p99 * 1000:.0f} ms)"
     for kind, row in rows.items():
         row.recovery_s = 0.0
         row.data_lost = "that group only"
