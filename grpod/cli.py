@@ -1,4 +1,4 @@
-"""`grpod` command line: start, agent, ctl, init-model, check-config, plot.
+"""`grpod` command line: start, agent, ctl, init-model, check-config, reasoning-gym, plot.
 
 Exit status: 0 success; 1 the run failed (reason logged and printed); 2 bad usage or config
 (one message naming the file, the key and what is wrong); 3 `ctl` could not reach the daemon or
@@ -50,6 +50,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--if-missing", action="store_true", help="do nothing when OUT already holds a model")
+
+    gym = sub.add_parser("reasoning-gym", help="write a reasoning-gym task as dataset-source files (train/eval JSONL)")
+    gym.add_argument("task", help="a reasoning-gym task name, e.g. chain_sum, basic_arithmetic")
+    gym.add_argument("--out", type=Path, required=True, help="directory for train.jsonl and eval.jsonl")
+    gym.add_argument("--size", type=int, default=2000, help="training rows")
+    gym.add_argument("--eval-size", type=int, default=200, help="held-out rows (other seed, no training question)")
+    gym.add_argument("--seed", type=int, default=0)
+    gym.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                     help="an option of the task's config (JSON value), e.g. max_terms=3")
 
     plot = sub.add_parser("plot", help="PNG charts of a run's metrics")
     plot.add_argument("run_dir", type=Path)
@@ -172,6 +181,23 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reasoning_gym(args: argparse.Namespace) -> int:
+    from grpod.rollouts.reasoning_gym_rows import parse_options, write_task
+
+    if args.size < 1 or args.eval_size < 0:
+        print("grpod reasoning-gym: --size must be at least 1 and --eval-size at least 0", file=sys.stderr)
+        return 2
+    try:
+        written = write_task(args.task, args.out, size=args.size, eval_size=args.eval_size, seed=args.seed,
+                             options=parse_options(args.option))
+    except ValueError as exc:
+        print(f"grpod reasoning-gym: {exc}", file=sys.stderr)
+        return 2
+    for split, info in written.items():
+        print(f"{split}: {info['rows']} rows -> {info['path']}")
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from grpod.plot import plot_run
 
@@ -189,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "ctl": cmd_ctl,
         "init-model": cmd_init_model,
         "plot": cmd_plot,
+        "reasoning-gym": cmd_reasoning_gym,
     }
     try:
         return handlers[args.command](args)

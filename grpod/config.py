@@ -216,7 +216,7 @@ class InferenceConfig(_Section):
 
 
 # Reward functions every dataset source knows by name (`grpod/rollouts/rewards.py` has them).
-BUILTIN_REWARDS = ("math", "exact", "last_number", "regex_format")
+BUILTIN_REWARDS = ("math", "exact", "last_number", "regex_format", "reasoning_gym")
 
 
 class RewardFunctionConfig(_Section):
@@ -224,9 +224,9 @@ class RewardFunctionConfig(_Section):
     "path/to/file.py:function" (a path relative to the working directory)."""
 
     function: str = Field(
-        description='A builtin ("math", "exact", "last_number", "regex_format"), "package.module:function" or '
-        '"path/to/file.py:function"; called by keyword as TRL calls it: prompts, completions, completion_ids, '
-        "trainer_state, every other column.",
+        description='A builtin ("math", "exact", "last_number", "regex_format", "reasoning_gym": the task\'s own '
+        'verifier on rows `grpod reasoning-gym` wrote), "package.module:function" or "path/to/file.py:function"; '
+        "called by keyword as TRL calls it: prompts, completions, completion_ids, trainer_state, every other column.",
         examples=["math"],
     )
     weight: float = Field(1.0, description="Weight of this function's reward in the combined score.")
@@ -301,6 +301,14 @@ class DatasetConfig(_Section):
         0,
         ge=0,
         description="Passes over the dataset, each in a new shuffled order; 0 = endless (train.steps ends the run).",
+    )
+    rest_epochs: int = Field(
+        0,
+        ge=0,
+        description="Active sampling: a row whose last group carried no learning signal (every completion scored "
+        "the same: always solved or never solved) is skipped for this many epochs, then drawn again; 0 = off. "
+        "Skipped draws are counted as `rested` in the source's status.",
+        examples=[2],
     )
     rewards: list[RewardFunctionConfig] = Field(
         [], description="The reward functions, one [[source.dataset.rewards]] table each (at least one)."

@@ -108,6 +108,9 @@ class StepLoop:
         self.run_dir = run_dir
         self.cores = cores or CoreLoan.off("not planned")
         self.source_exhausted = False
+        # Completion tokens trained with a non-zero advantage since this process started (the
+        # numerator of gradient_token_share; the source's sampled_tokens counts from start too).
+        self.gradient_tokens = 0.0
         self._work: TaskGroup | None = None
         # When the engines get the trainer's weights: due, owed, held by an evaluation, forced.
         self.schedule = SyncSchedule(cadence=bridge.sync_due)
@@ -235,6 +238,10 @@ class StepLoop:
             **step_reward_metrics(groups),
             **self.source.stats.step_metrics(),
         }
+        self.gradient_tokens += metrics.get("gradient_tokens", 0.0)
+        if record.get("sampled_tokens"):
+            # The share of the generated completion tokens that reached a gradient, since start.
+            record["gradient_token_share"] = round(self.gradient_tokens / record["sampled_tokens"], 4)
         self.reporter.step_done(record)
 
     async def train(self, groups: list[RolloutGroup]) -> tuple[dict[str, Any], list[SyncRecord]]:

@@ -19,6 +19,11 @@ one would have drawn next (groups in flight at the checkpoint are not regenerate
 builtin source). With `epochs = 0` the passes never end and `train.steps` ends the run; with
 `epochs = N` the source is exhausted after N passes and the run ends once the queue is used up.
 
+Active sampling (`rest_epochs = R`): a row whose group carried no learning signal (the trainer's
+own test, `grpod.rollouts.signal.carries_signal`: always solved or never solved) is skipped in the
+next R epochs, then drawn again. The resting rows ride in the cursor ("resting": row index -> the
+epoch it returns), so a resumed run skips the same rows.
+
 Each group is `group_size` completions of one prompt in one vLLM request (as the builtin source
 does). A group whose generation or reward failed is dropped with its reason in `stats.drop_reasons`
 (`ctl status`: source.drop_reasons) and logged; the run goes on. Each function's mean reward rides
@@ -62,6 +67,7 @@ from grpod.rollouts.rewards import (
     reward_functions,
 )
 from grpod.rollouts.sampling_source import SamplingSource, SamplingStats
+from grpod.rollouts.signal import carries_signal
 from grpod.rollouts.scoring import PLACEHOLDER_COMPLETION, RewardCall, RewardScorer
 
 log = structlog.get_logger(__name__)
@@ -110,6 +116,10 @@ STATUS_GROUPS = 64
 @dataclass
 class DatasetStats(SamplingStats):
     epoch: int = 0
+    # Active sampling (source.dataset.rest_epochs): draws skipped because their row was resting,
+    # and the rows resting now.
+    rested: int = 0
+    resting: int = 0
     reward_s: float = 0.0
     # Per function: its mean reward over the latest STATUS_GROUPS groups (None left out).
     reward_means: dict[str, float] = field(default_factory=dict)
@@ -366,6 +376,8 @@ class DatasetSource(SamplingSource):
         self.stats = DatasetStats()
         self.epoch = int((cursor or {}).get("epoch", 0))
         self.position = int((cursor or {}).get("position", 0))
+        # Active sampling: item index -> the first epoch it is drawn again (its last group had no signal).
+        self.resting: dict[int, int] = {int(k): int(v) for k, v in (cursor or {}).get("resting", {}).items()}
         self._order_epoch, self._order = -1, []
         self.dynamic_sampling = dynamic_sampling
         self._warned: dict[tuple[str, str], tuple[float, int]] = {}
@@ -377,32 +389,51 @@ class DatasetSource(SamplingSource):
         await self.scorer.aclose()
 
     def cursor(self) -> dict:
-        return {"kind": self.kind, "epoch": self.epoch, "position": self.position}
+        cursor: dict[str, Any] = {"kind": self.kind, "epoch": self.epoch, "position": self.position}
+        if self.resting:
+            cursor["resting"] = {str(k): v for k, v in sorted(self.resting.items())}
+        return cursor
 
-    def _draw(self) -> tuple[int, DatasetItem] | None:
-        """The next row of the stream (advancing the cursor), or None once `epochs` are done."""
-        if self.position >= len(self.items):
-            self.epoch, self.position = self.epoch + 1, 0
-        self.stats.epoch = self.epoch
-        if self.dcfg.epochs and self.epoch >= self.dcfg.epochs:
-            self.stats.exhausted = True
-            return None
-        if self._order_epoch != self.epoch:
-            self._order_epoch, self._order = self.epoch, epoch_order(len(self.items), self.dcfg.shuffle_seed, self.epoch)
-        item = self.items[self._order[self.position]]
-        self.position += 1
-        return self.epoch, item
+    def _draw(self) -> tuple[int, int, DatasetItem] | None:
+        """(epoch, item index, item) of the next row of the stream that is not resting (advancing
+        the cursor), or None once `epochs` are done. Every row rests for a bounded number of
+        epochs, so this ends within rest_epochs + 1 passes."""
+        while True:
+            if self.position >= len(self.items):
+                self.epoch, self.position = self.epoch + 1, 0
+            self.stats.epoch = self.epoch
+            if self.dcfg.epochs and self.epoch >= self.dcfg.epochs:
+                self.stats.exhausted = True
+                return None
+            if self._order_epoch != self.epoch:
+                self._order_epoch, self._order = self.epoch, epoch_order(len(self.items), self.dcfg.shuffle_seed, self.epoch)
+            index = self._order[self.position]
+            self.position += 1
+            if self.resting.get(index, 0) > self.epoch:
+                self.stats.rested += 1
+                continue
+            self.resting.pop(index, None)
+            self.stats.resting = len(self.resting)
+            return self.epoch, index, self.items[index]
+
+    def _rest(self, index: int, epoch: int, group: RolloutGroup) -> None:
+        """Active sampling: the row of a group without signal skips the next rest_epochs epochs."""
+        ds = self.dynamic_sampling
+        if self.dcfg.rest_epochs and not carries_signal(group, ds.advantages, ds.budget):
+            self.resting[index] = epoch + 1 + self.dcfg.rest_epochs
+            self.stats.resting = len(self.resting)
 
     def peek_rows(self, count: int) -> list[int]:
         """The file rows the next `count` draws will give (without drawing them)."""
-        saved = (self.epoch, self.position, self.stats.exhausted)
+        saved = (self.epoch, self.position, self.stats.exhausted, self.stats.rested, dict(self.resting))
         rows = []
         for _ in range(count):
             drawn = self._draw()
             if drawn is None:
                 break
-            rows.append(drawn[1].row)
-        self.epoch, self.position, self.stats.exhausted = saved
+            rows.append(drawn[2].row)
+        self.epoch, self.position, self.stats.exhausted, self.stats.rested, self.resting = saved
+        self.stats.resting = len(self.resting)
         return rows
 
     async def score(self, item: DatasetItem, completions, version: int | None = None) -> GroupRewards:
@@ -441,7 +472,7 @@ class DatasetSource(SamplingSource):
         drawn = self._draw()
         if drawn is None:
             return None
-        epoch, item = drawn
+        epoch, index, item = drawn
         sampled = await self.sample(item.prompt_ids, row=item.row + 1)
         if sampled is None:
             return None
@@ -463,8 +494,10 @@ class DatasetSource(SamplingSource):
         # An unscorable completion's placeholder score is never read: `unscorable` leaves it out.
         scores = [scorable[0] if s is None else s for s in scored.scores]
         overrides = [{"unscorable": True} if u else {} for u in unscorable] if any(unscorable) else None
-        return self.group(item.prompt_ids, sampled, scores, f"dataset-{epoch}-{item.row}",
-                          extra={EXTRA_KEY: scored.means, LOGGED_KEY: scored.logged}, overrides=overrides)
+        group = self.group(item.prompt_ids, sampled, scores, f"dataset-{epoch}-{item.row}",
+                           extra={EXTRA_KEY: scored.means, LOGGED_KEY: scored.logged}, overrides=overrides)
+        self._rest(index, epoch, group)
+        return group
 
     async def evaluate(self, size: int, max_tokens: int) -> dict:
         """pass@1 (greedy) and mean@k on the first `size` rows of eval.dataset."""

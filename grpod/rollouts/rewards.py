@@ -45,6 +45,7 @@ numerically), `regex_format` (1.0 when the completion matches the function's `pa
 from __future__ import annotations
 
 import importlib
+import json
 import importlib.util
 import math
 import numbers
@@ -52,7 +53,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,8 @@ UNSCORABLE = "reward_unscorable"
 AGGREGATIONS = ("sum", "normalize_then_sum")
 # Builtins that read the gold answer from this column.
 ANSWER_COLUMN = "answer"
+# The builtin reasoning_gym reads the task's entry (JSON) from this column.
+REASONING_GYM_COLUMN = "reasoning_gym"
 # Builtins that are linear-time string checks: they cannot hang, so they run in process.
 IN_PROCESS_BUILTINS = ("exact", "last_number")
 # The keywords a function gets besides the dataset's columns (a column may not take these names).
@@ -203,11 +206,40 @@ def regex_format_reward(completions, *, pattern: str, **columns) -> list[float]:
     return [1.0 if compiled.search(_text(c)) else 0.0 for c in completions]
 
 
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+@cache
+def _reasoning_gym_verifier(task: str) -> Callable[..., float]:
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+def reasoning_gym_reward(completions, **columns) -> list[float]:
+    """The reasoning-gym task's own verifier, on the text of the completion's last
+    <answer>...</answer> (the whole completion when it has none); the entry is the row's
+    `reasoning_gym` column (`grpod reasoning-gym` writes it)."""
+    entries = columns.get(REASONING_GYM_COLUMN)
+    if entries is None:
+        raise KeyError(f"this builtin needs a {REASONING_GYM_COLUMN!r} column (grpod reasoning-gym writes it)")
+    rewards = []
+    for completion, raw in zip(completions, entries, strict=True):
+        entry = json.loads(raw) if isinstance(raw, str) else raw
+        text = _text(completion)
+        tagged = _ANSWER_TAG.findall(text)
+        answer = tagged[-1].strip() if tagged else text.strip()
+        verify = _reasoning_gym_verifier(entry["metadata"]["source_dataset"])
+        rewards.append(float(verify(answer=answer, entry=entry)))
+    return rewards
+
+
 BUILTINS: dict[str, Callable[..., Any]] = {
     "math": math_reward,
     "exact": exact_reward,
     "last_number": last_number_reward,
     "regex_format": regex_format_reward,
+    "reasoning_gym": reasoning_gym_reward,
 }
 
 
@@ -261,7 +293,8 @@ def reward_functions(configs: list[RewardFunctionConfig]) -> list[RewardFunction
     return [
         RewardFunction(
             name=cfg.metric_name, weight=cfg.weight, function=cfg.function, pattern=cfg.pattern,
-            needs_columns=(ANSWER_COLUMN,) if cfg.function in ("math", "exact", "last_number") else (),
+            needs_columns=(ANSWER_COLUMN,) if cfg.function in ("math", "exact", "last_number")
+            else (REASONING_GYM_COLUMN,) if cfg.function == "reasoning_gym" else (),
         )
         for cfg in configs
     ]

@@ -239,6 +239,8 @@ class Trainer:
                 "dropped_zero_variance": float(advantages.dropped_zero_variance),
                 "overlong_penalized": float(advantages.overlong_penalized),
                 "sequences": float(len(sequences)),
+                # Completion tokens whose advantage is not zero: the generation that reached a gradient.
+                "gradient_tokens": float(sum(len(s.loss_positions) for s in sequences if s.advantage != 0.0)),
                 "lr": self.scheduler.get_last_lr()[0],
             },
         )

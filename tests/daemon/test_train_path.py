@@ -210,3 +210,21 @@ def test_step_records_carry_the_sources_sampled_token_count_when_it_keeps_one(da
     daemon.metrics.close()
     first, second = daemon.metrics.read()
     assert "sampled_tokens" not in first and second["sampled_tokens"] == 1234
+
+
+def test_gradient_tokens_count_the_completion_tokens_trained_with_a_non_zero_advantage(daemon):
+    """`gradient_tokens`: a group whose scores are all equal trains nothing (advantage 0), so its
+    tokens are not counted; `gradient_token_share`: the run's gradient tokens over every completion
+    token the source sampled."""
+    rng = random.Random(12)
+    daemon.run_dir.mkdir(parents=True, exist_ok=True)
+    flat = _group("flat", 10, rng)
+    flat.scores = [1.0] * 4
+    daemon.source.stats = SamplingStats(sampled_tokens=40)
+    anyio.run(daemon.step, [_group("signal", 10, rng), flat])
+    daemon.source.stats = SamplingStats(sampled_tokens=64)
+    anyio.run(daemon.step, [_group("again", 10, rng)])
+    daemon.metrics.close()
+    first, second = daemon.metrics.read()
+    assert first["gradient_tokens"] == 16 and first["gradient_token_share"] == 16 / 40
+    assert second["gradient_tokens"] == 16 and second["gradient_token_share"] == 32 / 64

@@ -59,10 +59,10 @@ def right_answer(prompt_text: str) -> str:
     return str(2 * a)
 
 
-async def open_source(tokenizer, cfg, answer_for=right_answer, cursor=None) -> DatasetSource:
+async def open_source(tokenizer, cfg, answer_for=right_answer, cursor=None, client_class=None) -> DatasetSource:
     """The source of `cfg`, its inputs checked as the daemon checks them (`prepare_dataset`);
     the caller closes it (`await src.aclose()`) when its functions run in the reward pool."""
-    client = ScriptedClient(tokenizer, answer_for)
+    client = (client_class or ScriptedClient)(tokenizer, answer_for)
     prepared = await prepare_dataset(cfg)
     src = make_source(cfg, tokenizer, scripted_policy(client, version=3)[0], cursor, RejectionCounter(), prepared)
     src.client = client
@@ -154,7 +154,7 @@ def test_unknown_suffix_and_missing_file_are_clear(tmp_path):
 def _drain_rows(src: DatasetSource, count: int) -> list[int]:
     rows = []
     for _ in range(count):
-        epoch, item = src._draw()
+        epoch, index, item = src._draw()
         rows.append(item.row)
     return rows
 
@@ -183,6 +183,44 @@ def test_a_resumed_cursor_continues_with_the_same_prompts(tmp_path, tokenizer):
     resumed = source(tokenizer, cfg, cursor=cursor)
     assert resumed.peek_rows(13) == expected[17:]
     assert head + _drain_rows(resumed, 13) == expected
+
+
+class MixedClient(ScriptedClient):
+    """Rows 0-5: half the completions right (a group with signal); rows 6-11: all right (none)."""
+
+    async def generate(self, prompt_ids, *, n, **kwargs):
+        right = right_answer(self.tokenizer.decode(prompt_ids))
+        texts = [right if int(right) >= 12 or i % 2 else "x" for i in range(n)]
+        out = []
+        for text in texts:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            out.append(Completion(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop", text=text))
+        return out
+
+
+def test_active_sampling_rests_rows_without_signal_and_a_resumed_cursor_keeps_them_resting(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+
+    def play(cfg, cursor, groups):
+        async def main():
+            src = await open_source(tokenizer, cfg, cursor=cursor, client_class=MixedClient)
+            rows = [int((await src.generate_group()).group_id.split("-")[-1]) for _ in range(groups)]
+            return src, rows
+
+        return anyio.run(main)
+
+    rested = config(path, dataset={"shuffle_seed": 5, "rest_epochs": 1})
+    src, first = play(rested, None, 12)  # epoch 0: every row; rows 6-11 carried no signal
+    assert sorted(first) == list(range(12)) and src.stats.resting == 6
+    cursor = json.loads(json.dumps(src.cursor()))  # as a checkpoint stores it
+    assert cursor["resting"] == {str(i): 2 for i in range(6, 12)}
+    src, second = play(rested, cursor, 18)  # epoch 1: rows 0-5 only; epoch 2: all twelve again
+    assert sorted(second[:6]) == list(range(6)) and src.stats.rested == 6
+    assert sorted(second[6:]) == list(range(12))
+    assert src.cursor()["resting"] == {str(i): 4 for i in range(6, 12)}  # rested again in epoch 3
+
+    plain, rows = play(config(path, dataset={"shuffle_seed": 5}), None, 24)
+    assert sorted(rows[12:]) == list(range(12)) and plain.stats.rested == 0 and "resting" not in plain.cursor()
 
 
 def test_a_finite_number_of_epochs_exhausts_the_source(tmp_path, tokenizer):

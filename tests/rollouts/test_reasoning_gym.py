@@ -1,0 +1,82 @@
+"""A reasoning-gym task through the dataset source: `grpod reasoning-gym` writes the rows (the
+real reasoning-gym package generates them), the builtin reward `reasoning_gym` scores completions
+with the task's own verifier, in the reward pool as a daemon runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import anyio
+
+from grpod.config import parse_config
+from grpod.rollouts.dataset import DatasetError, prepare_dataset
+from grpod.rollouts.rewards import reasoning_gym_reward
+
+import pytest
+
+
+def _write(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "grpod", "reasoning-gym", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_writes_train_and_disjoint_held_out_rows_and_refuses_a_bad_task(tmp_path):
+    done = _write(tmp_path, "chain_sum", "--out", "cs", "--size", "300", "--eval-size", "120", "--seed", "3",
+                  "--option", "max_terms=2", "--option", "max_digits=2")
+    assert done.returncode == 0, done.stderr
+    train = [json.loads(line) for line in (tmp_path / "cs/train.jsonl").read_text().splitlines()]
+    held_out = [json.loads(line) for line in (tmp_path / "cs/eval.jsonl").read_text().splitlines()]
+    assert len(train) == 300 and len(held_out) == 120
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert len({r["prompt"] for r in held_out}) == 120
+    entry = json.loads(train[0]["reasoning_gym"])
+    assert entry["question"] == train[0]["prompt"] and entry["answer"] == train[0]["answer"]
+    assert entry["metadata"]["source_dataset"] == "chain_sum" and entry["metadata"]["num_terms"] == 2
+    again = _write(tmp_path, "chain_sum", "--out", "again", "--size", "300", "--eval-size", "120", "--seed", "3",
+                   "--option", "max_terms=2", "--option", "max_digits=2")
+    assert (tmp_path / "again/train.jsonl").read_bytes() == (tmp_path / "cs/train.jsonl").read_bytes(), again.stderr
+
+    bad = _write(tmp_path, "no_such_task", "--out", "x")
+    assert bad.returncode == 2 and "'no_such_task'" in bad.stderr and "not registered" in bad.stderr
+    option = _write(tmp_path, "chain_sum", "--out", "x", "--option", "colour=3")
+    assert option.returncode == 2 and "colour" in option.stderr
+    small = _write(tmp_path, "chain_sum", "--out", "x", "--size", "400", "--option", "max_terms=2", "--option", "max_digits=1")
+    assert small.returncode == 2 and "no question outside the 400 training rows" in small.stderr
+
+
+def test_the_builtin_reward_is_the_tasks_verifier_on_the_tagged_answer(tmp_path):
+    assert _write(tmp_path, "chain_sum", "--out", "cs", "--size", "5", "--eval-size", "0").returncode == 0
+    row = json.loads((tmp_path / "cs/train.jsonl").read_text().splitlines()[0])
+    gold = row["answer"]
+    completions = [f"I add them. <answer>{gold}</answer>", "<answer>123456789</answer>", gold,
+                   f"the sum is {gold} I think", ""]
+    rewards = reasoning_gym_reward(completions, reasoning_gym=[row["reasoning_gym"]] * 5)
+    assert rewards[0] == 1.0 and rewards[1] == 0.0 and rewards[2] == 1.0 and rewards[4] == 0.0
+    assert 0.0 < rewards[3] < 1.0  # the task's partial credit for an answer inside other text
+    with pytest.raises(KeyError, match="reasoning_gym"):
+        reasoning_gym_reward(completions, answer=[gold] * 5)
+
+
+def test_the_dataset_source_loads_the_rows_and_names_a_missing_entry_column(tmp_path):
+    assert _write(tmp_path, "basic_arithmetic", "--out", "ba", "--size", "20", "--eval-size", "10").returncode == 0
+    rewards = [{"function": "reasoning_gym"}, {"function": "regex_format", "pattern": "<answer>.*</answer>", "weight": 0.2}]
+    cfg = parse_config({"source": {"kind": "dataset", "dataset": {"path": str(tmp_path / "ba/train.jsonl"),
+                                                                  "rewards": rewards}},
+                        "eval": {"dataset": str(tmp_path / "ba/eval.jsonl")}})
+
+    async def main():
+        prepared = await prepare_dataset(cfg)
+        try:
+            return len(prepared.rows), len(prepared.eval_rows)
+        finally:
+            await prepared.scorer.aclose()
+
+    assert anyio.run(main) == (20, 10)
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in
+                            map(json.loads, (tmp_path / "ba/train.jsonl").read_text().splitlines())))
+    cfg = parse_config({"source": {"kind": "dataset", "dataset": {"path": str(bare), "rewards": rewards}}})
+    with pytest.raises(DatasetError, match="reasoning_gym"):
+        anyio.run(prepare_dataset, cfg)
