@@ -14,25 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from stats import wilson
+from timed import run_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "etc" / "examples" / "agent-calculator.toml"
-
-
-def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95 % Wilson score interval of `correct` successes in `n`."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = correct / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def run_seed(seed: int, minutes: float, eval_size: int, eval_every: int, workdir: Path) -> dict:
@@ -41,21 +31,8 @@ def run_seed(seed: int, minutes: float, eval_size: int, eval_every: int, workdir
         f"run.dir={json.dumps(str(run_dir))}", f"run.seed={seed}", f"source.environment.task_seed={1234 + seed}",
         "train.steps=100000", f"eval.size={eval_size}", f"eval.every={eval_every}",
     ]
-    command = [sys.executable, "-m", "grpod", "start", "--config", str(CONFIG)]
-    for override in overrides:
-        command += ["--set", override]
-    launched = time.time()
-    with open(workdir / f"seed{seed}.log", "w") as out:
-        daemon = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            daemon.wait(timeout=minutes * 60)
-            raise RuntimeError(f"seed {seed}: grpod exited early ({daemon.returncode}); see {out.name}")
-        except subprocess.TimeoutExpired:
-            pass
-        stopped_at = time.time()
-        subprocess.run([sys.executable, "-m", "grpod", "ctl", "stop", "--socket", str(run_dir / "grpod.sock")],
-                       cwd=ROOT, capture_output=True, timeout=120)
-        daemon.wait(timeout=600)
+    timed = run_for(CONFIG, overrides, minutes, run_dir, workdir / f"seed{seed}.log")
+    launched, stopped_at = timed["launched"], timed["stopped"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step_s" in r]
     evals = []
@@ -70,7 +47,7 @@ def run_seed(seed: int, minutes: float, eval_size: int, eval_every: int, workdir
     last = steps[-1] if steps else {}
     trained_s = stopped_at - launched
     return {
-        "seed": seed, "returncode": daemon.returncode, "steps": len(steps),
+        "seed": seed, "returncode": timed["returncode"], "steps": len(steps),
         "trained_steps": sum(1 for r in steps if not r.get("skipped")),
         "reward_by_step": [r.get("reward_mean") for r in steps],
         "evals": evals,

