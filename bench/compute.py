@@ -17,8 +17,9 @@ optimizer left out: they are a few per cent of the matmuls here):
   every sampled completion token one forward at its position. Completions of the groups that
   never reached the trainer (filtered, stale) are in `sampled_tokens` but not in rollouts.jsonl:
   they are counted at the trained groups' mean prompt and completion lengths;
-- training: forward and backward of every trained sequence, 3 x its forward (the backward is
-  twice the forward), over the whole sequence (prompt included: the loss needs its logits).
+- training: forward and backward of every trained sequence (the groups in rollouts.jsonl whose
+  scores differ: the trainer drops a zero-variance group), 3 x its forward (the backward is twice
+  the forward), over the whole sequence (prompt included: the loss needs its logits).
 Rates: generation over the span from the first to the last step record (the engine generates all
 the time on its own thread), training over the steps' `train_s` (the trainer's own thread).
 Prints one table per run and writes `--out` (default bench/results/compute.json).
@@ -83,7 +84,8 @@ def analyse(run_dir: Path, flops: Flops) -> dict:
         prompt_lengths.append(prompt)
         for tokens in g["tokens"]:
             completion_lengths.append(len(tokens) - prompt)
-            train_flops += 3 * flops.forward(len(tokens))
+            if len(set(g["scores"])) > 1:  # a zero-variance group is dropped by the trainer
+                train_flops += 3 * flops.forward(len(tokens))
     train_flops *= sum(1 for s in window if not s.get("skipped")) / max(1, sum(1 for s in steps if not s.get("skipped")))
     mean_prompt = sum(prompt_lengths) / len(prompt_lengths)
     mean_completion = sum(completion_lengths) / len(completion_lengths)

@@ -595,7 +595,8 @@ def run_once(side: str, seed: int, task: Task, base_sets: list[str], workdir: Pa
                      for r in _jsonl(data_dir / "records.jsonl") if r["kind"] == "saved"]
     paths = [s["path"] for s in run.saved if s.get("path")]
     if paths:
-        scored = {r["weights"]: r for r in evaluate(task, sets, paths, run_dir, "weights")}
+        # The config's held-out set (the run itself evaluated nothing: eval.size = 0).
+        scored = {r["weights"]: r for r in evaluate(task, [x for x in sets if x not in timed], paths, run_dir, "weights")}
         for saved in run.saved:
             if saved.get("path") in scored:
                 saved.update({k: scored[saved["path"]][k] for k in ("correct", "size", "accuracy")})
