@@ -599,7 +599,7 @@ def run_once(side: str, seed: int, task: Task, base_sets: list[str], workdir: Pa
         scored = {r["weights"]: r for r in evaluate(task, [x for x in sets if x not in timed], paths, run_dir, "weights")}
         for saved in run.saved:
             if saved.get("path") in scored:
-                saved.update({k: scored[saved["path"]][k] for k in ("correct", "size", "accuracy")})
+                saved.update({k: scored[saved["path"]].get(k) for k in ("correct", "size", "accuracy", "mean_score")})
     return run
 
 
@@ -670,6 +670,8 @@ def table(runs: list[Run], sides: list[str], thresholds: list[float], minutes: l
         for mark in minutes:
             rows.append((f"held-out accuracy at {mark:g} min after launch (one evaluator, 95 % Wilson)",
                          [_pooled([r.saved_at(mark) for r in by_side[s]]) for s in sides]))
+            row(f"held-out mean reward at {mark:g} min (one evaluator; partial credit included)",
+                lambda r, m=mark: (r.saved_at(m) or {}).get("mean_score"), ".3f", missing="-")
             row(f"steps trained by {mark:g} min", lambda r, m=mark: (r.saved_at(m) or {}).get("step"), ".0f", missing="-")
         row("TRL torch threads", lambda r: r.threads, ".0f", missing="-")
     row("launch -> first training step (s)", Run.first_step_s, ".1f")

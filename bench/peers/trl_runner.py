@@ -105,7 +105,7 @@ def main() -> int:
         return scores
 
     def held_out_accuracy(model) -> tuple[float, int]:
-        correct, size = shared_held_out_accuracy(model, tokenizer, workload, held_out, args.eval_batch)
+        correct, size, _ = shared_held_out_accuracy(model, tokenizer, workload, held_out, args.eval_batch)
         return correct / max(size, 1), size
 
     class GrpodSchedule(TrainerCallback):

@@ -185,8 +185,8 @@ class Workload:
         return score >= threshold
 
 
-def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Example], batch: int) -> tuple[int, int]:
-    """(correct, size): greedy HF generate of `model` on `held_out`, `batch` prompts per call
+def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Example], batch: int) -> tuple[int, int, float]:
+    """(correct, size, summed score): greedy HF generate of `model` on `held_out`, `batch` prompts per call
     (left-padded), each completion cut at its first EOS and scored by grpod's reward and
     correctness rule. The one evaluator of both sides' weights (`evaluate.py`), and TRL's in-run
     evaluation (`trl_runner.py`)."""
@@ -202,7 +202,7 @@ def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Examp
     greedy = GenerationConfig(
         do_sample=False, max_new_tokens=workload.eval_max_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
     )
-    correct = 0
+    correct, summed = 0, 0.0
     with torch.no_grad():
         for start in range(0, len(held_out), batch):
             chunk = held_out[start : start + batch]
@@ -217,8 +217,9 @@ def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Examp
             texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
             scores = workload.scores([e.columns for e in chunk], texts, completions)
             correct += sum(workload.correct(s) for s in scores)
+            summed += sum(scores)
     model.train(was_training)
-    return correct, len(held_out)
+    return correct, len(held_out), summed
 
 
 def load(config: Path, overrides: list[str]) -> GrpodConfig:
