@@ -13,14 +13,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def ctl(socket: Path, cmd: str, timeout_s: float = 120) -> dict[str, Any] | None:
-    """`grpod ctl CMD --json` against `socket`: the reply, or None when it did not answer."""
-    done = subprocess.run([sys.executable, "-m", "grpod", "ctl", cmd, "--json", "--socket", str(socket)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+def ctl(socket: Path, cmd: str, timeout_s: float = 120) -> dict[str, Any]:
+    """`grpod ctl CMD --json` against `socket`: the daemon's reply, or {"ok": false, "error": ...}
+    with what the command printed when there was none."""
+    done = subprocess.run([sys.executable, "-m", "grpod", "ctl", cmd, "--json", "--socket", str(socket),
+                           "--timeout", str(timeout_s)], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 30)
     try:
-        return json.loads(done.stdout) if done.returncode == 0 else None
+        return json.loads(done.stdout)
     except json.JSONDecodeError:
-        return None
+        return {"ok": False, "error": (done.stdout + done.stderr)[-500:]}
 
 
 def run_for(config: Path, overrides: list[str], minutes: float, run_dir: Path, log: Path) -> dict[str, Any]:
@@ -43,5 +44,5 @@ def run_for(config: Path, overrides: list[str], minutes: float, run_dir: Path, l
         status = ctl(run_dir / "grpod.sock", "status")
         ctl(run_dir / "grpod.sock", "stop")
         daemon.wait(timeout=600)
-    return {"launched": launched, "stopped": stopped, "status": (status or {}).get("result"),
+    return {"launched": launched, "stopped": stopped, "status": status.get("result"),
             "returncode": daemon.returncode}

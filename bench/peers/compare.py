@@ -151,6 +151,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from stats import wilson  # noqa: E402
+from timed import ctl  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -490,15 +491,6 @@ def command(side: str, task: Task, sets: list[str], trl_threads: int, save_at: l
             "--threads", str(trl_threads), *marks]
 
 
-def _ctl(socket: Path, cmd: str, timeout_s: float) -> dict:
-    done = subprocess.run([*_grpod(), "ctl", cmd, "--json", "--socket", str(socket), "--timeout", str(timeout_s)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 30)
-    try:
-        return json.loads(done.stdout)
-    except json.JSONDecodeError:
-        return {"ok": False, "error": (done.stdout + done.stderr)[-500:]}
-
-
 def _grpod_marks(run: Run, socket: Path, minutes: list[float], proc: subprocess.Popen) -> None:
     """At each mark (minutes after launch) ask the daemon for a checkpoint (served at its next
     step boundary); after the last one, stop it."""
@@ -507,13 +499,13 @@ def _grpod_marks(run: Run, socket: Path, minutes: list[float], proc: subprocess.
             time.sleep(0.5)
         if proc.poll() is not None:
             return
-        reply = _ctl(socket, "checkpoint", 600)
+        reply = ctl(socket, "checkpoint", 600)
         result = reply.get("result") or {}
         path = result.get("path")
         run.saved.append({"minutes": mark, "step": result.get("step"), "time": round(time.time() - run.launch, 1),
                           "path": str(Path(path) / "model") if path else None,
                           **({} if reply.get("ok") else {"error": reply.get("error")})})
-    _ctl(socket, "stop", 600)
+    ctl(socket, "stop", 600)
 
 
 def evaluate(task: Task, sets: list[str], weights: list[str], workdir: Path, name: str) -> list[dict]:

@@ -394,10 +394,11 @@ class DatasetSource(SamplingSource):
             cursor["resting"] = {str(k): v for k, v in sorted(self.resting.items())}
         return cursor
 
-    def _draw(self) -> tuple[int, int, DatasetItem] | None:
-        """(epoch, item index, item) of the next row of the stream that is not resting (advancing
-        the cursor), or None once `epochs` are done. Every row rests for a bounded number of
-        epochs, so this ends within rest_epochs + 1 passes."""
+    def _draw(self) -> tuple[int, int, DatasetItem, int] | None:
+        """(epoch, item index, item, resting rows skipped) of the next row of the stream that is not
+        resting (advancing the cursor), or None once `epochs` are done. Every row rests for a
+        bounded number of epochs, so this ends within rest_epochs + 1 passes."""
+        skipped = 0
         while True:
             if self.position >= len(self.items):
                 self.epoch, self.position = self.epoch + 1, 0
@@ -409,31 +410,32 @@ class DatasetSource(SamplingSource):
                 self._order_epoch, self._order = self.epoch, epoch_order(len(self.items), self.dcfg.shuffle_seed, self.epoch)
             index = self._order[self.position]
             self.position += 1
-            if self.resting.get(index, 0) > self.epoch:
-                self.stats.rested += 1
-                continue
-            self.resting.pop(index, None)
-            self.stats.resting = len(self.resting)
-            return self.epoch, index, self.items[index]
+            if self.resting.get(index, 0) <= self.epoch:
+                return self.epoch, index, self.items[index], skipped
+            skipped += 1
 
     def _rest(self, index: int, epoch: int, group: RolloutGroup) -> None:
-        """Active sampling: the row of a group without signal skips the next rest_epochs epochs."""
+        """Active sampling: the row of a group without signal skips the next rest_epochs epochs;
+        one with signal is in play."""
+        if not self.dcfg.rest_epochs:
+            return
         ds = self.dynamic_sampling
-        if self.dcfg.rest_epochs and not carries_signal(group, ds.advantages, ds.budget):
+        if carries_signal(group, ds.advantages, ds.budget):
+            self.resting.pop(index, None)
+        else:
             self.resting[index] = epoch + 1 + self.dcfg.rest_epochs
-            self.stats.resting = len(self.resting)
+        self.stats.resting = sum(1 for back in self.resting.values() if back > self.epoch)
 
     def peek_rows(self, count: int) -> list[int]:
         """The file rows the next `count` draws will give (without drawing them)."""
-        saved = (self.epoch, self.position, self.stats.exhausted, self.stats.rested, dict(self.resting))
+        saved = (self.epoch, self.position, self.stats.exhausted)
         rows = []
         for _ in range(count):
             drawn = self._draw()
             if drawn is None:
                 break
             rows.append(drawn[2].row)
-        self.epoch, self.position, self.stats.exhausted, self.stats.rested, self.resting = saved
-        self.stats.resting = len(self.resting)
+        self.epoch, self.position, self.stats.exhausted = saved
         return rows
 
     async def score(self, item: DatasetItem, completions, version: int | None = None) -> GroupRewards:
@@ -472,7 +474,8 @@ class DatasetSource(SamplingSource):
         drawn = self._draw()
         if drawn is None:
             return None
-        epoch, index, item = drawn
+        epoch, index, item, skipped = drawn
+        self.stats.rested += skipped
         sampled = await self.sample(item.prompt_ids, row=item.row + 1)
         if sampled is None:
             return None

@@ -8,8 +8,8 @@ the text of its last `<answer>...</answer>`, or the whole completion when it has
 verifier then gives the partial credit it gives to an answer buried in text).
 
 The evaluation rows are drawn with another seed; they are distinct questions, none of them a
-training question. Options of
-the task's config (`--option num_terms=4`) are passed to `reasoning_gym.create_dataset`.
+training question. Options of the task's config (`--option num_terms=4`) are passed to
+`reasoning_gym.create_dataset`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-# The dataset column holding the entry as JSON.
-ENTRY_COLUMN = "reasoning_gym"
+from grpod.rollouts.rewards import REASONING_GYM_COLUMN
 
 
 def _value(text: str) -> Any:
@@ -51,7 +50,7 @@ def make_rows(name: str, size: int, seed: int, options: dict[str, Any]) -> list[
     except (ValueError, TypeError, AssertionError) as exc:
         raise ValueError(f"reasoning-gym task {name!r} with {options}: {exc}") from None
     return [
-        {"prompt": entry["question"], "answer": str(entry["answer"]), ENTRY_COLUMN: json.dumps(entry, default=list)}
+        {"prompt": entry["question"], "answer": str(entry["answer"]), REASONING_GYM_COLUMN: json.dumps(entry, default=list)}
         for entry in dataset
     ]
 
@@ -62,14 +61,14 @@ def write_task(name: str, out: Path, *, size: int, eval_size: int, seed: int, op
     seen = {row["prompt"] for row in train}
     held_out: list[dict[str, Any]] = []
     draw_seed = seed + 1_000_003
-    while len(held_out) < eval_size:  # another seed; a question the training rows have is skipped
-        fresh = [row for row in make_rows(name, 2 * eval_size, draw_seed, options) if row["prompt"] not in seen]
-        if not fresh:
-            raise ValueError(f"reasoning-gym task {name!r}: no question outside the {size} training rows")
-        for row in fresh:
-            if len(held_out) < eval_size and row["prompt"] not in seen:  # distinct questions only
+    while len(held_out) < eval_size:  # another seed; distinct questions, none of them a training one
+        before = len(held_out)
+        for row in make_rows(name, 2 * eval_size, draw_seed, options):
+            if len(held_out) < eval_size and row["prompt"] not in seen:
                 held_out.append(row)
                 seen.add(row["prompt"])
+        if len(held_out) == before:
+            raise ValueError(f"reasoning-gym task {name!r}: no question outside the {size} training rows")
         draw_seed += 1
     out.mkdir(parents=True, exist_ok=True)
     written = {}

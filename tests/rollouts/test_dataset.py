@@ -154,7 +154,7 @@ def test_unknown_suffix_and_missing_file_are_clear(tmp_path):
 def _drain_rows(src: DatasetSource, count: int) -> list[int]:
     rows = []
     for _ in range(count):
-        epoch, index, item = src._draw()
+        epoch, index, item, skipped = src._draw()
         rows.append(item.row)
     return rows
 
