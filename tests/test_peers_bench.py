@@ -142,3 +142,50 @@ def test_timed_runs_report_each_sides_saved_weights_at_each_mark_with_a_wilson_i
     assert rows["steps trained by 5 min"] == {"grpod": "40", "trl": "6"}
     assert rows["TRL torch threads"] == {"grpod": "-", "trl": "2"}
     assert rows["held-out accuracy of the starting model (one evaluator)"]["grpod"].startswith("0.050 [")
+
+
+def test_a_format_reward_beside_a_correctness_reward_gets_its_own_held_out_rows(tmp_path):
+    """The format task: the evaluator scores each reward function apart (the rows it gave full
+    credit), so a side that learned the tags but not the sums is told from one that learned both;
+    one reward function adds no rows (its full credit is the accuracy row already)."""
+    grpod = compare.Run(side="grpod", seed=0, run_dir=tmp_path, launch=0.0)
+    grpod.saved = [{"minutes": 5.0, "step": 40, "correct": 30, "size": 200, "accuracy": 0.15,
+                    "functions": {"reasoning_gym": {"full_credit": 50, "mean": 0.3},
+                                  "regex_format": {"full_credit": 180, "mean": 0.9}}}]
+    trl = compare.Run(side="trl", seed=0, run_dir=tmp_path, launch=0.0, threads=2)
+    trl.saved = [{"minutes": 5.0, "step": 6, "correct": 20, "size": 200, "accuracy": 0.1,
+                  "functions": {"reasoning_gym": {"full_credit": 40, "mean": 0.25},
+                                "regex_format": {"full_credit": 20, "mean": 0.1}}}]
+    start = {"correct": 0, "size": 200, "accuracy": 0.0,
+             "functions": {"reasoning_gym": {"full_credit": 8, "mean": 0.1}, "regex_format": {"full_credit": 2, "mean": 0.01}}}
+    _, summary = compare.table([grpod, trl], ["grpod", "trl"], [], [5.0], start)
+    rows = summary["rows"]
+    assert rows["held-out rows given full credit by `regex_format` alone at 5 min (95 % Wilson)"] == {
+        "grpod": "0.900 [0.851, 0.934]", "trl": "0.100 [0.066, 0.149]"}
+    assert rows["held-out rows given full credit by `reasoning_gym` alone at 5 min (95 % Wilson)"]["grpod"].startswith("0.250 [")
+    assert rows["held-out rows given full credit by `regex_format` alone, starting model"]["trl"].startswith("0.010 [")
+    for run in (grpod, trl):
+        for saved in run.saved:
+            saved["functions"] = {"reasoning_gym": saved["functions"]["reasoning_gym"]}
+    del start["functions"]
+    _, summary = compare.table([grpod, trl], ["grpod", "trl"], [], [5.0], start)
+    assert not [name for name in summary["rows"] if "full credit by" in name]
+
+
+def test_the_evaluator_scores_each_reward_function_apart(monkeypatch):
+    """`Workload.scored`: the combined reward (the correctness rule's input) and each function's
+    own rewards, by metric name, on the format task's two rewards."""
+    from grpod.models.tiny import build_tokenizer
+
+    monkeypatch.chdir(ROOT)
+    pattern = r"^\s*<answer>\s*-?\d+\s*</answer>\s*$"
+    rewards = f"source.dataset.rewards=[{{function='last_number'}}, {{function='regex_format', pattern='{pattern}', weight=0.5}}]"
+    cfg = workload.load(ROOT / "etc" / "examples" / "trl-rewards.toml", [rewards, "eval.correct_threshold=1.5"])
+    work = workload.Workload(cfg, build_tokenizer())
+    row = work.train_examples(1)[0].columns
+    answer = row["answer"]
+    texts = [f"<answer>{answer}</answer>", answer, "<answer>x</answer>"]
+    combined, by_name = work.scored([row] * 3, texts, [[1]] * 3)
+    assert by_name == {"last_number": [1.0, 1.0, 0.0], "regex_format": [1.0, 0.0, 0.0]}
+    assert combined == [1.5, 1.0, 0.0]
+    assert [work.correct(s) for s in combined] == [True, False, False]  # right but untagged is not correct

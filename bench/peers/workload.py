@@ -23,7 +23,7 @@ the mapping and what could not be made equal.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -146,12 +146,19 @@ class Workload:
 
     def scores(self, rows: list[dict[str, Any]], texts: list[str], token_ids: list[list[int]]) -> list[float]:
         """The reward grpod gives each completion: `rows[i]` holds completion i's prompt columns."""
+        return self.scored(rows, texts, token_ids)[0]
+
+    def scored(self, rows: list[dict[str, Any]], texts: list[str],
+               token_ids: list[list[int]]) -> tuple[list[float], dict[str, list[float]]]:
+        """(the combined reward of each completion, each reward function's own rewards by its
+        metric name); the builtin task has one function, its verifier."""
         if self.kind == "builtin":
             task = self.source.task
-            return [
+            combined = [
                 task.score(Problem(question=r["question"], answer=r["answer"], id=r["id"]), text)
                 for r, text in zip(rows, texts, strict=True)
             ]
+            return combined, {"verifier": combined}
         n = len(texts)
         names = [k for k in rows[0] if k != "prompt_text"]
         columns = {name: [r[name] for r in rows] for name in names}
@@ -163,7 +170,8 @@ class Workload:
             for f in functions
         ]
         combined = combine(per_function, [f.weight for f in functions], self.cfg.source.dataset.reward_aggregation)
-        return [0.0 if score is None else score for score in combined]
+        by_name = {f.name: [0.0 if v is None else v for v in values] for f, values in zip(functions, per_function, strict=True)}
+        return [0.0 if score is None else score for score in combined], by_name
 
     def trl_reward_functions(self) -> tuple[list[Any], list[float]] | None:
         """The dataset's own reward functions and weights, to hand TRL unchanged, when its rows are
@@ -185,11 +193,30 @@ class Workload:
         return score >= threshold
 
 
-def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Example], batch: int) -> tuple[int, int, float]:
-    """(correct, size, summed score): greedy HF generate of `model` on `held_out`, `batch` prompts per call
-    (left-padded), each completion cut at its first EOS and scored by grpod's reward and
-    correctness rule. The one evaluator of both sides' weights (`evaluate.py`), and TRL's in-run
-    evaluation (`trl_runner.py`)."""
+@dataclass
+class HeldOut:
+    """One evaluation: `correct` of `size` rows by the config's correctness rule, the summed
+    combined reward, and per reward function (metric name) how many rows it gave full credit
+    (>= 1.0) and its summed reward: a format reward and a correctness reward apart."""
+
+    correct: int = 0
+    size: int = 0
+    summed: float = 0.0
+    full_credit: dict[str, int] = field(default_factory=dict)
+    function_summed: dict[str, float] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        size = max(self.size, 1)
+        return {"correct": self.correct, "size": self.size, "accuracy": self.correct / size,
+                "mean_score": self.summed / size,
+                "functions": {name: {"full_credit": full, "mean": self.function_summed[name] / size}
+                              for name, full in self.full_credit.items()}}
+
+
+def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Example], batch: int) -> HeldOut:
+    """Greedy HF generate of `model` on `held_out`, `batch` prompts per call (left-padded), each
+    completion cut at its first EOS and scored by grpod's reward and correctness rule. The one
+    evaluator of both sides' weights (`evaluate.py`), and TRL's in-run evaluation (`trl_runner.py`)."""
     import torch
     from transformers import GenerationConfig
 
@@ -202,7 +229,7 @@ def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Examp
     greedy = GenerationConfig(
         do_sample=False, max_new_tokens=workload.eval_max_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
     )
-    correct, summed = 0, 0.0
+    result = HeldOut(size=len(held_out))
     with torch.no_grad():
         for start in range(0, len(held_out), batch):
             chunk = held_out[start : start + batch]
@@ -215,11 +242,14 @@ def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Examp
                 stop = next((i for i, t in enumerate(seq) if t in eos), None)
                 completions.append(seq if stop is None else seq[: stop + 1])
             texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-            scores = workload.scores([e.columns for e in chunk], texts, completions)
-            correct += sum(workload.correct(s) for s in scores)
-            summed += sum(scores)
+            scores, by_name = workload.scored([e.columns for e in chunk], texts, completions)
+            result.correct += sum(workload.correct(s) for s in scores)
+            result.summed += sum(scores)
+            for name, values in by_name.items():
+                result.full_credit[name] = result.full_credit.get(name, 0) + sum(v >= 1.0 for v in values)
+                result.function_summed[name] = result.function_summed.get(name, 0.0) + sum(values)
     model.train(was_training)
-    return correct, len(held_out), summed
+    return result
 
 
 def load(config: Path, overrides: list[str]) -> GrpodConfig:
