@@ -189,3 +189,25 @@ def test_the_evaluator_scores_each_reward_function_apart(monkeypatch):
     assert by_name == {"last_number": [1.0, 1.0, 0.0], "regex_format": [1.0, 0.0, 0.0]}
     assert combined == [1.5, 1.0, 0.0]
     assert [work.correct(s) for s in combined] == [True, False, False]  # right but untagged is not correct
+
+
+def test_trls_gradient_tokens_count_only_completions_whose_advantage_is_not_zero(tmp_path):
+    """TRL's side of the gradient token share: a flat group counts nothing, a completion at its
+    group's mean counts nothing, a truncated one counts only when truncation is not masked; and the
+    table reads grpod's own cumulative share beside it."""
+    eos = {0}
+    scores = [1.0, 1.0, 1.0,  0.0, 0.5, 1.0,  0.0, 0.0, 1.0]
+    ids = [[5, 0], [5, 0], [5, 0],  [5, 6, 0], [5, 0], [5, 6, 7],  [5, 0], [5, 6, 0], [5, 0]]
+    # Group 2: the 0.5 completion sits at the mean; [5, 6, 7] ran to max_tokens 3 without EOS.
+    assert workload.gradient_tokens(scores, ids, 3, 3, eos, mask_truncated=True) == 3 + 2 + 3 + 2
+    assert workload.gradient_tokens(scores, ids, 3, 3, eos, mask_truncated=False) == 3 + 3 + 2 + 3 + 2
+    with pytest.raises(ValueError, match="not whole groups of 4"):
+        workload.gradient_tokens(scores, ids, 4, 3, eos, mask_truncated=True)
+    trl = compare.Run(side="trl", seed=0, run_dir=tmp_path, launch=0.0, threads=2)
+    trl.steps = [{"step": 1, "time": 10.0, "tokens": 100, "gradient": 30}, {"step": 2, "time": 20.0, "tokens": 100, "gradient": 50}]
+    grpod = compare.Run(side="grpod", seed=0, run_dir=tmp_path, launch=0.0)
+    grpod.steps = [{"step": 1, "time": 5.0, "tokens": 80, "sampled": 100, "share": 0.5},
+                   {"step": 2, "time": 9.0, "tokens": 80, "sampled": 200, "share": 0.62}]
+    _, summary = compare.table([grpod, trl], ["grpod", "trl"], [])
+    assert summary["rows"]["share of sampled completion tokens that reached a gradient (launch to last step)"] == {
+        "grpod": "0.620", "trl": "0.400"}

@@ -433,6 +433,17 @@ class Run:
             return self.tokens_per_s()
         return (span[1]["sampled"] - span[0]["sampled"]) / (span[1]["time"] - span[0]["time"])
 
+    def gradient_share(self) -> float | None:
+        """The share of every completion token sampled for training, from launch to the last step,
+        that reached a non-zero advantage (grpod: its `gradient_token_share`; TRL: the runner's
+        count over the groups whose rewards differ, truncated completions out where masked)."""
+        last = next((s for s in reversed(self.steps) if s.get("share") is not None), None)
+        if last is not None:
+            return last["share"]
+        counted = [s for s in self.steps if "gradient" in s]
+        sampled = sum(s["tokens"] for s in counted)
+        return sum(s["gradient"] for s in counted) / sampled if counted and sampled else None
+
     def accuracy_at_step(self, step: int) -> float | None:
         return next((e["accuracy"] for e in self.evals if e["step"] == step), None)
 
@@ -447,7 +458,7 @@ class Run:
             "threshold_s": {str(t): _round(self.threshold_s(t)) for t in thresholds},
             "steps": self.steps[-1]["step"] if self.steps else 0, "steps_per_s": _round(self.steps_per_s(), 4),
             "generated_tokens": sum(s["tokens"] for s in self.steps), "tokens_per_s": _round(self.tokens_per_s()),
-            "sampled_tokens_per_s": _round(self.sampled_tokens_per_s()),
+            "sampled_tokens_per_s": _round(self.sampled_tokens_per_s()), "gradient_token_share": _round(self.gradient_share(), 4),
             "cpu_s": round(self.cpu_s, 1), "cpu_s_sampled": round(self.cpu_s_sampled, 1),
             "cpu_s_rusage": round(self.cpu_s_rusage, 1), "cpu_s_per_step": _round(self.cpu_s_per_step, 3),
             "cpu_by_process": self.cpu_by_process, "cpu_by_process_first_to_last_step": self.cpu_by_process_steps,
@@ -478,7 +489,8 @@ def _read_grpod(run: Run) -> None:
         tokens[line["step"]] = tokens.get(line["step"], 0) + sum(sum(mask) for mask in line["group"]["loss_mask"])
     run.steps = [
         {"step": r["step"], "time": r["time"], "tokens": tokens.get(r["step"], 0),
-         **({"sampled": r["sampled_tokens"]} if "sampled_tokens" in r else {})}
+         **({"sampled": r["sampled_tokens"]} if "sampled_tokens" in r else {}),
+         **({"share": r["gradient_token_share"]} if "gradient_token_share" in r else {})}
         for r in metrics if r["kind"] == "step"
     ]  # fmt: skip
     run.evals = [
@@ -494,7 +506,9 @@ def _read_grpod(run: Run) -> None:
 
 def _read_trl(run: Run) -> None:
     records = _jsonl(run.run_dir / "records.jsonl")
-    run.steps = [{"step": r["step"], "time": r["time"], "tokens": r["generated_tokens"]} for r in records if r["kind"] == "step"]
+    run.steps = [{"step": r["step"], "time": r["time"], "tokens": r["generated_tokens"],
+                  **({"gradient": r["gradient_tokens"]} if "gradient_tokens" in r else {})}
+                 for r in records if r["kind"] == "step"]
     run.evals = [
         {"step": r["step"], "time": r["time"], "accuracy": r["eval_accuracy"], "when": r.get("when")}
         for r in records if r["kind"] == "eval"
@@ -729,6 +743,7 @@ def table(runs: list[Run], sides: list[str], thresholds: list[float], minutes: l
     row("steps/s (first to last step)", Run.steps_per_s, ".3f")
     row("trained completion tokens/s", Run.tokens_per_s, ".1f")
     row("sampled completion tokens/s (generation, trained or not)", Run.sampled_tokens_per_s, ".1f")
+    row("share of sampled completion tokens that reached a gradient (launch to last step)", Run.gradient_share, ".3f", missing="-")
     row("CPU-seconds, whole process tree", lambda r: r.cpu_s, ".0f")
     row("CPU-seconds per step (first to last step)", lambda r: r.cpu_s_per_step, ".2f")
     row("peak RSS, process tree (MiB; shared pages once per process)", lambda r: r.peak_rss_mb, ".0f")

@@ -61,7 +61,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from workload import AGGREGATIONS, Workload, grpo_config_kwargs, load
+    from workload import AGGREGATIONS, Workload, eos_token_ids, gradient_tokens, grpo_config_kwargs, load
     from workload import held_out_accuracy as shared_held_out_accuracy
 
     cfg = load(args.config, args.set)
@@ -93,7 +93,10 @@ def main() -> int:
         """What the reward function sees of a step's generations (TRL calls it once per step here)."""
 
         tokens = 0
+        gradient = 0
         scores: list[float] = []
+
+    eos_ids = set(eos_token_ids(model, tokenizer))
 
     def grpod_reward(prompts, completions, completion_ids, **kwargs):
         columns = [name for name in train[0].columns]
@@ -101,6 +104,8 @@ def main() -> int:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         scores = workload.scores(rows, texts, completion_ids)
         StepTally.tokens += sum(len(ids) for ids in completion_ids)
+        StepTally.gradient += gradient_tokens(scores, completion_ids, cfg.source.group_size, workload.max_tokens,
+                                              eos_ids, cfg.train.loss.mask_truncated)
         StepTally.scores.extend(scores)
         return scores
 
@@ -125,8 +130,8 @@ def main() -> int:
         def on_step_end(self, args, state, control, model=None, **kwargs):
             scores = StepTally.scores
             records.write("step", step=state.global_step, generated_tokens=StepTally.tokens,
-                          reward_mean=sum(scores) / len(scores) if scores else None)
-            StepTally.tokens, StepTally.scores = 0, []
+                          gradient_tokens=StepTally.gradient, reward_mean=sum(scores) / len(scores) if scores else None)
+            StepTally.tokens, StepTally.gradient, StepTally.scores = 0, 0, []
             while marks and time.time() >= marks[0]:
                 index = len(save_at) - len(marks)
                 path = run_dir / f"weights-at-{index}"

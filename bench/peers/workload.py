@@ -193,6 +193,33 @@ class Workload:
         return score >= threshold
 
 
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """The tokens that end a completion: the model's generation config's, and the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return eos if tokenizer.eos_token_id in eos else [*eos, tokenizer.eos_token_id]
+
+
+def gradient_tokens(scores: list[float], completion_ids: list[list[int]], group_size: int, max_tokens: int,
+                    eos_ids: set[int], mask_truncated: bool) -> int:
+    """Completion tokens that reach a gradient in TRL's step: `scores` come in groups of
+    `group_size` consecutive completions of one prompt (TRL's sampler repeats each prompt so), a
+    completion's advantage is its reward less its group's mean (then scaled), so it is non-zero
+    unless the reward equals that mean; a truncated completion (no EOS within `max_tokens`) counts
+    nothing when `mask_truncated`. grpod's trainer counts its own the same way (`gradient_tokens`)."""
+    if len(scores) % group_size:
+        raise ValueError(f"{len(scores)} rewards are not whole groups of {group_size}")
+    counted = 0
+    for start in range(0, len(scores), group_size):
+        group = scores[start : start + group_size]
+        mean = sum(group) / group_size
+        for score, ids in zip(group, completion_ids[start : start + group_size], strict=True):
+            truncated = len(ids) >= max_tokens and not eos_ids.intersection(ids)
+            if abs(score - mean) > 1e-9 and not (mask_truncated and truncated):
+                counted += len(ids)
+    return counted
+
+
 @dataclass
 class HeldOut:
     """One evaluation: `correct` of `size` rows by the config's correctness rule, the summed
@@ -222,10 +249,7 @@ def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Examp
 
     was_training = model.training
     model.eval()
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
+    eos = eos_token_ids(model, tokenizer)
     greedy = GenerationConfig(
         do_sample=False, max_new_tokens=workload.eval_max_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
     )
