@@ -1,6 +1,6 @@
 """grpod vs TRL's GRPOTrainer, side by side on this machine: one workload, N seeds, interleaved.
 
-    python bench/peers/compare.py [--task default|real|reasoning-gym|format] [--seeds 0 1 2] [--steps N] [--quick]
+    python bench/peers/compare.py [--task default|real|reasoning-gym|format|format-plain] [--seeds 0 1 2] [--steps N] [--quick]
         [--grpod-sync] [--trl-threads auto|N] [--minutes 5 10 15] [--label "loaded machine"]
         [--out bench/results/peers.json] [--set KEY=VALUE ...]
 
@@ -27,6 +27,8 @@ Tasks.
   reward of weight 0.5 for a completion that is one tagged number and nothing else. Correct means
   both (combined reward >= 1.5); the evaluator also reports the rows each reward alone gave full
   credit: right whatever the format, and formatted whatever the answer.
+- `format-plain`: the same without the format in the reward (weight 0: still scored by the
+  evaluator, never rewarded); correct means the verifier's full credit.
 - `--quick`: a few steps (default 6, eval every 3; real 3, eval every 2 on 4 rows) to test the harness.
 - `--minutes M ...`: timed runs scored by one evaluator (bench/peers/README.md, "Run it").
 
@@ -185,6 +187,27 @@ FORMAT_PROMPT = "Give only the final number, inside <answer></answer> tags."
 FORMAT_PATTERN = r"^\s*<answer>\s*-?\d+\s*</answer>\s*$"
 FORMAT_WEIGHT = 0.5
 
+
+
+def _format_task(weight: float) -> Task:
+    """The format task, its format reward at `weight` (0: scored, never rewarded)."""
+    return Task(
+        config=ROOT / "etc" / "examples" / "reasoning-gym.toml", model=SMOLLM2, build=SMOLLM2_BUILD,
+        seed_keys=("run.seed", "source.dataset.shuffle_seed"), seed_offsets=(0, 0), quick=SMOLLM2_QUICK,
+        overrides=(
+            f"source.dataset.path={json.dumps(str(FORMAT_DATA / 'train.jsonl'))}",
+            f"eval.dataset={json.dumps(str(FORMAT_DATA / 'eval.jsonl'))}",
+            f"source.dataset.system_prompt={json.dumps(FORMAT_PROMPT)}",
+            f"source.dataset.rewards=[{{function='reasoning_gym'}}, "
+            f"{{function='regex_format', pattern='{FORMAT_PATTERN}', weight={weight}}}]",
+            f"eval.correct_threshold={1 + weight}",
+        ),
+        data=FORMAT_DATA / "train.jsonl",
+        prepare=("reasoning-gym", "chain_sum", "--out", str(FORMAT_DATA), "--size", "128", "--eval-size", "200",
+                 "--option", "max_terms=3", "--option", "max_digits=1"),
+    )
+
+
 TASKS = {
     "default": Task(
         config=ROOT / "etc" / "grpod.toml",
@@ -206,21 +229,8 @@ TASKS = {
         prepare=("reasoning-gym", "chain_sum", "--out", str(ROOT / "data" / "chain_sum"), "--size", "128",
                  "--eval-size", "200", "--option", "max_terms=2", "--option", "max_digits=2"),
     ),
-    "format": Task(
-        config=ROOT / "etc" / "examples" / "reasoning-gym.toml", model=SMOLLM2, build=SMOLLM2_BUILD,
-        seed_keys=("run.seed", "source.dataset.shuffle_seed"), seed_offsets=(0, 0), quick=SMOLLM2_QUICK,
-        overrides=(
-            f"source.dataset.path={json.dumps(str(FORMAT_DATA / 'train.jsonl'))}",
-            f"eval.dataset={json.dumps(str(FORMAT_DATA / 'eval.jsonl'))}",
-            f"source.dataset.system_prompt={json.dumps(FORMAT_PROMPT)}",
-            f"source.dataset.rewards=[{{function='reasoning_gym'}}, "
-            f"{{function='regex_format', pattern='{FORMAT_PATTERN}', weight={FORMAT_WEIGHT}}}]",
-            f"eval.correct_threshold={1 + FORMAT_WEIGHT}",
-        ),
-        data=FORMAT_DATA / "train.jsonl",
-        prepare=("reasoning-gym", "chain_sum", "--out", str(FORMAT_DATA), "--size", "128", "--eval-size", "200",
-                 "--option", "max_terms=3", "--option", "max_digits=1"),
-    ),
+    "format": _format_task(FORMAT_WEIGHT),
+    "format-plain": _format_task(0.0),
 }
 
 SIDES = {
