@@ -198,7 +198,6 @@ FORMAT_WEIGHT = 0.5
 FORMAT_TOKENS = 128
 
 
-
 def _format_task(weight: float) -> Task:
     """The format task, its format reward at `weight` (0: scored, never rewarded)."""
     return Task(
