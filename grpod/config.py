@@ -758,6 +758,13 @@ class TrainConfig(_Section):
     micro_batch_tokens: int = Field(
         4096, ge=16, description="Padded tokens per micro-batch (gradient accumulation beyond)."
     )
+    share_prompt: bool = Field(
+        True,
+        description="Forward a group's prompt once for all its completions (micro-batches then hold one group "
+        "each, and the completions attend to the prompt's cached keys and values; the same loss and gradient "
+        "up to float summation order). Not with model.gradient_checkpointing, which turns that cache off; "
+        "trainer ranks under torchrun forward every row in full.",
+    )
     micro_batch_min_efficiency: float = Field(
         0.95,
         ge=0,

@@ -60,6 +60,11 @@ EMBEDDED_CHOICES: dict[str, Choice] = {
         "a step here fits one micro-batch, and splitting it to save padding costs more per-call overhead "
         "than the padding",
     ),
+    "train.share_prompt": Choice(
+        False,
+        "a step here fits one micro-batch; forwarding each group's 20-token prompt once would take 16 "
+        "forward calls instead of one on a model where a call's overhead outweighs its matmuls",
+    ),
     "train.threads": Choice(1, "the trainer takes one core, vLLM the other"),
     "bridge.sync_every": Choice(
         2, "2 halves vLLM's share of the sync cost, and learns as well as 1 here (docs/benchmarks.md)"

@@ -14,6 +14,13 @@ Right padding needs no attention mask with a causal LM: a real position only att
 positions, which are all real, so its logits are those of the unpadded sequence; the pad positions'
 outputs are never read. Only loss tokens are gathered out of the block (`MicroBatch.rows`,
 `.positions`), so everything downstream of the forward pass is flat and padding-free.
+
+A group's completions share their prompt. With `groups` given, a micro-batch holds sequences of
+one group only, and `MicroBatch.shared_prefix` is the length of the prefix every row has in common
+(up to the first position whose logits are needed): `trainer.predicting_logits` forwards it once
+and the rows after it from its cache, instead of the same prompt once per row. With 8 completions
+of a 94-token prompt and 40-token completions, that is 93 + 8 x 41 = 421 positions forwarded
+instead of 8 x 134 = 1072.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class TrainingSequence:
     advantage: float
     temperature: float
     inference_logprobs: list[float] | None = None
+    group: int = 0  # the index of its group in the batch: sequences of one group share a prompt
 
     @property
     def loss_positions(self) -> list[int]:
@@ -52,7 +60,7 @@ def training_sequences(result: AdvantageResult, *, mask_truncated: bool) -> list
     overridden" (validation has already refused any other non-number).
     """
     sequences = []
-    for group, advantages in zip(result.groups, result.advantages, strict=True):
+    for index, (group, advantages) in enumerate(zip(result.groups, result.advantages, strict=True)):
         for i, tokens in enumerate(group.tokens):
             truncated = bool(group.truncated[i]) if group.truncated else False
             mask = masked_for_truncation(list(group.loss_mask[i]), truncated, mask_truncated)
@@ -63,6 +71,7 @@ def training_sequences(result: AdvantageResult, *, mask_truncated: bool) -> list
                 advantage=float(advantages[i]),
                 temperature=float(_overridden(override, "temperature", group.temperature)),
                 inference_logprobs=list(group.inference_logprobs[i]) if group.inference_logprobs else None,
+                group=index,
             )
             if sequence.loss_positions:
                 sequences.append(sequence)
@@ -81,14 +90,19 @@ class MicroBatchPlan:
     batches: list[list[int]]
     real_tokens: int
     processed_tokens: int
+    # Prompt tokens of rows after a micro-batch's first that were not forwarded again (shared prompts).
+    shared_tokens: int = 0
 
     @property
     def efficiency(self) -> float:
         return self.real_tokens / self.processed_tokens if self.processed_tokens else 1.0
 
 
-def plan_micro_batches(lengths: Sequence[int], micro_batch_tokens: int, min_efficiency: float = 0.0) -> MicroBatchPlan:
-    """Sort by length and cut greedily into contiguous runs.
+def plan_micro_batches(
+    lengths: Sequence[int], micro_batch_tokens: int, min_efficiency: float = 0.0, groups: Sequence[int] | None = None,
+) -> MicroBatchPlan:
+    """Sort by length and cut greedily into contiguous runs; with `groups` (one key per sequence),
+    by group first, and a micro-batch never spans two groups (its rows then share a prompt).
 
     A micro-batch grows while `rows x max_len` fits `micro_batch_tokens` and its efficiency stays
     at least `min_efficiency`; so every micro-batch of more than one sequence meets both bounds,
@@ -96,14 +110,16 @@ def plan_micro_batches(lengths: Sequence[int], micro_batch_tokens: int, min_effi
     """
     if micro_batch_tokens < 1:
         raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    key = (lambda i: (groups[i], lengths[i])) if groups is not None else (lambda i: lengths[i])
+    order = sorted(range(len(lengths)), key=key)
     batches: list[list[int]] = []
     current: list[int] = []
     current_real = 0
     for i in order:
         # Ascending order: the newcomer is the longest, so it sets the padded width.
         padded = (len(current) + 1) * lengths[i]
-        if current and (padded > micro_batch_tokens or current_real + lengths[i] < min_efficiency * padded):
+        other_group = groups is not None and current and groups[current[0]] != groups[i]
+        if current and (other_group or padded > micro_batch_tokens or current_real + lengths[i] < min_efficiency * padded):
             batches.append(current)
             current, current_real = [], 0
         current.append(i)
@@ -112,6 +128,32 @@ def plan_micro_batches(lengths: Sequence[int], micro_batch_tokens: int, min_effi
         batches.append(current)
     processed = sum(len(batch) * lengths[batch[-1]] for batch in batches)
     return MicroBatchPlan(batches=batches, real_tokens=sum(lengths), processed_tokens=processed)
+
+
+def plan_sequences(
+    sequences: Sequence[TrainingSequence], micro_batch_tokens: int, min_efficiency: float, share_prompt: bool,
+) -> MicroBatchPlan:
+    """A step's `sequences` cut into micro-batches. With `share_prompt`, by group, the budget over
+    what each row forwards after its group's prompt, and no efficiency floor (padding a group's
+    completions to its longest costs less than a second forward of its prompt); the plan's tokens
+    then count each micro-batch's prompt once, and `shared_tokens` the prompt tokens not forwarded
+    again."""
+    if not share_prompt:
+        return plan_micro_batches([len(s.tokens) for s in sequences], micro_batch_tokens, min_efficiency)
+    members: dict[int, list[TrainingSequence]] = {}
+    for s in sequences:
+        members.setdefault(s.group, []).append(s)
+    prompt = {
+        group: common_prefix([s.tokens for s in rows], min(s.loss_positions[0] for s in rows) - 1)
+        for group, rows in members.items()
+    }
+    rest = plan_micro_batches([len(s.tokens) - prompt[s.group] for s in sequences], micro_batch_tokens, 0.0,
+                              [s.group for s in sequences])
+    once = [prompt[sequences[batch[0]].group] for batch in rest.batches]
+    return MicroBatchPlan(
+        batches=rest.batches, real_tokens=rest.real_tokens + sum(once), processed_tokens=rest.processed_tokens + sum(once),
+        shared_tokens=sum(p * (len(batch) - 1) for p, batch in zip(once, rest.batches, strict=True)),
+    )
 
 
 @dataclass
@@ -137,6 +179,8 @@ class MicroBatch:
     # runs from here (`trainer.predicting_logits`); known here without reading `positions` back.
     predicted_from: int
     old_logprobs: Tensor | None = None
+    # The leading positions every row has in common, at most `predicted_from` (0: none shared).
+    shared_prefix: int = 0
 
     @property
     def processed_tokens(self) -> int:
@@ -148,9 +192,11 @@ def collate(
     pad_id: int,
     device: torch.device | str = "cpu",
     old_logprobs: list[Tensor] | None = None,
+    share_prefix: bool = False,
 ) -> MicroBatch:
     """Right-pad `sequences` into one block and gather their loss tokens (`old_logprobs`: one
-    tensor per sequence over its loss positions, in the same order)."""
+    tensor per sequence over its loss positions, in the same order); with `share_prefix`, measure
+    the prefix all rows share (`MicroBatch.shared_prefix`)."""
     width = max(len(s.tokens) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     rows, positions, temps, advantages, inference, counts = [], [], [], [], [], []
@@ -180,4 +226,19 @@ def collate(
         real_tokens=sum(len(s.tokens) for s in sequences),
         predicted_from=min(positions) - 1,
         old_logprobs=torch.cat(old_logprobs).to(device) if old_logprobs is not None else None,
+        shared_prefix=common_prefix([s.tokens for s in sequences], min(positions) - 1) if share_prefix else 0,
     )
+
+
+def common_prefix(rows: list[list[int]], limit: int) -> int:
+    """How many leading tokens every row of `rows` (two or more) has in common, at most `limit`."""
+    if len(rows) < 2:
+        return 0
+    first = rows[0]
+    length = min(limit, *(len(r) for r in rows))
+    for other in rows[1:]:
+        same = 0
+        while same < length and other[same] == first[same]:
+            same += 1
+        length = same
+    return length

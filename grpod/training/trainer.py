@@ -50,9 +50,10 @@ from grpod.rollouts.group import RolloutGroup
 from grpod.training.advantages import compute_advantages
 from grpod.training.batching import (
     MicroBatch,
+    MicroBatchPlan,
     TrainingSequence,
     collate,
-    plan_micro_batches,
+    plan_sequences,
     training_sequences,
 )
 from grpod.training.logprobs import (
@@ -121,6 +122,7 @@ class BatchPlan:
     grad_norms: list[float] = field(default_factory=list)
     real_tokens: int = 0
     processed_tokens: int = 0
+    shared_tokens: int = 0
     micro_batches: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -276,22 +278,33 @@ class Trainer:
     def _backward(self, plan: BatchPlan, part: list[int], normalizer: StepNormalizer) -> None:
         """The micro-batches of `part`, one after the other (gradients accumulate)."""
         cfg = self.train_cfg
-        micro = plan_micro_batches([len(plan.sequences[i].tokens) for i in part], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
+        micro = self._micro_plan([plan.sequences[i] for i in part])
         for indices in micro.batches:
             plan.stats.merge(self._micro_batch_backward(plan, [part[i] for i in indices], normalizer))
         plan.real_tokens += micro.real_tokens
         plan.processed_tokens += micro.processed_tokens
+        plan.shared_tokens += micro.shared_tokens
         plan.micro_batches += len(micro.batches)
 
     def _micro_batch_backward(self, plan: BatchPlan, rows: list[int], normalizer: StepNormalizer) -> LossStats:
         """Forward the plan's sequences `rows` as one micro-batch, its share of the loss, backward."""
         batch = collate(
             [plan.sequences[i] for i in rows], self.pad_id, self.device,
-            old_logprobs=[plan.old[i] for i in rows] if plan.old is not None else None,
+            old_logprobs=[plan.old[i] for i in rows] if plan.old is not None else None, share_prefix=self.share_prefix,
         )
         loss, stats = self._micro_batch_loss(batch, normalizer)
         loss.backward()
         return stats
+
+    @property
+    def share_prefix(self) -> bool:
+        """Whether a group's prompt is forwarded once for its completions (`train.share_prompt`;
+        not with gradient checkpointing, which turns the key/value cache off)."""
+        return self.train_cfg.share_prompt and not getattr(self.model, "is_gradient_checkpointing", False)
+
+    def _micro_plan(self, sequences: list[TrainingSequence]) -> MicroBatchPlan:
+        cfg = self.train_cfg
+        return plan_sequences(sequences, cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency, self.share_prefix)
 
     def _clip_gradients(self, max_norm: float) -> float:
         """Clip the gradient to `max_norm`; its norm before clipping."""
@@ -323,8 +336,11 @@ class Trainer:
             "updates": float(len(finite)),
             "skipped": 0.0,
             "grad_norm": sum(finite) / len(finite),
-            "tokens": float(plan.real_tokens),
+            # The batch's tokens; processed_tokens are the positions forwarded, padding included
+            # and a group's shared prompt once per micro-batch (shared_prompt_tokens: not forwarded again).
+            "tokens": float(plan.real_tokens + plan.shared_tokens),
             "processed_tokens": float(plan.processed_tokens),
+            "shared_prompt_tokens": float(plan.shared_tokens),
             "padding_efficiency": plan.real_tokens / plan.processed_tokens if plan.processed_tokens else 1.0,
             "micro_batches": float(plan.micro_batches),
             "step_time_s": time.perf_counter() - plan.started,
@@ -365,7 +381,7 @@ class Trainer:
     def _old_logprobs(self, sequences: list[TrainingSequence]) -> list[torch.Tensor]:
         """pi_old's logprob of every loss token, per sequence, before the batch's first update."""
         cfg = self.train_cfg
-        plan = plan_micro_batches([len(s.tokens) for s in sequences], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
+        plan = self._micro_plan(sequences)
         old: list[torch.Tensor | None] = [None] * len(sequences)
         for indices in plan.batches:
             for i, logprobs in self._micro_batch_logprobs(sequences, indices).items():
@@ -375,7 +391,7 @@ class Trainer:
     @torch.no_grad()
     def _micro_batch_logprobs(self, sequences: list[TrainingSequence], indices: list[int]) -> dict[int, torch.Tensor]:
         """Each of `sequences[indices]`'s loss-token logprobs, forwarded as one micro-batch."""
-        batch = collate([sequences[i] for i in indices], self.pad_id, self.device)
+        batch = collate([sequences[i] for i in indices], self.pad_id, self.device, share_prefix=self.share_prefix)
         logprobs = token_logprobs(
             predicting_logits(self.model, batch), batch.targets, batch.temperatures,
             self.train_cfg.loss.logprob_chunk_tokens,
@@ -499,10 +515,23 @@ def predicting_logits(model, batch: MicroBatch) -> torch.Tensor:
     """The logits that predict `batch`'s loss tokens, one row per token. The LM head runs only
     from the first position that predicts a loss token (`logits_to_keep`), not over the prompts
     before it: on SmolLM2-135M the head is a fifth of a token's matmuls, and the full
-    [rows, length, vocab] logits were the largest tensor of a step."""
+    [rows, length, vocab] logits were the largest tensor of a step. A prefix the rows share
+    (`MicroBatch.shared_prefix`, a group's prompt) is forwarded once (`train.share_prompt`)."""
     first = batch.predicted_from
     keep = batch.input_ids.shape[1] - first
-    logits = model(input_ids=batch.input_ids, use_cache=False, logits_to_keep=keep).logits
+    shared, rows = batch.shared_prefix, batch.input_ids.shape[0]
+    cache = None
+    if shared > 0 and rows > 1:
+        # The rows' common prefix (a group's prompt) once; each row's rest attends to its keys and
+        # values, repeated per row in the graph, so its gradient sums over the rows. A model whose
+        # cache cannot be repeated per row forwards every row in full.
+        cache = model(input_ids=batch.input_ids[:1, :shared], use_cache=True, logits_to_keep=1).past_key_values
+    if cache is not None and hasattr(cache, "batch_repeat_interleave"):
+        cache.batch_repeat_interleave(rows)
+        logits = model(input_ids=batch.input_ids[:, shared:], past_key_values=cache, use_cache=True,
+                       logits_to_keep=keep).logits
+    else:
+        logits = model(input_ids=batch.input_ids, use_cache=False, logits_to_keep=keep).logits
     if logits.shape[1] != keep:
         raise RuntimeError(f"{type(model).__name__} ignored logits_to_keep={keep}: {logits.shape[1]} positions came back")
     return logits[batch.rows, batch.positions - 1 - first]

@@ -127,3 +127,25 @@ def test_right_padding_without_attention_mask_leaves_real_positions_unchanged():
         padded = model(input_ids=batch.input_ids).logits
         alone = model(input_ids=torch.tensor([short])).logits
     torch.testing.assert_close(padded[1, :3], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_micro_batches_by_group_never_span_two_groups_and_measure_the_shared_prompt():
+    """With `groups`, sequences sort by group then length and a micro-batch holds one group; the
+    collated block knows the prefix its rows share, short of the first position whose logits are
+    needed (the last prompt token predicts the first completion token)."""
+    from grpod.training.batching import TrainingSequence, collate, common_prefix, plan_micro_batches
+
+    lengths = [5, 3, 9, 4, 7, 2]
+    groups = [1, 0, 1, 0, 1, 0]
+    plan = plan_micro_batches(lengths, micro_batch_tokens=1000, groups=groups)
+    assert plan.batches == [[5, 1, 3], [0, 4, 2]]
+    assert plan_micro_batches(lengths, micro_batch_tokens=14, groups=groups).batches == [[5, 1, 3], [0, 4], [2]]
+    assert plan_micro_batches(lengths, micro_batch_tokens=1000).batches == [[5, 1, 3, 0, 4, 2]]
+    prompt = [7, 8, 9, 10]
+    rows = [TrainingSequence(prompt + [11, 12], [0] * 4 + [1, 1], 1.0, 1.0),
+            TrainingSequence(prompt + [13], [0] * 4 + [1], -1.0, 1.0)]
+    assert collate(rows, pad_id=0, share_prefix=True).shared_prefix == 3
+    assert collate(rows, pad_id=0).shared_prefix == 0
+    assert collate(rows[:1], pad_id=0, share_prefix=True).shared_prefix == 0
+    assert common_prefix([[1, 2, 3], [1, 2, 4], [1, 5]], limit=10) == 1
+    assert common_prefix([[1, 2, 3], [1, 2, 3]], limit=2) == 2

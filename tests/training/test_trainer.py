@@ -118,7 +118,7 @@ def test_micro_batch_split_gives_the_same_step(model_dir, aggregation):
     results = []
     for budget, floor in ((16, 0.0), (200, 0.0), (100_000, 0.0), (100_000, 0.95)):
         cfg = config(
-            lr=lr, micro_batch_tokens=budget, micro_batch_min_efficiency=floor,
+            lr=lr, micro_batch_tokens=budget, micro_batch_min_efficiency=floor, share_prompt=False,
             loss={"aggregation": aggregation, "kl_coef": 0.01},
         )
         trainer = build_trainer(cfg, model_dir)
@@ -140,6 +140,43 @@ def test_micro_batch_split_gives_the_same_step(model_dir, aggregation):
             grad = base_grads.get(name)
             settled = grad.abs() >= 100 * ADAM_EPS if grad is not None else torch.ones_like(moved, dtype=torch.bool)
             assert settled.any() and moved[settled].max() <= 0.05 * lr, name
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_groups_prompt_forwarded_once_gives_the_same_step(model_dir, epochs):
+    """train.share_prompt: micro-batches of one group each, the prompt forwarded once and the
+    completions from its cache. The gradient of every tensor and the loss equal those of the
+    full forward per row (fp32: summation order only, as for micro-batch splits), and the
+    embedding sees each prompt once: one row of the prompt's length, then the completions."""
+    groups = random_groups(seed=5)
+    results, shapes = [], []
+    for share in (False, True):
+        trainer = build_trainer(config(share_prompt=share, epochs=epochs, loss={"kl_coef": 0.01}), model_dir)
+        seen: list[tuple[int, ...]] = []
+        hook = trainer.model.get_input_embeddings().register_forward_hook(
+            lambda _m, args, _out, seen=seen: seen.append(tuple(args[0].shape)))
+        try:
+            metrics, grads = step_with_gradients(trainer, groups)
+        finally:
+            hook.remove()
+        results.append((metrics, grads))
+        shapes.append(seen)
+    (plain, plain_grads), (shared, shared_grads) = results
+    assert shared["loss"] == pytest.approx(plain["loss"], rel=5e-6)
+    assert shared["grad_norm"] == pytest.approx(plain["grad_norm"], rel=5e-6)
+    for name, grad in plain_grads.items():
+        assert (shared_grads[name] - grad).norm() <= 5e-6 * grad.norm(), name
+    prompts = [len(g.tokens[0]) - sum(g.loss_mask[0]) - 1 for g in groups]  # the last prompt token predicts
+    forwards = epochs + (epochs > 1)  # each update, and pi_old's logprobs first when there are several
+    assert sorted(rows for rows, _ in shapes[1] if rows == 1) == [1] * len(groups) * forwards
+    assert sorted(width for rows, width in shapes[1] if rows == 1) == sorted(prompts * forwards)
+    # One micro-batch per group: its prompt once, then every completion padded to its longest.
+    once = sum(p + len(g.tokens) * (max(map(len, g.tokens)) - p) for p, g in zip(prompts, groups, strict=True))
+    processed = [sum(rows * width for rows, width in seen) for seen in shapes]
+    assert processed[1] == once * forwards and shared["processed_tokens"] == once * epochs  # the metrics count updates
+    assert shared["tokens"] == plain["tokens"] == epochs * sum(len(t) for g in groups for t in g.tokens)
+    assert shared["shared_prompt_tokens"] == epochs * sum(p * (len(g.tokens) - 1) for p, g in zip(prompts, groups, strict=True))
+    assert processed[1] < 0.7 * processed[0], processed
 
 
 def test_gradient_checkpointing_gives_the_same_step(model_dir):

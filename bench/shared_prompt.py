@@ -1,0 +1,81 @@
+"""Trainer step time with each group's prompt forwarded once (`train.share_prompt`) and without.
+
+Replays the batches a real run recorded (`run.record_rollouts = true`: rollouts.jsonl, one line
+per trained group) through a fresh trainer on the run's model, the first `--steps` recorded
+batches, once with `share_prompt = false` and once with `true`, one torch thread (the trainer's
+setting in the examples), fp32, AdamW at lr 1e-7. Both settings train the same batches from the
+same weights; the step time is the trainer's own `step_time_s` (forward, loss, backward, clip,
+optimizer), and the first step of each setting is a warm-up, left out of the median.
+
+    .venv/bin/python bench/shared_prompt.py --rollouts RUN_DIR/rollouts.jsonl [...] \
+        [--model models/smollm2-135m] [--steps 5] [--out bench/results/shared_prompt.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import structlog
+
+from grpod.config import parse_config
+from grpod.rollouts.group import RolloutGroup
+from grpod.training.trainer import build_trainer
+
+RESULTS = Path(__file__).parent / "results" / "shared_prompt.json"
+
+
+def recorded_batches(path: Path, steps: int) -> list[list[RolloutGroup]]:
+    by_step: dict[int, list[RolloutGroup]] = defaultdict(list)
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step[record["step"]].append(RolloutGroup.from_json(record["group"]))
+    return [by_step[s] for s in sorted(by_step)[:steps]]
+
+
+def timed(model: Path, batches: list[list[RolloutGroup]], share: bool) -> dict:
+    cfg = parse_config({"train": {"threads": 1, "lr": 1e-7, "share_prompt": share}})
+    trainer = build_trainer(cfg, model)
+    steps = [trainer.train_step(groups) for groups in batches]
+    kept = [s for s in steps[1:] if not s.get("skipped")]
+    return {
+        "share_prompt": share,
+        "step_time_s": [round(s["step_time_s"], 3) for s in steps],
+        "median_step_s": round(statistics.median(s["step_time_s"] for s in kept), 3),
+        "processed_tokens": sum(s["processed_tokens"] for s in kept),
+        "tokens": sum(s["tokens"] for s in kept),
+        "loss": [round(s["loss"], 6) for s in steps if "loss" in s],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rollouts", type=Path, nargs="+", required=True)
+    parser.add_argument("--model", type=Path, default=Path("models/smollm2-135m"))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    rows = []
+    for path in args.rollouts:
+        batches = recorded_batches(path, args.steps)
+        groups = [g for batch in batches for g in batch]
+        prompt = statistics.mean(g.loss_mask[0].index(1) for g in groups)
+        completion = statistics.mean(sum(m) for g in groups for m in g.loss_mask)
+        runs = [timed(args.model, batches, share) for share in (False, True)]
+        rows.append({"rollouts": str(path), "batches": len(batches), "group_size": len(groups[0].tokens),
+                     "mean_prompt_tokens": round(prompt, 1), "mean_completion_tokens": round(completion, 1),
+                     "runs": runs, "speedup": round(runs[0]["median_step_s"] / runs[1]["median_step_s"], 2)})
+        print(f"{path}: prompt {prompt:.0f} tokens, completion {completion:.0f}, group {len(groups[0].tokens)}: "
+              f"{runs[0]['median_step_s']:.2f} s a step -> {runs[1]['median_step_s']:.2f} s shared "
+              f"({rows[-1]['speedup']}x; positions forwarded {runs[0]['processed_tokens']:.0f} -> "
+              f"{runs[1]['processed_tokens']:.0f})", flush=True)
+    args.out.write_text(json.dumps({"model": str(args.model), "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
