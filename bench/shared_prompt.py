@@ -2,7 +2,7 @@
 
 Replays the batches a real run recorded (`run.record_rollouts = true`: rollouts.jsonl, one line
 per trained group) through a fresh trainer on the run's model, the first `--steps` recorded
-batches, once with `share_prompt = false` and once with `true`, one torch thread (the trainer's
+batches that train (not every group flat), once with `share_prompt = false` and once with `true`, one torch thread (the trainer's
 setting in the examples), fp32, AdamW at lr 1e-7. Both settings train the same batches from the
 same weights; the step time is the trainer's own `step_time_s` (forward, loss, backward, clip,
 optimizer), and the first step of each setting is a warm-up, left out of the median.
@@ -34,7 +34,9 @@ def recorded_batches(path: Path, steps: int) -> list[list[RolloutGroup]]:
         if line.strip():
             record = json.loads(line)
             by_step[record["step"]].append(RolloutGroup.from_json(record["group"]))
-    return [by_step[s] for s in sorted(by_step)[:steps]]
+    # Batches the trainer trains: a batch of flat groups only (every completion scored alike) is skipped.
+    trained = [by_step[s] for s in sorted(by_step) if any(len(set(g.scores)) > 1 for g in by_step[s])]
+    return trained[:steps]
 
 
 def timed(model: Path, batches: list[list[RolloutGroup]], share: bool) -> dict:
@@ -70,11 +72,11 @@ def main() -> None:
         rows.append({"rollouts": str(path), "batches": len(batches), "group_size": len(groups[0].tokens),
                      "mean_prompt_tokens": round(prompt, 1), "mean_completion_tokens": round(completion, 1),
                      "runs": runs, "speedup": round(runs[0]["median_step_s"] / runs[1]["median_step_s"], 2)})
+        args.out.write_text(json.dumps({"model": str(args.model), "rows": rows}, indent=1) + "\n")
         print(f"{path}: prompt {prompt:.0f} tokens, completion {completion:.0f}, group {len(groups[0].tokens)}: "
               f"{runs[0]['median_step_s']:.2f} s a step -> {runs[1]['median_step_s']:.2f} s shared "
               f"({rows[-1]['speedup']}x; positions forwarded {runs[0]['processed_tokens']:.0f} -> "
               f"{runs[1]['processed_tokens']:.0f})", flush=True)
-    args.out.write_text(json.dumps({"model": str(args.model), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
