@@ -299,8 +299,10 @@ class Trainer:
     @property
     def share_prefix(self) -> bool:
         """Whether a group's prompt is forwarded once for its completions (`train.share_prompt`;
-        not with gradient checkpointing, which turns the key/value cache off)."""
-        return self.train_cfg.share_prompt and not getattr(self.model, "is_gradient_checkpointing", False)
+        not with gradient checkpointing, which turns the key/value cache off, nor on FSDP2 ranks,
+        whose layers reshard between the prompt's forward and the completions')."""
+        return (self.train_cfg.share_prompt and not self.sharded
+                and not getattr(self.model, "is_gradient_checkpointing", False))
 
     def _micro_plan(self, sequences: list[TrainingSequence]) -> MicroBatchPlan:
         cfg = self.train_cfg
