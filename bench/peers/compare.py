@@ -221,8 +221,10 @@ def _format_task(weight: float) -> Task:
 def _one_shot_rows() -> None:
     """The format task's rows: `grpod reasoning-gym`'s, each prompt turned into chat messages that
     open with the worked exchange (FORMAT_SHOT); the other columns as they are."""
+    from grpod.rollouts.dataset import read_rows
+
     for name in ("train.jsonl", "eval.jsonl"):
-        rows = [json.loads(line) for line in (FORMAT_DATA / "rows" / name).read_text().splitlines() if line.strip()]
+        rows = read_rows(FORMAT_DATA / "rows" / name)
         out = [{"messages": [*FORMAT_SHOT, {"role": "user", "content": row.pop("prompt")}], **row} for row in rows]
         (FORMAT_DATA / name).write_text("".join(json.dumps(row) + "\n" for row in out))
 

@@ -94,6 +94,12 @@ class MicroBatchPlan:
     shared_tokens: int = 0
 
     @property
+    def shares_prompts(self) -> bool:
+        """A plan by group whose micro-batches forward their prompt once (`plan_sequences`); the
+        plain plan's micro-batches forward every row in full."""
+        return self.shared_tokens > 0
+
+    @property
     def efficiency(self) -> float:
         return self.real_tokens / self.processed_tokens if self.processed_tokens else 1.0
 

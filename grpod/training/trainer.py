@@ -280,17 +280,17 @@ class Trainer:
         cfg = self.train_cfg
         micro = self._micro_plan([plan.sequences[i] for i in part])
         for indices in micro.batches:
-            plan.stats.merge(self._micro_batch_backward(plan, [part[i] for i in indices], normalizer))
+            plan.stats.merge(self._micro_batch_backward(plan, [part[i] for i in indices], normalizer, micro.shares_prompts))
         plan.real_tokens += micro.real_tokens
         plan.processed_tokens += micro.processed_tokens
         plan.shared_tokens += micro.shared_tokens
         plan.micro_batches += len(micro.batches)
 
-    def _micro_batch_backward(self, plan: BatchPlan, rows: list[int], normalizer: StepNormalizer) -> LossStats:
+    def _micro_batch_backward(self, plan: BatchPlan, rows: list[int], normalizer: StepNormalizer, share: bool = False) -> LossStats:
         """Forward the plan's sequences `rows` as one micro-batch, its share of the loss, backward."""
         batch = collate(
             [plan.sequences[i] for i in rows], self.pad_id, self.device,
-            old_logprobs=[plan.old[i] for i in rows] if plan.old is not None else None, share_prefix=self.share_prefix,
+            old_logprobs=[plan.old[i] for i in rows] if plan.old is not None else None, share_prefix=share,
         )
         loss, stats = self._micro_batch_loss(batch, normalizer)
         loss.backward()
@@ -386,14 +386,14 @@ class Trainer:
         plan = self._micro_plan(sequences)
         old: list[torch.Tensor | None] = [None] * len(sequences)
         for indices in plan.batches:
-            for i, logprobs in self._micro_batch_logprobs(sequences, indices).items():
+            for i, logprobs in self._micro_batch_logprobs(sequences, indices, plan.shares_prompts).items():
                 old[i] = logprobs
         return old
 
     @torch.no_grad()
-    def _micro_batch_logprobs(self, sequences: list[TrainingSequence], indices: list[int]) -> dict[int, torch.Tensor]:
+    def _micro_batch_logprobs(self, sequences: list[TrainingSequence], indices: list[int], share: bool = False) -> dict[int, torch.Tensor]:
         """Each of `sequences[indices]`'s loss-token logprobs, forwarded as one micro-batch."""
-        batch = collate([sequences[i] for i in indices], self.pad_id, self.device, share_prefix=self.share_prefix)
+        batch = collate([sequences[i] for i in indices], self.pad_id, self.device, share_prefix=share)
         logprobs = token_logprobs(
             predicting_logits(self.model, batch), batch.targets, batch.temperatures,
             self.train_cfg.loss.logprob_chunk_tokens,
