@@ -2,13 +2,14 @@
 
 Replays the batches a real run recorded (`run.record_rollouts = true`: rollouts.jsonl, one line
 per trained group) through a fresh trainer on the run's model, the first `--steps` recorded
-batches that train (not every group flat), once with `share_prompt = false` and once with `true`, one torch thread (the trainer's
-setting in the examples), fp32, AdamW at lr 1e-7. Both settings train the same batches from the
-same weights; the step time is the trainer's own `step_time_s` (forward, loss, backward, clip,
+batches that train (not every group flat), once with `share_prompt = false` and once with `true`,
+on `--threads` torch threads (default 1, the trainer's setting in the examples; 2 is what it gets
+while an idle engine lends it its core, `train.borrow_engine_cores`), fp32, AdamW at lr 1e-7. Both
+settings train the same batches from the same weights; the step time is the trainer's own `step_time_s` (forward, loss, backward, clip,
 optimizer), and the first step of each setting is a warm-up, left out of the median.
 
     .venv/bin/python bench/shared_prompt.py --rollouts RUN_DIR/rollouts.jsonl [...] \
-        [--model models/smollm2-135m] [--steps 5] [--out bench/results/shared_prompt.json]
+        [--model models/smollm2-135m] [--steps 5] [--threads 1] [--out bench/results/shared_prompt.json]
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ def recorded_batches(path: Path, steps: int) -> list[list[RolloutGroup]]:
     return trained[:steps]
 
 
-def timed(model: Path, batches: list[list[RolloutGroup]], share: bool) -> dict:
-    cfg = parse_config({"train": {"threads": 1, "lr": 1e-7, "share_prompt": share}})
+def timed(model: Path, batches: list[list[RolloutGroup]], share: bool, threads: int) -> dict:
+    cfg = parse_config({"train": {"threads": threads, "lr": 1e-7, "share_prompt": share}})
     trainer = build_trainer(cfg, model)
     steps = [trainer.train_step(groups) for groups in batches]
     kept = [s for s in steps[1:] if not s.get("skipped")]
     return {
         "share_prompt": share,
+        "threads": threads,
         "step_time_s": [round(s["step_time_s"], 3) for s in steps],
         "median_step_s": round(statistics.median(s["step_time_s"] for s in kept), 3),
         "processed_tokens": sum(s["processed_tokens"] for s in kept),
@@ -59,6 +61,7 @@ def main() -> None:
     parser.add_argument("--rollouts", type=Path, nargs="+", required=True)
     parser.add_argument("--model", type=Path, default=Path("models/smollm2-135m"))
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="the trainer's torch threads (train.threads)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
@@ -68,12 +71,12 @@ def main() -> None:
         groups = [g for batch in batches for g in batch]
         prompt = statistics.mean(g.loss_mask[0].index(1) for g in groups)
         completion = statistics.mean(sum(m) for g in groups for m in g.loss_mask)
-        runs = [timed(args.model, batches, share) for share in (False, True)]
+        runs = [timed(args.model, batches, share, args.threads) for share in (False, True)]
         rows.append({"rollouts": str(path), "batches": len(batches), "group_size": len(groups[0].tokens),
                      "mean_prompt_tokens": round(prompt, 1), "mean_completion_tokens": round(completion, 1),
                      "runs": runs, "speedup": round(runs[0]["median_step_s"] / runs[1]["median_step_s"], 2)})
         args.out.write_text(json.dumps({"model": str(args.model), "rows": rows}, indent=1) + "\n")
-        print(f"{path}: prompt {prompt:.0f} tokens, completion {completion:.0f}, group {len(groups[0].tokens)}: "
+        print(f"{path} ({args.threads} threads): prompt {prompt:.0f} tokens, completion {completion:.0f}, group {len(groups[0].tokens)}: "
               f"{runs[0]['median_step_s']:.2f} s a step -> {runs[1]['median_step_s']:.2f} s shared "
               f"({rows[-1]['speedup']}x; positions forwarded {runs[0]['processed_tokens']:.0f} -> "
               f"{runs[1]['processed_tokens']:.0f})", flush=True)

@@ -813,6 +813,13 @@ class TrainConfig(_Section):
     threads: int = Field(
         0, ge=0, description="Torch intra-op threads for the trainer (0 = torch's default); vLLM needs the rest."
     )
+    borrow_engine_cores: Literal["auto"] | bool = Field(
+        "auto",
+        description="CPU: while generation is parked (the prefetch queue full, or source.overlap = false) and the "
+        "engines on this node are idle, the trainer's micro-batches run on train.threads plus the engines' threads "
+        '(grpod.inference.cores). Needs train.threads below the cores, a dataset or builtin source; "auto" = on for '
+        "a model of at least 64 MiB of weights.",
+    )
     collective_timeout_s: float = Field(
         600.0,
         gt=0,

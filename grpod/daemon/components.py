@@ -151,7 +151,8 @@ async def start_parts(
     engines = build_engines(cfg, run_dir)
     bridge = build_bridge(cfg, run_dir, engines, policy_version=restored.policy_version)
     cores = CoreLoan.plan(cfg.inference, cfg.train, cfg.model.path, engines,
-                          gpu=release.nvidia_gpu_count() > 0, trainer_ranks=world is not None)
+                          gpu=release.nvidia_gpu_count() > 0, trainer_ranks=world is not None,
+                          leased_requests=cfg.source.kind in ("dataset", "builtin"))
     reporter.attach(bridge=bridge)
     loaded: dict[str, object] = {}
 

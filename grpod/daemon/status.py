@@ -154,6 +154,21 @@ def _core_loan(loan: dict | None) -> str | None:
             f"({loan.get('loans')} loans, {loan.get('lent_s')} s)")
 
 
+def _core_loan_rows(loan: dict | None, status: dict) -> Rows:
+    return [(label, text) for label, text in (("engine threads", _core_loan(loan)), ("trainer threads", _trainer_loan(loan)))
+            if text is not None]
+
+
+def _trainer_loan(loan: dict | None) -> str | None:
+    trainer = (loan or {}).get("trainer")
+    if not trainer:
+        return None
+    if not trainer.get("enabled"):
+        return f"{trainer.get('threads')} (no loan: {trainer.get('reason')})"
+    return (f"{trainer['threads']}, or {trainer['borrowed_threads']} while generation is parked and the engine idle "
+            f"({trainer.get('micro_batches')} micro-batches)")
+
+
 # The last step's metrics shown, in this order; a dataset's reward/<function> follow.
 METRIC_ROWS = ("reward_mean", "loss", "grad_norm", "entropy", "clipped_fraction", "mismatch_kl", "tis_weight_mean",
                "tis_masked_fraction", "sync_s")
@@ -239,7 +254,7 @@ STATUS_FIELDS: tuple[StatusField, ...] = (
                 _evaluation_rows),
     # The trainer's cores lent to a CPU engine while the loop waits for rollouts.
     StatusField("core_loan", lambda r: r.cores.describe() if r.cores is not None else None,
-                _row("engine threads", _core_loan)),
+                _core_loan_rows),
     StatusField("last_metrics", lambda r: r.progress.last_metrics, _metric_rows),
     StatusField("config_changes", lambda r: r.desk.config_changes[-10:] if r.desk else []),
     StatusField("run_dir", lambda r: str(r.run_dir)),

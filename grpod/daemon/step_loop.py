@@ -4,7 +4,8 @@
     while steps remain:
         at the boundary: live settings, `ctl sync` / `ctl checkpoint`, wait while paused
         batch     = the next train.groups_per_step groups from the rollout buffer (a CPU
-                    engine holds the trainer's cores while the loop waits: `CoreLoan`)
+                    engine holds the trainer's cores while the loop waits, and the trainer
+                    the engine's while generation is parked and the engine idle: `CoreLoan`)
         admitted  = validate → deduplicate → staleness (BatchAdmission)
         train     = plan, then per part: prepare (forward/backward/clip), fence(apply)
         sync      = what the `SyncSchedule` decides: the bridge's sync when due (every
@@ -125,6 +126,8 @@ class StepLoop:
         BridgeFailed when the engines cannot be kept in step."""
         train = self.cfg.train
         self.progress.begin_training()
+        if self.cores.idle and hasattr(self.trainer, "threads_now"):
+            self.trainer.threads_now = self.trainer_threads
         async with anyio.create_task_group() as work:
             self._work = work
             if self.cfg.source.overlap:
@@ -172,6 +175,13 @@ class StepLoop:
                 return True
             await self.desk.first_or_attention(self.desk.wait_resumed)
         return False
+
+    def trainer_threads(self) -> int:
+        """The trainer's threads for its next micro-batch (asked from its worker thread): the idle
+        engines' too while generation is parked, the prefetch queue full or no overlap, and no
+        evaluation runs beside training (`CoreLoan`)."""
+        parked = not self.cfg.source.overlap or len(self.buffer) >= self.buffer.capacity
+        return self.cores.trainer_threads(parked and self.evaluations.describe() is None)
 
     async def next_batch(self, n: int) -> list[RolloutGroup] | None:
         """The next step's `n` groups, or None when the run should end (stop, drained, exhausted).

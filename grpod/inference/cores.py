@@ -1,4 +1,5 @@
-"""`CoreLoan`: on a CPU machine, the trainer's cores go to the engine while the trainer waits.
+"""`CoreLoan`: on a CPU machine, the trainer's cores go to the engine while the trainer waits, and
+the engine's to the trainer while the engine has nothing to do.
 
 grpod runs a CPU engine on the cores the trainer leaves it (`OMP_NUM_THREADS` = cores - 1 on one
 machine, `process.default_env`) and the trainer on `train.threads`. With generation overlapped,
@@ -19,6 +20,17 @@ Who may borrow (`inference.borrow_trainer_cores`):
   threads, the tiny built-in model (1.7 MiB) 0.77x: its engine step is Python-bound and a second
   thread only adds synchronisation. Between the two nothing was measured; 64 MiB is a round
   number between them, and `true` / `false` settle it for a model in that range.
+
+The other way (`train.borrow_engine_cores`): the trainer sets the pace on short-completion tasks,
+and the prefetch queue is then full most of a step. Generation stops while it is full (a worker
+holds its finished group until the next step takes a batch), and once the requests in flight have
+finished the engine does nothing until the next step. Before each micro-batch the trainer asks
+`trainer_threads`: while generation is parked (the queue full, or no overlap) and every local
+engine is serving with no request outstanding, it runs on its threads plus the engine's; otherwise
+on its own. Only the next step's batch restarts generation, and an evaluation or a sync starts at a
+step boundary, so a micro-batch on borrowed threads does not meet a working engine; the trainer
+is on its own threads again after each phase. It needs a source whose requests all go through
+grpod's engine leases (`dataset`, `builtin`): an environment reaches vLLM directly, unseen.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import structlog
@@ -60,10 +72,18 @@ class CoreLoan:
     """Lends `borrowed - own` threads to `engines` while the trainer waits (see the module docstring).
     Disabled (`engines` empty) it does nothing and says why (`reason`)."""
 
-    def __init__(self, engines: list[InferenceEngine], *, own: int, borrowed: int, reason: str) -> None:
+    def __init__(self, engines: list[InferenceEngine], *, own: int, borrowed: int, reason: str,
+                 idle: list[InferenceEngine] | None = None, trainer_own: int = 0, trainer_borrowed: int = 0,
+                 trainer_reason: str = "not planned") -> None:
+        """`engines` get `borrowed - own` threads while the trainer waits; while the `idle` engines
+        have nothing to do, the trainer runs on `trainer_borrowed` threads instead of `trainer_own`."""
         self.engines = engines
         self.own, self.borrowed = own, borrowed
         self.reason = reason
+        self.idle = idle or []
+        self.trainer_own, self.trainer_borrowed = trainer_own, trainer_borrowed
+        self.trainer_reason = trainer_reason
+        self.trainer_loans = 0  # micro-batches the trainer ran on the engines' threads too
         self.lent = False
         self.loans = 0
         self.lent_s = 0.0
@@ -72,34 +92,51 @@ class CoreLoan:
     @classmethod
     def plan(
         cls, inference: InferenceConfig, train: TrainConfig, model_path: Path, engines: list[InferenceEngine],
-        *, gpu: bool, trainer_ranks: bool,
+        *, gpu: bool, trainer_ranks: bool, leased_requests: bool = True,
     ) -> CoreLoan:
-        """The loan this run's config allows, or a disabled one saying why not."""
+        """The loans this run's config allows, each disabled saying why not where it is not.
+        `leased_requests`: every request of the source goes through an engine lease (`outstanding`)."""
         from grpod.inference.process import cpu_executor
 
-        setting = inference.borrow_trainer_cores
         local = [engine for engine in engines if engine.node == "local"]
         own = engine_threads(inference)
         cores = os.cpu_count() or 1
-        borrowed = min(cores, own + (train.threads or cores))
-
-        def off(reason: str) -> CoreLoan:
-            return cls.off(reason, own=own)
-
-        if setting is False:
-            return off("inference.borrow_trainer_cores = false")
+        trainer_own = train.threads or cores
+        size = weight_bytes(model_path)
+        common = None
         if gpu or train.device != "cpu":
-            return off("not a CPU engine and a CPU trainer")
-        if len(local) != 1 or cpu_executor(inference) != "uni":
-            return off("needs one engine on this node with its worker inside EngineCore (cpu_executor uni)")
-        if trainer_ranks:
-            return off("trainer ranks under torchrun use the cores")
-        if borrowed <= own:
-            return off(f"the engine already runs on {own} of {cores} cores")
-        if setting == "auto" and (size := weight_bytes(model_path)) < AUTO_MIN_WEIGHT_BYTES:
-            return off(f"auto: {size / 2**20:.1f} MiB of weights (a second engine thread pays from "
-                       f"{AUTO_MIN_WEIGHT_BYTES / 2**20:.0f} MiB)")
-        return cls(local, own=own, borrowed=borrowed, reason="on")
+            common = "not a CPU engine and a CPU trainer"
+        elif trainer_ranks:
+            common = "trainer ranks under torchrun use the cores"
+        elif not local:
+            common = "no engine on this node"
+
+        def small(setting: Literal["auto"] | bool) -> str | None:
+            if setting == "auto" and size < AUTO_MIN_WEIGHT_BYTES:
+                return (f"auto: {size / 2**20:.1f} MiB of weights (a second thread pays from "
+                        f"{AUTO_MIN_WEIGHT_BYTES / 2**20:.0f} MiB)")
+            return None
+
+        lend = common or small(inference.borrow_trainer_cores)
+        if inference.borrow_trainer_cores is False:
+            lend = "inference.borrow_trainer_cores = false"
+        elif not lend and (len(local) != 1 or cpu_executor(inference) != "uni"):
+            lend = "needs one engine on this node with its worker inside EngineCore (cpu_executor uni)"
+        elif not lend and min(cores, own + trainer_own) <= own:
+            lend = f"the engine already runs on {own} of {cores} cores"
+        borrow = common or small(train.borrow_engine_cores)
+        if train.borrow_engine_cores is False:
+            borrow = "train.borrow_engine_cores = false"
+        elif not borrow and not leased_requests:
+            borrow = "the source's requests reach vLLM without grpod seeing them"
+        elif not borrow and trainer_own >= cores:
+            borrow = f"the trainer already runs on {trainer_own} of {cores} cores"
+        return cls(
+            [] if lend else local, own=own, borrowed=own if lend else min(cores, own + trainer_own), reason=lend or "on",
+            idle=[] if borrow else local, trainer_own=trainer_own,
+            trainer_borrowed=trainer_own if borrow else min(cores, trainer_own + own * len(local)),
+            trainer_reason=borrow or "on",
+        )
 
     @classmethod
     def off(cls, reason: str, *, own: int = 1) -> CoreLoan:
@@ -109,6 +146,14 @@ class CoreLoan:
     @property
     def enabled(self) -> bool:
         return bool(self.engines)
+
+    def trainer_threads(self, generation_parked: bool) -> int:
+        """The threads the trainer's next micro-batch may run on (called from its worker thread):
+        its own and the engines' while generation is parked and every engine serves, idle."""
+        if self.idle and generation_parked and all(e.available and e.outstanding == 0 for e in self.idle):
+            self.trainer_loans += 1
+            return self.trainer_borrowed
+        return self.trainer_own
 
     @asynccontextmanager
     async def while_waiting(self) -> AsyncIterator[None]:
@@ -151,4 +196,6 @@ class CoreLoan:
     def describe(self) -> dict[str, Any]:
         lent_s = self.lent_s + (time.monotonic() - self._since if self._since is not None else 0.0)
         return {"enabled": self.enabled, "reason": self.reason, "engine_threads": self.own,
-                "borrowed_threads": self.borrowed, "lent": self.lent, "loans": self.loans, "lent_s": round(lent_s, 1)}
+                "borrowed_threads": self.borrowed, "lent": self.lent, "loans": self.loans, "lent_s": round(lent_s, 1),
+                "trainer": {"enabled": bool(self.idle), "reason": self.trainer_reason, "threads": self.trainer_own,
+                            "borrowed_threads": self.trainer_borrowed, "micro_batches": self.trainer_loans}}

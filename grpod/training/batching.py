@@ -17,7 +17,7 @@ outputs are never read. Only loss tokens are gathered out of the block (`MicroBa
 
 A group's completions share their prompt. With `groups` given, a micro-batch holds sequences of
 one group only, and `MicroBatch.shared_prefix` is the length of the prefix every row has in common
-(up to the first position whose logits are needed): `trainer.predicting_logits` forwards it once
+(up to the first position whose logits are needed): `forward.predicting_logits` forwards it once
 and the rows after it from its cache, instead of the same prompt once per row. With 8 completions
 of a 94-token prompt and 40-token completions, that is 93 + 8 x 41 = 421 positions forwarded
 instead of 8 x 134 = 1072.
@@ -187,7 +187,7 @@ class MicroBatch:
     sequence_loss_tokens: Tensor
     real_tokens: int
     # The first position whose logits predict a loss token (min(positions) - 1): the LM head
-    # runs from here (`trainer.predicting_logits`); known here without reading `positions` back.
+    # runs from here (`forward.predicting_logits`); known here without reading `positions` back.
     predicted_from: int
     old_logprobs: Tensor | None = None
     # The leading positions every row has in common, at most `predicted_from` (0: none shared).
@@ -253,3 +253,14 @@ def common_prefix(rows: list[list[int]], limit: int) -> int:
             same += 1
         length = same
     return length
+
+
+def minibatch_parts(n: int, parts: int, key: tuple) -> list[list[int]]:
+    """`n` sequences split into `parts` (at most `n`) minibatches, shuffled by a generator seeded
+    from `key`: the same key gives the same split, in this process or a resumed one."""
+    parts = min(parts, n)
+    if parts == 1:
+        return [list(range(n))]
+    generator = torch.Generator().manual_seed(hash(key) & 0x7FFFFFFF)
+    order = torch.randperm(n, generator=generator).tolist()
+    return [order[k::parts] for k in range(parts)]

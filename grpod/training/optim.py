@@ -73,3 +73,13 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+
+def set_peak_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, lr: float) -> None:
+    """Make `lr` the schedule's peak from now on: the current rate and every base rate scaled by
+    `lr` over the old peak, so warm-up and cosine keep their shape."""
+    scale = lr / scheduler.base_lrs[0]
+    scheduler.base_lrs = [base * scale for base in scheduler.base_lrs]
+    for group in optimizer.param_groups:
+        group["lr"] *= scale
+        group["initial_lr"] = group.get("initial_lr", lr) * scale

@@ -16,8 +16,11 @@ A batch's step is in phases, so that the step loop can fence each optimizer upda
         trainer.apply(prepared)              optimizer step (skipped for a non-finite gradient)
     metrics = trainer.finish(plan)           schedule, counters, the batch's metrics
 
-`train_step(groups)` runs them in order, unfenced. Gradients accumulate over a part's
-micro-batches; the loss normalisers are the part's (see `loss`). The learning-rate schedule
+`train_step(groups)` runs them in order, unfenced. How a micro-batch goes through the model (the
+logits that predict its loss tokens, their logprobs, its share of the loss) is
+`grpod.training.forward`'s; the threads it runs on are the step loop's answer to `threads_now`
+(an idle engine's cores lent to the trainer, `grpod.inference.cores`). Gradients accumulate
+over a part's micro-batches; the loss normalisers are the part's (see `loss`). The learning-rate schedule
 advances once per batch, trained or skipped, so it follows `train.steps` to its end.
 `step` counts batches that took at least one optimizer update, `updates` the updates; a batch
 with nothing to train on (every group zero-variance) or only non-finite gradients leaves the
@@ -35,7 +38,8 @@ import math
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,22 +57,13 @@ from grpod.training.batching import (
     MicroBatchPlan,
     TrainingSequence,
     collate,
+    minibatch_parts,
     plan_sequences,
     training_sequences,
 )
-from grpod.training.logprobs import (
-    token_entropy,
-    token_entropy_with_grad,
-    token_logprobs,
-)
-from grpod.training.loss import (
-    LossStats,
-    LossTokens,
-    StepNormalizer,
-    aggregation_weights,
-    policy_loss,
-)
-from grpod.training.optim import build_optimizer, build_scheduler
+from grpod.training.forward import batch_logprobs, micro_batch_loss, sequence_logprobs
+from grpod.training.loss import LossStats, StepNormalizer
+from grpod.training.optim import build_optimizer, build_scheduler, set_peak_lr
 from grpod.training.sharded import load_sharded_state
 
 log = structlog.get_logger(__name__)
@@ -124,6 +119,7 @@ class BatchPlan:
     processed_tokens: int = 0
     shared_tokens: int = 0
     micro_batches: int = 0
+    borrowed_micro_batches: int = 0
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -155,6 +151,46 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> PreTrai
     return model.to(device)
 
 
+def load_policy(train: TrainConfig, model: ModelConfig, path: Path, device: torch.device, *,
+                adapter_path: Path | None, seed: int):
+    """The policy to train: the fp32 model at `path`, or (`train.lora`) its base in `model.dtype`
+    under a peft LoRA (the saved adapter at `adapter_path`, or a fresh one seeded by `seed`); its
+    dropout zeroed (`train.disable_dropout`), gradient checkpointing on where `model` asks."""
+    if train.lora:
+        policy = _wrap_lora(_load_model(path, TORCH_DTYPES[model.dtype], device), train.lora_config, adapter_path, seed)
+    else:
+        if adapter_path is not None:
+            raise ValueError(f"adapter_path {adapter_path} given but train.lora = false")
+        policy = _load_model(path, torch.float32, device)
+    if train.disable_dropout:
+        _zero_dropout(policy)
+    if model.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return policy
+
+
+@dataclass
+class _BorrowedThreads:
+    """The torch threads of the worker thread running a phase's micro-batches (`Trainer._threads`).
+    torch's setting is per OS thread once that thread has run an op, so it is set in the thread
+    that forwards, before each micro-batch, and put back before the thread returns to the pool."""
+
+    threads_now: Callable[[], int] | None
+    own: int
+    count: int = 0
+
+    def __call__(self) -> None:
+        if self.threads_now is not None and self.own:
+            threads = self.threads_now()
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            self.count += threads > self.own
+
+    def restore(self) -> None:
+        if self.threads_now is not None and self.own and torch.get_num_threads() != self.own:
+            torch.set_num_threads(self.own)
+
+
 class Trainer:
     # Whether a checkpoint needs this trainer's sharded state too (`DistributedTrainer`).
     sharded = False
@@ -181,18 +217,7 @@ class Trainer:
         if train.threads:
             torch.set_num_threads(train.threads)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-
-        if train.lora:
-            base = _load_model(self.model_path, TORCH_DTYPES[model.dtype], self.device)
-            self.model = _wrap_lora(base, train.lora_config, adapter_path, seed)
-        else:
-            if adapter_path is not None:
-                raise ValueError(f"adapter_path {adapter_path} given but train.lora = false")
-            self.model = _load_model(self.model_path, torch.float32, self.device)
-        if train.disable_dropout:
-            _zero_dropout(self.model)
-        if model.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = load_policy(train, model, self.model_path, self.device, adapter_path=adapter_path, seed=seed)
 
         # The frozen reference for kl_reference = "model" is the initial policy, `model.path` (not
         # `model_path`, which is the resumed weights after a restart); LoRA has it for free
@@ -207,6 +232,9 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, train)
         self.step = 0
         self.updates = 0
+        # Before each micro-batch, the threads it may run on (None: train.threads throughout); the
+        # step loop lends the trainer idle engines' cores through it (grpod.inference.cores).
+        self.threads_now: Callable[[], int] | None = None
         self.vocab_size: int = self.model.config.vocab_size
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
@@ -277,10 +305,12 @@ class Trainer:
 
     def _backward(self, plan: BatchPlan, part: list[int], normalizer: StepNormalizer) -> None:
         """The micro-batches of `part`, one after the other (gradients accumulate)."""
-        cfg = self.train_cfg
         micro = self._micro_plan([plan.sequences[i] for i in part])
-        for indices in micro.batches:
-            plan.stats.merge(self._micro_batch_backward(plan, [part[i] for i in indices], normalizer, micro.shares_prompts))
+        with self._threads() as borrowed:
+            for indices in micro.batches:
+                borrowed()
+                plan.stats.merge(self._micro_batch_backward(plan, [part[i] for i in indices], normalizer, micro.shares_prompts))
+        plan.borrowed_micro_batches += borrowed.count
         plan.real_tokens += micro.real_tokens
         plan.processed_tokens += micro.processed_tokens
         plan.shared_tokens += micro.shared_tokens
@@ -345,6 +375,7 @@ class Trainer:
             "shared_prompt_tokens": float(plan.shared_tokens),
             "padding_efficiency": plan.real_tokens / plan.processed_tokens if plan.processed_tokens else 1.0,
             "micro_batches": float(plan.micro_batches),
+            "borrowed_core_micro_batches": float(plan.borrowed_micro_batches),
             "step_time_s": time.perf_counter() - plan.started,
         }
         log.debug("train_step", **metrics)
@@ -368,87 +399,45 @@ class Trainer:
             self.scheduler.step()
 
     def _minibatches(self, n: int, epoch: int) -> list[list[int]]:
-        """The batch's sequences split into `train.minibatches` parts, shuffled per epoch with a
-        generator seeded by (run seed, batch index, epoch), so a resumed run splits the same way."""
-        parts = min(self.train_cfg.minibatches, n)
-        if parts == 1:
-            return [list(range(n))]
-        generator = torch.Generator().manual_seed(
-            hash((self.seed, self.scheduler.last_epoch, epoch)) & 0x7FFFFFFF
-        )
-        order = torch.randperm(n, generator=generator).tolist()
-        return [order[k::parts] for k in range(parts)]
+        """`train.minibatches` parts, shuffled by (run seed, batch index, epoch): a resumed run
+        splits the same way."""
+        return minibatch_parts(n, self.train_cfg.minibatches, (self.seed, self.scheduler.last_epoch, epoch))
 
     @torch.no_grad()
     def _old_logprobs(self, sequences: list[TrainingSequence]) -> list[torch.Tensor]:
         """pi_old's logprob of every loss token, per sequence, before the batch's first update."""
-        cfg = self.train_cfg
         plan = self._micro_plan(sequences)
         old: list[torch.Tensor | None] = [None] * len(sequences)
-        for indices in plan.batches:
-            for i, logprobs in self._micro_batch_logprobs(sequences, indices, plan.shares_prompts).items():
-                old[i] = logprobs
+        with self._threads() as borrowed:
+            for indices in plan.batches:
+                borrowed()
+                for i, logprobs in self._micro_batch_logprobs(sequences, indices, plan.shares_prompts).items():
+                    old[i] = logprobs
         return old
 
-    @torch.no_grad()
+    @contextmanager
+    def _threads(self) -> Iterator[_BorrowedThreads]:
+        """Calling the value sets this worker thread's torch threads to `threads_now()` for the next
+        micro-batch (and counts those above train.threads); train.threads again on the way out."""
+        borrowed = _BorrowedThreads(self.threads_now, self.train_cfg.threads)
+        try:
+            yield borrowed
+        finally:
+            borrowed.restore()
+
     def _micro_batch_logprobs(self, sequences: list[TrainingSequence], indices: list[int], share: bool = False) -> dict[int, torch.Tensor]:
         """Each of `sequences[indices]`'s loss-token logprobs, forwarded as one micro-batch."""
         batch = collate([sequences[i] for i in indices], self.pad_id, self.device, share_prefix=share)
-        logprobs = token_logprobs(
-            predicting_logits(self.model, batch), batch.targets, batch.temperatures,
-            self.train_cfg.loss.logprob_chunk_tokens,
-        )
-        return {i: logprobs[batch.rows == row].detach() for row, i in enumerate(indices)}
+        logprobs = batch_logprobs(self.model, batch, self.train_cfg.loss.logprob_chunk_tokens)
+        return {i: logprobs[batch.rows == row] for row, i in enumerate(indices)}
 
     def _micro_batch_loss(self, batch: MicroBatch, normalizer: StepNormalizer) -> tuple[torch.Tensor, LossStats]:
         """Forward one micro-batch; its share of the (mini)batch loss and its statistics."""
-        loss_cfg = self.train_cfg.loss
-        chunk = loss_cfg.logprob_chunk_tokens
-        predicting = predicting_logits(self.model, batch)
-        logprobs = token_logprobs(predicting, batch.targets, batch.temperatures, chunk)
-        if loss_cfg.entropy_coef > 0:
-            entropy = token_entropy_with_grad(predicting, batch.temperatures, chunk)
-        else:
-            entropy = token_entropy(predicting.detach(), batch.temperatures, chunk)
-        tokens = LossTokens(
-            logprobs=logprobs,
-            # One update per batch: pi_old is the policy before it, the weights of this forward.
-            old_logprobs=batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach(),
-            advantages=batch.advantages,
-            weights=aggregation_weights(loss_cfg.aggregation, batch.sequence_loss_tokens, normalizer),
-            inference_logprobs=batch.inference_logprobs,
-            reference_logprobs=self._reference_logprobs(batch),
-            entropy=entropy,
-            sequence_index=batch.rows,
-        )
-        return policy_loss(tokens, loss_cfg)
+        return micro_batch_loss(self.model, self.reference_model, batch, normalizer, self.train_cfg.loss)
 
-    @torch.no_grad()
-    def _reference_logprobs(self, batch: MicroBatch) -> torch.Tensor | None:
-        loss_cfg = self.train_cfg.loss
-        if loss_cfg.kl_coef <= 0 or loss_cfg.kl_reference != "model":
-            return None
-        if self.reference_model is not None:
-            predicting = predicting_logits(self.reference_model, batch)
-        else:
-            with self.model.disable_adapter():
-                predicting = predicting_logits(self.model, batch)
-        return token_logprobs(predicting, batch.targets, batch.temperatures, loss_cfg.logprob_chunk_tokens)
-
-    @torch.no_grad()
     def score(self, token_ids: list[int], temperature: float = 1.0) -> list[float]:
         """fp32 logprob of token t given tokens[:t], for t = 1..n-1 (what vLLM's prompt_logprobs give)."""
-        if len(token_ids) < 2:
-            raise ValueError(f"score needs at least 2 tokens to predict one, got {len(token_ids)}")
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1]
-            out = token_logprobs(logits, ids[0, 1:], temperature, self.train_cfg.loss.logprob_chunk_tokens)
-        finally:
-            self.model.train(was_training)
-        return out.tolist()
+        return sequence_logprobs(self.model, token_ids, temperature, self.train_cfg.loss.logprob_chunk_tokens, self.device)
 
     def save_weights(self, out: Path) -> None:
         """Write what vLLM loads: the full model as HF safetensors (with the tokenizer files), or
@@ -473,11 +462,7 @@ class Trainer:
 
     def set_learning_rate(self, lr: float) -> None:
         """Change the peak learning rate live; the schedule's shape (warm-up, cosine) is kept."""
-        scale = lr / self.scheduler.base_lrs[0]
-        self.scheduler.base_lrs = [base * scale for base in self.scheduler.base_lrs]
-        for group in self.optimizer.param_groups:
-            group["lr"] *= scale
-            group["initial_lr"] = group.get("initial_lr", lr) * scale
+        set_peak_lr(self.optimizer, self.scheduler, lr)
         log.info("learning_rate_set", lr=lr, step=self.step)
 
     def state_dict(self) -> dict[str, Any]:
@@ -506,37 +491,10 @@ class Trainer:
             log.warning("learning_rate_from_config", checkpoint_lr=saved_lr, config_lr=self.train_cfg.lr)
             self.set_learning_rate(self.train_cfg.lr)
 
-
     def load_sharded(self, path: Path) -> None:
         """Weights and optimizer state from the sharded checkpoint of trainer ranks under torchrun
         (`grpod.training.sharded`), gathered into this one process."""
         load_sharded_state(self.model, self.optimizer, path)
-
-
-def predicting_logits(model, batch: MicroBatch) -> torch.Tensor:
-    """The logits that predict `batch`'s loss tokens, one row per token. The LM head runs only
-    from the first position that predicts a loss token (`logits_to_keep`), not over the prompts
-    before it: on SmolLM2-135M the head is a fifth of a token's matmuls, and the full
-    [rows, length, vocab] logits were the largest tensor of a step. A prefix the rows share
-    (`MicroBatch.shared_prefix`, a group's prompt) is forwarded once (`train.share_prompt`)."""
-    first = batch.predicted_from
-    keep = batch.input_ids.shape[1] - first
-    shared, rows = batch.shared_prefix, batch.input_ids.shape[0]
-    cache = None
-    if shared > 0 and rows > 1:
-        # The rows' common prefix (a group's prompt) once; each row's rest attends to its keys and
-        # values, repeated per row in the graph, so its gradient sums over the rows. A model whose
-        # cache cannot be repeated per row forwards every row in full.
-        cache = model(input_ids=batch.input_ids[:1, :shared], use_cache=True, logits_to_keep=1).past_key_values
-    if cache is not None and hasattr(cache, "batch_repeat_interleave"):
-        cache.batch_repeat_interleave(rows)
-        logits = model(input_ids=batch.input_ids[:, shared:], past_key_values=cache, use_cache=True,
-                       logits_to_keep=keep).logits
-    else:
-        logits = model(input_ids=batch.input_ids, use_cache=False, logits_to_keep=keep).logits
-    if logits.shape[1] != keep:
-        raise RuntimeError(f"{type(model).__name__} ignored logits_to_keep={keep}: {logits.shape[1]} positions came back")
-    return logits[batch.rows, batch.positions - 1 - first]
 
 
 def build_trainer(cfg: GrpodConfig, model_path: Path | None = None, *, adapter_path: Path | None = None) -> Trainer:

@@ -56,6 +56,11 @@ def test_status_says_what_evaluation_runs_and_how_many_threads_the_engine_has():
     assert "2 now; 1, or 2 while the trainer waits (7 loans, 80.2 s)" in _render_status({"core_loan": loan})
     off = loan | {"enabled": False, "reason": "auto: 1.7 MiB of weights", "borrowed_threads": 1}
     assert "1 (no loan: auto: 1.7 MiB of weights)" in _render_status({"core_loan": off})
+    trainer = {"enabled": True, "reason": "on", "threads": 1, "borrowed_threads": 2, "micro_batches": 12}
+    shown = _render_status({"core_loan": loan | {"trainer": trainer}})
+    assert "trainer threads" in shown and "1, or 2 while generation is parked and the engine idle (12 micro-batches)" in shown
+    shown = _render_status({"core_loan": loan | {"trainer": trainer | {"enabled": False, "reason": "train.borrow_engine_cores = false"}}})
+    assert "1 (no loan: train.borrow_engine_cores = false)" in shown
 
 
 def test_a_dataset_sources_reward_workers_and_function_means_show():

@@ -448,6 +448,37 @@ async def test_the_engine_holds_the_trainers_cores_while_the_loop_waits_and_retu
     assert steps[0]["batch_wait_s"] > 0 and loop.cores.describe()["loans"] == 1
 
 
+class IdleEngine:
+    node, available, outstanding = "local", True, 0
+
+
+async def test_the_trainer_gets_the_idle_engines_cores_only_while_generation_is_parked(loop_config):
+    from grpod.inference.cores import CoreLoan
+
+    engine, trainer = IdleEngine(), FakeTrainer()
+    trainer.threads_now = None
+    loop = loop_with(loop_config, "train.steps=1", "source.overlap=true", trainer=trainer)
+    loop.cores = CoreLoan([], own=1, borrowed=1, reason="off", idle=[engine], trainer_own=1, trainer_borrowed=2,
+                          trainer_reason="on")
+    for group in groups(loop.buffer.capacity - 1):
+        await loop.buffer.put(group)
+    assert loop.trainer_threads() == 1, "the queue has room: a worker is about to send a request"
+    await loop.buffer.put(groups(1, start=99)[0])
+    assert loop.trainer_threads() == 2, "queue full, nothing outstanding: the engine has nothing to do"
+    engine.outstanding = 1
+    assert loop.trainer_threads() == 1, "a request still generating"
+    engine.outstanding = 0
+    loop.evaluations._running = {"when": "periodic", "step": 0, "began": 0.0}
+    assert loop.trainer_threads() == 1, "an evaluation beside training samples from the engine"
+    loop.evaluations._running = None
+    await loop.run()
+    assert trainer.threads_now == loop.trainer_threads, "the loop hands the trainer its question"
+
+    synchronous = loop_with(loop_config, "train.steps=1", "source.overlap=false")
+    synchronous.cores = loop.cores
+    assert synchronous.trainer_threads() == 2, "no overlap: nothing generates while the step trains"
+
+
 class FullDiskStore:
     """A store whose disk is full for the first `failures` saves."""
 

@@ -58,11 +58,13 @@ def first_run(tmp_path, warm_model_dir, run_dir) -> tuple[DaemonProcess, int]:
         "bridge.mode": "none",
         "bridge.reload": "in_place",
         "bridge.sync_every": 3,
-        # Evaluations beside training (issue #14), and the trainer's core lent to the engine while
-        # the loop waits (on for this tiny model only because it is forced).
+        # Evaluations beside training (issue #14), the trainer's core lent to the engine while the
+        # loop waits, and the engine's to the trainer while the engine idles (both on for this
+        # tiny model only because they are forced).
         "eval.size": 8,
         "eval.every": 2,
         "inference.borrow_trainer_cores": True,
+        "train.borrow_engine_cores": True,
     }
     config = write_config(tmp_path / "grpod.toml", settings)
     daemon = DaemonProcess(config, run_dir)
@@ -101,6 +103,9 @@ def first_run(tmp_path, warm_model_dir, run_dir) -> tuple[DaemonProcess, int]:
         status = daemon.wait_for(lambda s: s["step"] >= 4, 300, "step 4")
         loan = status["core_loan"]
         assert loan["enabled"] and loan["borrowed_threads"] == loan["engine_threads"] + 1 and loan["loans"] >= 1, loan
+        assert loan["trainer"]["enabled"] and loan["trainer"]["borrowed_threads"] == 1 + loan["engine_threads"], loan
+        steps = [r for r in metrics(run_dir) if r.get("kind") == "step"]
+        assert all("borrowed_core_micro_batches" in r for r in steps), "each step says how many it ran on borrowed cores"
         stop = subprocess.run(
             [sys.executable, "-m", "grpod", "ctl", "stop", "--config", str(config)],
             cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -29,6 +29,7 @@ class StandInEngine:
         self.threads: int | None = None
         self.calls: list[int] = []
         self.fail, self.hang = fail, hang
+        self.available, self.outstanding = True, 0
 
     async def set_threads(self, threads: int) -> None:
         self.calls.append(threads)
@@ -47,14 +48,15 @@ def model_dir(tmp_path: Path, size: int) -> Path:
     return out
 
 
-def plan(tmp_path, *overrides, size=AUTO_MIN_WEIGHT_BYTES, engines=None, gpu=False, ranks=False):
+def plan(tmp_path, *overrides, size=AUTO_MIN_WEIGHT_BYTES, engines=None, gpu=False, ranks=False, leased=True):
     tree: dict = {"inference": {}, "train": {"threads": 1}}
     for key, value in overrides:
         section, name = key.split(".")
         tree[section][name] = value
     cfg = parse_config(tree)
     engines = [StandInEngine()] if engines is None else engines
-    return CoreLoan.plan(cfg.inference, cfg.train, model_dir(tmp_path, size), engines, gpu=gpu, trainer_ranks=ranks)
+    return CoreLoan.plan(cfg.inference, cfg.train, model_dir(tmp_path, size), engines, gpu=gpu, trainer_ranks=ranks,
+                         leased_requests=leased)
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="lending needs a core the engine does not already run on")
@@ -115,4 +117,45 @@ async def test_a_disabled_loan_sends_nothing():
     async with loan.while_waiting():
         pass
     assert loan.describe() == {"enabled": False, "reason": "test", "engine_threads": 1, "borrowed_threads": 1,
-                               "lent": False, "loans": 0, "lent_s": 0.0}
+                               "lent": False, "loans": 0, "lent_s": 0.0,
+                               "trainer": {"enabled": False, "reason": "not planned", "threads": 0, "borrowed_threads": 0,
+                                           "micro_batches": 0}}
+    assert loan.trainer_threads(generation_parked=True) == 0, "the trainer's own (0: train.threads unset)"
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="lending needs a core the trainer does not already run on")
+def test_who_may_lend_the_trainer_an_idle_engines_cores(tmp_path):
+    loan = plan(tmp_path)
+    assert loan.idle and loan.trainer_own == 1 and loan.trainer_borrowed == min(os.cpu_count(), 1 + loan.own), loan.describe()
+    assert plan(tmp_path, ("inference.borrow_trainer_cores", False)).idle, "each way is its own setting"
+    assert plan(tmp_path, ("inference.cpu_executor", "mp")).idle, "the engine's threads are not changed"
+    two = plan(tmp_path, engines=[StandInEngine("a"), StandInEngine("b")])
+    assert two.idle and not two.enabled and two.trainer_borrowed == min(os.cpu_count(), 1 + 2 * two.own)
+    assert "MiB of weights" in plan(tmp_path, size=1024).describe()["trainer"]["reason"]
+    assert plan(tmp_path, ("train.borrow_engine_cores", True), size=1024).idle, "forced on for a small model"
+    off = [
+        (plan(tmp_path, ("train.borrow_engine_cores", False)), "= false"),
+        (plan(tmp_path, leased=False), "without grpod seeing them"),
+        (plan(tmp_path, ("train.threads", os.cpu_count())), "already runs"),
+        (plan(tmp_path, ("train.threads", 0)), "already runs"),
+        (plan(tmp_path, gpu=True), "CPU"),
+        (plan(tmp_path, ranks=True), "torchrun"),
+    ]
+    remote = StandInEngine()
+    remote.node = "http://10.0.0.2:7900"
+    off.append((plan(tmp_path, engines=[remote]), "no engine on this node"))
+    for loan, reason in off:
+        assert not loan.idle and loan.trainer_borrowed == loan.trainer_own and reason in loan.trainer_reason, loan.describe()
+
+
+def test_the_trainer_borrows_only_while_generation_is_parked_and_every_engine_is_idle():
+    a, b = StandInEngine("a"), StandInEngine("b")
+    loan = CoreLoan([], own=1, borrowed=1, reason="off", idle=[a, b], trainer_own=1, trainer_borrowed=2, trainer_reason="on")
+    assert loan.trainer_threads(generation_parked=True) == 2
+    assert loan.trainer_threads(generation_parked=False) == 1, "a worker is about to send a request"
+    b.outstanding = 1
+    assert loan.trainer_threads(generation_parked=True) == 1, "a request still generating"
+    b.outstanding, a.available = 0, False
+    assert loan.trainer_threads(generation_parked=True) == 1, "an engine in a sync (or down, relaunching)"
+    a.available = True
+    assert loan.trainer_threads(generation_parked=True) == 2

@@ -179,6 +179,39 @@ def test_a_groups_prompt_forwarded_once_gives_the_same_step(model_dir, epochs):
     assert processed[1] < 0.7 * processed[0], processed
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_micro_batches_run_on_the_threads_the_step_loop_lends_and_the_thread_gets_its_own_back(model_dir, epochs):
+    """`threads_now` is asked before every micro-batch (pi_old's too), in the thread that forwards
+    it; the micro-batches of the updates above train.threads are counted, and the thread leaves
+    on its own threads."""
+    import threading
+
+    trainer = build_trainer(config(epochs=epochs, micro_batch_tokens=64, share_prompt=False), model_dir)
+    told: list[int] = []  # alternately the idle engines' thread too, and not
+    asked_in: set[int] = set()
+
+    def threads_now() -> int:
+        asked_in.add(threading.get_ident())
+        told.append(2 if len(told) % 2 == 0 else 1)
+        return told[-1]
+
+    trainer.threads_now = threads_now
+    ran: list[int] = []
+    hook = trainer.model.get_input_embeddings().register_forward_pre_hook(lambda *_: ran.append(torch.get_num_threads()))
+    results: list = []
+    worker = threading.Thread(target=lambda: results.extend([trainer.train_step(random_groups()), torch.get_num_threads()]))
+    worker.start()
+    worker.join()
+    hook.remove()
+    metrics, threads_after = results
+    updates = int(metrics["micro_batches"])  # pi_old's pass (epochs > 1) forwards the batch once more
+    assert len(told) == updates + (updates // epochs if epochs > 1 else 0) and updates >= 4
+    assert asked_in == {worker.ident}
+    assert ran == told, "each micro-batch on the threads it was given"
+    assert metrics["borrowed_core_micro_batches"] == told[-updates:].count(2) > 0
+    assert threads_after == 1, "train.threads again once the phase is over"
+
+
 def test_gradient_checkpointing_gives_the_same_step(model_dir):
     groups = random_groups(seed=2)
     plain = build_trainer(config(), model_dir).train_step(groups)
@@ -499,7 +532,7 @@ def test_the_lm_head_runs_only_from_the_first_position_that_predicts_a_loss_toke
     """Prompt positions need no logits: the head sees [rows, length - first, hidden], and the
     logits it gives for the loss tokens are those of a forward over every position."""
     from grpod.training.batching import TrainingSequence, collate
-    from grpod.training.trainer import predicting_logits
+    from grpod.training.forward import predicting_logits
 
     for path in (model_dir, tied_model_dir):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
