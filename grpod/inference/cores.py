@@ -31,6 +31,11 @@ on its own. Only the next step's batch restarts generation, and an evaluation or
 step boundary, so a micro-batch on borrowed threads does not meet a working engine; the trainer
 is on its own threads again after each phase. It needs a source whose requests all go through
 grpod's engine leases (`dataset`, `builtin`): an environment reaches vLLM directly, unseen.
+Measured (docs/performance.md): a SmolLM2 step of the format task's batches took 8.58 s on two
+threads against 12.41 s on one (`bench/results/shared_prompt-threads.json`); live on that task the
+engine was idle at only 2 of 126 micro-batch boundaries, because with `source.concurrency` above
+`prefetch_groups` the workers go on generating beside a full queue. It pays where the engine idles
+for whole steps (`source.overlap = false`), or where the workers are no more than the queue holds.
 """
 
 from __future__ import annotations
