@@ -126,7 +126,7 @@ class StepLoop:
         BridgeFailed when the engines cannot be kept in step."""
         train = self.cfg.train
         self.progress.begin_training()
-        if self.cores.idle and hasattr(self.trainer, "threads_now"):
+        if self.cores.idle:
             self.trainer.threads_now = self.trainer_threads
         async with anyio.create_task_group() as work:
             self._work = work

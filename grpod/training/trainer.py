@@ -39,7 +39,6 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,25 +168,29 @@ def load_policy(train: TrainConfig, model: ModelConfig, path: Path, device: torc
     return policy
 
 
-@dataclass
-class _BorrowedThreads:
-    """The torch threads of the worker thread running a phase's micro-batches (`Trainer._threads`).
-    torch's setting is per OS thread once that thread has run an op, so it is set in the thread
-    that forwards, before each micro-batch, and put back before the thread returns to the pool."""
+class _LentThreads:
+    """The torch threads of the worker thread running a phase's micro-batches: calling it sets them
+    to `threads_now()` for the next micro-batch, counting those above `own` (train.threads), and
+    leaving the block puts `own` back. torch's setting is per OS thread once that thread has run an
+    op, so it is set in the thread that forwards, and restored before it returns to the pool."""
 
-    threads_now: Callable[[], int] | None
-    own: int
-    count: int = 0
+    def __init__(self, threads_now: Callable[[], int] | None, own: int) -> None:
+        self.threads_now = threads_now if own else None
+        self.own = own
+        self.count = 0
+
+    def __enter__(self) -> _LentThreads:
+        return self
 
     def __call__(self) -> None:
-        if self.threads_now is not None and self.own:
+        if self.threads_now is not None:
             threads = self.threads_now()
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
             self.count += threads > self.own
 
-    def restore(self) -> None:
-        if self.threads_now is not None and self.own and torch.get_num_threads() != self.own:
+    def __exit__(self, *exc: object) -> None:
+        if self.threads_now is not None and torch.get_num_threads() != self.own:
             torch.set_num_threads(self.own)
 
 
@@ -306,7 +309,7 @@ class Trainer:
     def _backward(self, plan: BatchPlan, part: list[int], normalizer: StepNormalizer) -> None:
         """The micro-batches of `part`, one after the other (gradients accumulate)."""
         micro = self._micro_plan([plan.sequences[i] for i in part])
-        with self._threads() as borrowed:
+        with _LentThreads(self.threads_now, self.train_cfg.threads) as borrowed:
             for indices in micro.batches:
                 borrowed()
                 plan.stats.merge(self._micro_batch_backward(plan, [part[i] for i in indices], normalizer, micro.shares_prompts))
@@ -408,22 +411,12 @@ class Trainer:
         """pi_old's logprob of every loss token, per sequence, before the batch's first update."""
         plan = self._micro_plan(sequences)
         old: list[torch.Tensor | None] = [None] * len(sequences)
-        with self._threads() as borrowed:
+        with _LentThreads(self.threads_now, self.train_cfg.threads) as borrowed:
             for indices in plan.batches:
                 borrowed()
                 for i, logprobs in self._micro_batch_logprobs(sequences, indices, plan.shares_prompts).items():
                     old[i] = logprobs
         return old
-
-    @contextmanager
-    def _threads(self) -> Iterator[_BorrowedThreads]:
-        """Calling the value sets this worker thread's torch threads to `threads_now()` for the next
-        micro-batch (and counts those above train.threads); train.threads again on the way out."""
-        borrowed = _BorrowedThreads(self.threads_now, self.train_cfg.threads)
-        try:
-            yield borrowed
-        finally:
-            borrowed.restore()
 
     def _micro_batch_logprobs(self, sequences: list[TrainingSequence], indices: list[int], share: bool = False) -> dict[int, torch.Tensor]:
         """Each of `sequences[indices]`'s loss-token logprobs, forwarded as one micro-batch."""

@@ -23,6 +23,7 @@ class FakeTrainer:
     """The trainer's phases with no model: each part 'trains' by counting; lr is remembered."""
 
     vocab_size = 64
+    threads_now = None  # the step loop's question, set by it where the engines' cores may be lent
 
     def __init__(self, parts_per_batch: int = 1) -> None:
         self.parts_per_batch = parts_per_batch
@@ -456,7 +457,6 @@ async def test_the_trainer_gets_the_idle_engines_cores_only_while_generation_is_
     from grpod.inference.cores import CoreLoan
 
     engine, trainer = IdleEngine(), FakeTrainer()
-    trainer.threads_now = None
     loop = loop_with(loop_config, "train.steps=1", "source.overlap=true", trainer=trainer)
     loop.cores = CoreLoan([], own=1, borrowed=1, reason="off", idle=[engine], trainer_own=1, trainer_borrowed=2,
                           trainer_reason="on")
