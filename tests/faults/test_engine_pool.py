@@ -43,10 +43,16 @@ def test_one_of_two_engines_killed_mid_step_training_goes_on_and_it_rejoins(tmp_
         "inference.stop_grace_s": 2.0,
         "source.concurrency": 4,
         "run.record_rollouts": True,
+        # The weight group's collectives take milliseconds on this model; a member killed while
+        # the group forms is waited for this long before the broadcast is retried without it.
+        "bridge.timeout_s": 60.0,
     }
     daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", settings), run_dir)
     try:
-        running = status_until(daemon, lambda s: s["state"] == "running" and s["step"] >= 2, 600, "two steps trained")
+        running = status_until(
+            daemon, lambda s: s["state"] == "running" and s["step"] >= 2 and (s["policy_version"] or 0) >= 1, 600,
+            "two steps trained and the first broadcast served (the weight group formed)",
+        )
         killed_pgid = _engine(running, "engine-1")["pid"]
         busy = status_until(daemon, lambda s: s["heartbeat"]["busy_for_s"] is not None, 120, "a step training", poll_s=0.005)
         killed_at = sigkill(vllm_api_server(killed_pgid))
