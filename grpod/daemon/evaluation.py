@@ -26,6 +26,7 @@ import structlog
 from anyio.abc import TaskGroup
 
 from grpod.config import EvalConfig
+from grpod.errors import first_error
 from grpod.daemon.progress import RunProgress
 
 log = structlog.get_logger(__name__)
@@ -77,7 +78,8 @@ class Evaluations:
         try:
             result = await self.source.evaluate(self.cfg.size, self.cfg.max_tokens)
         except Exception as exc:  # noqa: BLE001 — an evaluation failure is reported, not fatal
-            log.warning("eval_failed", when=running["when"], step=running["step"], error=str(exc))
+            error = first_error(exc) or exc
+            log.warning("eval_failed", when=running["when"], step=running["step"], error=f"{type(error).__name__}: {error}"[:300])
             result = None
         finally:
             self._running = None

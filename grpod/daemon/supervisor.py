@@ -32,6 +32,7 @@ import structlog
 
 from grpod.bridges.base import BridgeFailed
 from grpod.config import ConfigError, GrpodConfig
+from grpod.errors import first_error
 from grpod.daemon.alarms import LogprobGapAlarm, SourceErrorAlarm
 from grpod.daemon.control import ControlServer
 from grpod.daemon.desk import OperatorDesk
@@ -134,7 +135,7 @@ class Supervisor:
                 await self._shutdown()
                 tg.cancel_scope.cancel()
         except BaseException as exc:
-            failure = _unwrap(exc)
+            failure = first_error(exc)
             if failure is None:
                 raise
             self._fail(f"{type(failure).__name__}: {failure}")
@@ -266,19 +267,6 @@ class Supervisor:
 
 # Failures that are the operator's input, not the run's: exit status 2, as for a bad config.
 INPUT_ERRORS = (ResumeError, ConfigError)  # ConfigError: a dataset row, a reward function
-
-
-def _unwrap(exc: BaseException) -> BaseException | None:
-    """The first real error inside (possibly nested) exception groups; None for cancellation."""
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _unwrap(inner)
-            if found is not None:
-                return found
-        return None
-    if isinstance(exc, (KeyboardInterrupt, SystemExit, anyio.get_cancelled_exc_class())):
-        return None
-    return exc
 
 
 def run_daemon(cfg: GrpodConfig, config_path: Path | None = None, overrides: list[str] = ()) -> int:

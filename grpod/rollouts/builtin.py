@@ -16,7 +16,6 @@ from __future__ import annotations
 import random
 import sys
 
-import anyio
 import structlog
 
 from grpod.config import BuiltinSourceConfig
@@ -29,6 +28,7 @@ from grpod.rollouts.arithmetic import (
 )
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.held_out import play_rows
 from grpod.rollouts.sampling_source import SamplingSource, SamplingStats
 
 log = structlog.get_logger(__name__)
@@ -109,18 +109,16 @@ async def evaluate_greedy(
 ) -> dict:
     """Held-out accuracy of greedy decoding through vLLM (the policy the engines serve now)."""
     correct = 0
-    limiter = anyio.Semaphore(EVAL_CONCURRENCY)
     version = policy.version
 
     async def one(problem: Problem) -> None:
         nonlocal correct
-        async with limiter, policy.engine(engine_wait_s) as lease:
+        async with policy.engine(engine_wait_s) as lease:
             out = await lease.client.generate(
                 task.prompt_for(tokenizer, problem), n=1, max_tokens=max_tokens, temperature=0.0, model=lease.model
             )
         correct += int(task.score(problem, out[0].text) >= 1.0)
 
-    async with anyio.create_task_group() as tg:
-        for problem in problems:
-            tg.start_soon(one, problem)
-    return {"eval_accuracy": correct / max(len(problems), 1), "eval_size": len(problems), "policy_version": version}
+    failed = await play_rows(problems, one, concurrency=EVAL_CONCURRENCY, where=lambda problem: f"problem {problem.id}")
+    scored = len(problems) - failed
+    return {"eval_accuracy": correct / max(scored, 1), "eval_size": scored, "eval_failed": failed, "policy_version": version}

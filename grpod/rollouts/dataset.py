@@ -54,6 +54,7 @@ from grpod.inference.policy import Policy
 from grpod.rollouts.builtin import EVAL_CONCURRENCY
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.held_out import play_rows
 from grpod.rollouts.rewards import (
     CALL_KEYWORDS,
     EXTRA_KEY,
@@ -509,7 +510,6 @@ class DatasetSource(SamplingSource):
         items = self.eval_items[:size]
         k, threshold = self.eval_cfg.k, self.eval_cfg.correct_threshold
         max_tokens = max(max_tokens, self.max_tokens)
-        limiter = anyio.Semaphore(EVAL_CONCURRENCY)
         greedy_correct, sampled_correct, failures = 0, 0, 0
         version = self.policy.version
 
@@ -526,7 +526,7 @@ class DatasetSource(SamplingSource):
 
         async def one(item: DatasetItem) -> None:
             nonlocal greedy_correct, sampled_correct
-            async with limiter, self.policy.engine(self.engine_wait_s) as lease:
+            async with self.policy.engine(self.engine_wait_s) as lease:
                 greedy = await lease.client.generate(item.prompt_ids, n=1, max_tokens=max_tokens, temperature=0.0,
                                                      model=lease.model)
                 sampled = []
@@ -539,13 +539,12 @@ class DatasetSource(SamplingSource):
             greedy_correct += greedy_ok
             sampled_correct += sampled_ok
 
-        async with anyio.create_task_group() as tg:
-            for item in items:
-                tg.start_soon(one, item)
-        size = max(len(items), 1)
+        failed = await play_rows(items, one, concurrency=EVAL_CONCURRENCY, where=lambda item: f"eval row {item.row + 1}")
+        size = max(len(items) - failed, 1)
         result = {
             "eval_accuracy": greedy_correct / size,
-            "eval_size": len(items),
+            "eval_size": len(items) - failed,
+            "eval_failed": failed,
             "eval_reward_failures": failures,
             "policy_version": version,
         }

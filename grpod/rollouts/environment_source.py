@@ -35,12 +35,14 @@ import anyio
 import structlog
 
 from grpod.config import ConfigError, EnvironmentConfig, EnvironmentSourceConfig, EvalConfig
+from grpod.errors import first_error
 from grpod.inference.policy import Policy
 from grpod.rollouts.chat_turns import ChatTurns
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.environments import EnvironmentAdapter, EnvironmentFailure, Split, TurnEnvironment
 from grpod.rollouts.episode_runner import EpisodeLimits, EpisodeRunner
 from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.held_out import play_rows
 from grpod.rollouts.sampling_source import GENERATION_RETRY_S, SamplingSource, SamplingStats
 
 log = structlog.get_logger(__name__)
@@ -90,11 +92,8 @@ async def prepare_environment(src: EnvironmentSourceConfig, run_dir: Path, resou
 
 
 def _failure(exc: BaseException) -> BaseException:
-    """The first leaf of a task group's exception group, an `EnvironmentFailure` first."""
-    if isinstance(exc, BaseExceptionGroup):
-        leaves = [_failure(inner) for inner in exc.exceptions]
-        return next((e for e in leaves if isinstance(e, EnvironmentFailure)), leaves[0])
-    return exc
+    """What failed in a group's task group: its first `EnvironmentFailure`, else its first error."""
+    return first_error(exc, EnvironmentFailure) or first_error(exc) or exc
 
 
 @dataclass
@@ -239,26 +238,17 @@ class EnvironmentSource(SamplingSource):
         runner = self._runner(0.0)
         version = self.policy.version
         rewards: list[float] = []
-        failed = 0
-        limiter = anyio.Semaphore(EVAL_CONCURRENCY)
 
         async def one(index: int) -> None:
-            nonlocal failed
-            async with limiter:
-                environments: list[TurnEnvironment] = []
-                try:
-                    messages, environments = await self._open(index, "eval", 1)
-                    episode = await runner.play(messages, environments[0])
-                    rewards.append(float(episode.reward))
-                except Exception as exc:  # noqa: BLE001 — one failed held-out episode is counted, not fatal
-                    failed += 1
-                    log.warning("eval_episode_failed", task=index, error=str(_failure(exc))[:300])
-                finally:
-                    await self._close(environments)
+            environments: list[TurnEnvironment] = []
+            try:
+                messages, environments = await self._open(index, "eval", 1)
+                episode = await runner.play(messages, environments[0])
+                rewards.append(float(episode.reward))
+            finally:
+                await self._close(environments)
 
-        async with anyio.create_task_group() as tg:
-            for index in range(size):
-                tg.start_soon(one, index)
+        failed = await play_rows(range(size), one, concurrency=EVAL_CONCURRENCY, where=lambda index: f"eval task {index}")
         threshold = self.eval_cfg.correct_threshold
         scored = max(len(rewards), 1)
         return {

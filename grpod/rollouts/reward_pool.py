@@ -40,6 +40,7 @@ import psutil
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from grpod.errors import first_error
 from grpod.rollouts.reward_worker import HEADER, MAX_FRAME
 from grpod.service.race import first_of
 
@@ -119,7 +120,7 @@ class RewardPool:
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
-            failure = _first(exc, RewardPoolError)
+            failure = first_error(exc, RewardPoolError)
             if failure is not None:
                 raise failure from None
             raise
@@ -298,17 +299,6 @@ def _rss_mb(pid: int) -> float:
         return psutil.Process(pid).memory_info().rss / (1024 * 1024)
     except psutil.Error:
         return 0.0
-
-
-def _first(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
-    if isinstance(exc, kind):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _first(inner, kind)
-            if found is not None:
-                return found
-    return None
 
 
 async def kill_worker(worker: _Worker) -> None:

@@ -315,6 +315,34 @@ def test_evaluation_gives_pass_at_1_and_mean_at_k(tmp_path, tokenizer):
     assert temperatures == [(1, 0.0, 6), (3, 0.7, 6)]
 
 
+def test_a_held_out_row_whose_request_fails_is_left_out_and_the_evaluation_goes_on(tmp_path, tokenizer):
+    """A request of one held-out row that times out (vLLM under load) costs that row, not the
+    evaluation: the record counts it apart and the accuracy is over the rows scored."""
+    from grpod.inference.client import InferenceRequestError
+    from grpod.rollouts.held_out import EvaluationFailed
+
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    held_out = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(20, 30)])
+    cfg = config(train, max_tokens=6, eval={"dataset": str(held_out), "size": 8})
+
+    def answer(text: str) -> str:
+        operand = int(right_answer(text)) // 2
+        if operand == 23:
+            raise InferenceRequestError("/v1/completions", None, "no response: timed out after 120 s")
+        return right_answer(text) if operand % 2 == 0 else "0"
+
+    result = anyio.run(source(tokenizer, cfg, answer_for=answer).evaluate, 8, 4)
+    assert result["eval_failed"] == 1 and result["eval_size"] == 7
+    assert result["eval_accuracy"] == 4 / 7, "20, 22, 24, 26 right; 21, 25, 27 wrong; 23 left out"
+
+    def down(text: str) -> str:
+        raise InferenceRequestError("/v1/completions", None, "connection refused")
+
+    with pytest.raises(EvaluationFailed, match=r"every one of the 8 held-out rows failed; the first: eval row \d+: "
+                                               r"InferenceRequestError: .*connection refused"):
+        anyio.run(source(tokenizer, cfg, answer_for=down).evaluate, 8, 4)
+
+
 def _client(src: DatasetSource) -> ScriptedClient:
     return src.client
 

@@ -1,0 +1,76 @@
+"""Held-out rows played one by one: a failed row is counted and named, never the whole evaluation;
+the first real error of a task group's exception groups (`grpod.errors.first_error`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import pytest
+from structlog.testing import capture_logs
+
+from grpod.daemon.evaluation import Evaluations
+from grpod.daemon.progress import RunProgress
+from grpod.errors import first_error
+from grpod.rollouts.held_out import EvaluationFailed, play_rows
+
+
+def test_first_error_finds_the_first_leaf_of_the_kind_and_passes_over_cancellation():
+    boom, late = ValueError("boom"), KeyError("late")
+    nested = BaseExceptionGroup("outer", [asyncio.CancelledError(), ExceptionGroup("inner", [boom, late])])
+    assert first_error(nested) is boom
+    assert first_error(nested, KeyError) is late
+    assert first_error(boom) is boom
+    assert first_error(BaseExceptionGroup("cancelled", [asyncio.CancelledError()])) is None
+    assert first_error(KeyboardInterrupt()) is None
+
+
+def test_a_failed_row_is_counted_and_named_and_the_others_are_played():
+    played: list[int] = []
+
+    async def play(row: int) -> None:
+        await anyio.sleep(0.01 * (row % 3))
+        if row == 4:
+            raise ExceptionGroup("a task group", [TimeoutError("no response after 120 s")])
+        played.append(row)
+
+    with capture_logs() as logs:
+        failed = anyio.run(lambda: play_rows(range(8), play, concurrency=3, where=lambda row: f"eval row {row}"))
+    assert failed == 1 and sorted(played) == [0, 1, 2, 3, 5, 6, 7]
+    [warning] = [entry for entry in logs if entry["event"] == "eval_row_failed"]
+    assert warning["row"] == "eval row 4" and "TimeoutError: no response after 120 s" in warning["error"]
+
+
+def test_an_evaluation_whose_every_row_failed_fails_saying_the_first_error():
+    async def play(row: int) -> None:
+        raise ConnectionError(f"engine gone (row {row})")
+
+    with pytest.raises(EvaluationFailed, match=r"every one of the 3 held-out rows failed; the first: row \d: ConnectionError"):
+        anyio.run(lambda: play_rows(range(3), play, concurrency=2, where=lambda row: f"row {row}"))
+    assert anyio.run(lambda: play_rows([], play, concurrency=2, where=str)) == 0
+
+
+class _FailingSource:
+    async def evaluate(self, size: int, max_tokens: int) -> dict:
+        async with anyio.create_task_group() as tg:
+            async def fail() -> None:
+                raise ValueError("a reward function's module is gone")
+
+            tg.start_soon(fail)
+        return {}
+
+
+def test_a_failed_evaluation_is_logged_with_what_failed_inside_its_task_group():
+    from grpod.config import EvalConfig
+
+    class Reporter:
+        def eval_done(self, *args, **kwargs):
+            raise AssertionError("a failed evaluation has no record")
+
+    evaluations = Evaluations(EvalConfig(size=4), source=_FailingSource(), reporter=Reporter(),
+                              progress=RunProgress(steps=1), beside_training=False)
+    with capture_logs() as logs:
+        anyio.run(evaluations.run, "periodic", None)
+    [failed] = [entry for entry in logs if entry["event"] == "eval_failed"]
+    assert failed["error"] == "ValueError: a reward function's module is gone", failed
+    assert evaluations.describe() is None
