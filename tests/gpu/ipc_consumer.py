@@ -5,7 +5,8 @@ module only (no vLLM, no transformers).
 Protocol: one JSON request per stdin line, one JSON answer per stdout line; EOF on stdin ends it.
   {"op": "attach", "dir": D}        -> {"pid", "numel", "nbytes", "free_drop", "allocated", "same_device"}
   {"op": "read", "indices": [...]}  -> {"values": [...], "sum": float}
-It writes {"ready": true} once its CUDA context exists (so `attach` measures the mapping alone).
+It writes {"ready": true} once its CUDA context exists and its kernels are loaded (so `attach`
+measures the mapping alone).
 """
 
 import json
@@ -22,6 +23,16 @@ def main() -> None:
     os.dup2(2, 1)  # anything else printed goes to stderr, never into the protocol
     torch.cuda.init()
     torch.cuda.mem_get_info()  # creates the context: its memory is not the mapping's
+    # The kernels `attach` and `read` run are loaded on their first launch (CUDA loads modules
+    # lazily), which takes device memory too (94 MiB on an H200): run them once here, on a
+    # tensor of our own, so that `attach` measures the mapping alone. The allocator keeps the
+    # freed block for the small results later.
+    warm = torch.ones(1 << 23, device="cuda")
+    warm.sum().item()
+    warm.double().sum().item()
+    warm[torch.tensor([0, 1], dtype=torch.long, device="cuda")].tolist()
+    del warm
+    torch.cuda.synchronize()
     answers.write(json.dumps({"ready": True}) + "\n")
     flat = None
     for line in sys.stdin:

@@ -146,12 +146,34 @@ def test_shared_mode_maps_one_copy_over_cuda_ipc_and_the_fenced_step_is_seen_in_
         cfg.bridge, engines=[engine], trainer=trainer, model=cfg.model, run_dir=tmp_path / "run", train_device="cuda"
     )
 
+    # Measured right after the parameters move into the buffer: later in `start` the probe's first
+    # matmuls allocate cuBLAS workspaces through torch's allocator (one per thread and stream, tens
+    # of MiB on Hopper), which are not weights.
+    share = bridge._share_trainer_weights
+    shared_at = {}
+
+    def share_and_measure(trainer):
+        shared = share(trainer)
+        torch.cuda.synchronize()
+        shared_at["allocated"] = torch.cuda.memory_allocated()
+        return shared
+
+    bridge._share_trainer_weights = share_and_measure
+
     async def main():
         torch.cuda.synchronize()
         allocated_before = torch.cuda.memory_allocated()
         await bridge.start()
         torch.cuda.synchronize()
-        allocated_after = torch.cuda.memory_allocated()
+        allocated_after = shared_at["allocated"]
+        started = torch.cuda.memory_allocated()
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
+            print(
+                f"\nafter start: allocated {started / 2**20:.1f} MiB, "
+                f"{torch.cuda.memory_allocated() / 2**20:.1f} MiB once cuBLAS workspaces are cleared"
+            )
         flat = bridge.shared.flat
         # The middle element of every slot that is not an embedding (their pad rows stay zero).
         consumer.watch = [s.offset + s.numel // 2 for s in bridge.shared.layout.slots if "embed" not in s.name]
