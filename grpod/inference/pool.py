@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 import structlog
 
+from grpod.errors import first_error
 from grpod.inference.engine import InferenceEngine
 
 log = structlog.get_logger(__name__)
@@ -124,10 +125,7 @@ class EnginePool:
                 for engine in self.engines:
                     tg.start_soon(engine.watch, self.recover)
         except BaseExceptionGroup as group:
-            first: BaseException = group
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from None
+            raise first_error(group, BaseException) or group from None
 
     async def recover(self, engine: InferenceEngine, reason: str) -> None:
         """A lost engine (`reason`: how its watch found it): relaunched, caught up and probed by

@@ -51,7 +51,6 @@ import structlog
 
 from grpod.config import ConfigError, DatasetConfig, DatasetSourceConfig, EvalConfig, GrpodConfig
 from grpod.inference.policy import Policy
-from grpod.rollouts.builtin import EVAL_CONCURRENCY
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.held_out import play_rows
@@ -539,7 +538,7 @@ class DatasetSource(SamplingSource):
             greedy_correct += greedy_ok
             sampled_correct += sampled_ok
 
-        failed = await play_rows(items, one, concurrency=EVAL_CONCURRENCY, where=lambda item: f"eval row {item.row + 1}")
+        failed = await play_rows(items, one, where=lambda item: f"eval row {item.row + 1}")
         size = max(len(items) - failed, 1)
         result = {
             "eval_accuracy": greedy_correct / size,

@@ -47,8 +47,9 @@ from grpod.rollouts.sampling_source import GENERATION_RETRY_S, SamplingSource, S
 
 log = structlog.get_logger(__name__)
 
-# Held-out episodes in flight at once during an evaluation.
-EVAL_CONCURRENCY = 16
+# Held-out episodes in flight at once during an evaluation: fewer than single-turn rows
+# (held_out.EVAL_CONCURRENCY), each holds an environment session too.
+EVAL_EPISODES = 16
 # The source's own bound on an environment call exceeds `source.environment.timeout_s` by this
 # much: an adapter that bounds its calls itself (and kills a stuck process) acts first.
 ADAPTER_MARGIN_S = 5.0
@@ -248,7 +249,7 @@ class EnvironmentSource(SamplingSource):
             finally:
                 await self._close(environments)
 
-        failed = await play_rows(range(size), one, concurrency=EVAL_CONCURRENCY, where=lambda index: f"eval task {index}")
+        failed = await play_rows(range(size), one, concurrency=EVAL_EPISODES, where=lambda index: f"eval task {index}")
         threshold = self.eval_cfg.correct_threshold
         scored = max(len(rewards), 1)
         return {

@@ -20,13 +20,18 @@ log = structlog.get_logger(__name__)
 
 Row = TypeVar("Row")
 
+# Held-out requests in flight at once: vLLM batches them (8 left a held-out pass of 156 problems
+# at 1.1-2.8 s against 0.1-0.2 s for one batched HF generate, measured).
+EVAL_CONCURRENCY = 64
+
 
 class EvaluationFailed(RuntimeError):
     """Every row of a held-out evaluation failed."""
 
 
 async def play_rows(
-    rows: Sequence[Row], play: Callable[[Row], Awaitable[None]], *, concurrency: int, where: Callable[[Row], str]
+    rows: Sequence[Row], play: Callable[[Row], Awaitable[None]], *, where: Callable[[Row], str],
+    concurrency: int = EVAL_CONCURRENCY,
 ) -> int:
     """`play(row)` for every row, `concurrency` at once; returns how many rows failed (module
     docstring). `where(row)` names a row in the log, e.g. "row 12"."""
