@@ -13,63 +13,31 @@ in tests/training/test_distributed.py cover the split).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-import torch
 
-from tests.faults.injection import write_replay_rollouts
-from tests.harness import ROOT
-from tests.training.test_distributed import (
+from tests.training.test_distributed import (  # noqa: F401 — `workload` is test_distributed's fixture
     CHECKPOINT_AT,
-    RANKS_SCRIPT,
     STEPS,
-    Run,
     _bitwise,
     _config,
     _in_process,
     _max_abs,
     _resumed_from,
+    _torchrun,
+    workload,
 )
 
-LAUNCH_TIMEOUT_S = 240
 CUDA = {"train.device": "cuda"}
 
 
 @pytest.fixture(scope="module")
-def workload(tmp_path_factory) -> Path:
-    from grpod.models.tiny import build_model, save_model
-
-    root = tmp_path_factory.mktemp("cuda-ranks-workload")
-    save_model(*build_model(seed=0, tie_word_embeddings=True), root / "model")
-    write_replay_rollouts(root / "rollouts.jsonl", root / "model", groups=STEPS * 2, completion_len=40)
-    return root
-
-
-def _one_rank(config: Path, out: Path, *extra: str) -> tuple[Run, str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-         str(RANKS_SCRIPT), str(config), str(out), "--steps", str(STEPS), *extra],
-        check=False, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-        timeout=LAUNCH_TIMEOUT_S,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return Run.read(out), output
-
-
-@pytest.fixture(scope="module")
-def one_rank(workload, tmp_path_factory) -> tuple[Run, str]:
+def ranked(workload, tmp_path_factory):
     out = tmp_path_factory.mktemp("cuda-one-rank")
-    return _one_rank(_config(workload, out, **CUDA), out, "--checkpoint-at", str(CHECKPOINT_AT))
+    return _torchrun(_config(workload, out, **CUDA), out, "--checkpoint-at", str(CHECKPOINT_AT), ranks=1)
 
 
-def test_one_nccl_rank_on_cuda_trains_as_the_single_process_trainer_does(one_rank, workload, tmp_path):
-    ranked, output = one_rank
-    assert "trainer_rank_joined" in output and "cuda:nccl" in output, "the rank did not form NCCL's group"
+def test_one_nccl_rank_on_cuda_trains_as_the_single_process_trainer_does(ranked, workload, tmp_path):
+    assert "nccl" in ranked.result["backend"], f"the rank formed {ranked.result['backend']!r}, not NCCL's group"
     single = _in_process(_config(workload, tmp_path, **CUDA), tmp_path)
     for step, reference in single.result["steps"].items():
         mine = ranked.result["steps"][step]
@@ -86,10 +54,9 @@ def test_one_nccl_rank_on_cuda_trains_as_the_single_process_trainer_does(one_ran
     assert {p.name for p in sharded.iterdir()} >= {".metadata", "__0_0.distcp"}, "the rank wrote no shards"
 
 
-def test_the_cuda_ranks_sharded_checkpoint_resumes_to_the_same_weights(one_rank, workload, tmp_path):
-    ranked, _ = one_rank
+def test_the_cuda_ranks_sharded_checkpoint_resumes_to_the_same_weights(ranked, workload, tmp_path):
     config = _resumed_from(ranked.checkpoint(CHECKPOINT_AT), workload, tmp_path, **CUDA)
-    resumed, _ = _one_rank(config, tmp_path)
+    resumed = _torchrun(config, tmp_path, ranks=1)
     assert resumed.result["resumed_from"] == CHECKPOINT_AT
     for step in range(CHECKPOINT_AT + 1, STEPS + 1):
         assert resumed.result["steps"][str(step)]["loss"] == pytest.approx(

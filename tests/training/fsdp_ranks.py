@@ -11,7 +11,8 @@ N, `RunStore.save` checkpoints after step S (S = the resumed step: at once); wit
 makes no call for T seconds after loading the trainer (a paused daemon, an engine launching); then the calls a bridge makes (`score`,
 `full_state_dict`, `save_weights`, `set_learning_rate`) and the followers' release. Ranks > 0
 run `follow`. Rank 0 writes OUT/result.json (per step: loss, grad norm, idle rounds; the probe
-scores; the gathered tensors' names) and OUT/final (the HF export).
+scores; the gathered tensors' names; under torchrun the process group's backend) and OUT/final
+(the HF export).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import anyio
+import torch.distributed
 
 from grpod.config import load_config
 from grpod.daemon.components import trainer_builder, trainer_world
@@ -96,6 +98,7 @@ def main() -> int:
                 return 0
             try:
                 result = lead(cfg, args.out, args.steps, args.checkpoint_at, args.idle_s)
+                result["backend"] = torch.distributed.get_backend()
             finally:
                 stop_followers(world)
         finally:

@@ -242,9 +242,9 @@ def _config(workload: Path, out: Path, resume: str = "never", **more) -> Path:
     return write_config(out / "grpod.toml", settings)
 
 
-def _torchrun(config: Path, out: Path, *extra: str) -> Run:
+def _torchrun(config: Path, out: Path, *extra: str, ranks: int = 2) -> Run:
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
          str(RANKS_SCRIPT), str(config), str(out), "--steps", str(STEPS), *extra],
         check=False, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
         timeout=LAUNCH_TIMEOUT_S,
@@ -301,6 +301,7 @@ def _bitwise(a: dict, b: dict) -> list[str]:
 @pytest.mark.timeout(900)
 def test_two_ranks_train_as_one_process_does(two_ranks, one_process):
     ours, theirs = two_ranks.result, one_process.result
+    assert ours["backend"] == "gloo"
     for step, reference in theirs["steps"].items():
         mine = ours["steps"][step]
         assert mine["loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-7), step
