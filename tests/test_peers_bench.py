@@ -144,6 +144,42 @@ def test_timed_runs_report_each_sides_saved_weights_at_each_mark_with_a_wilson_i
     assert rows["held-out accuracy of the starting model (one evaluator)"]["grpod"].startswith("0.050 [")
 
 
+def test_timed_runs_compare_the_sides_row_by_row_on_the_seeds_both_scored(tmp_path):
+    """The evaluator's per-row outcomes pair the sides: the difference's interval is computed on the
+    rows (each row's difference averaged over the seeds, since every seed scores the same rows), so
+    rows both sides get right or wrong narrow it; a seed only one side scored is left out."""
+    n = 100
+    trl_rows = [1] * 20 + [0] * 80
+    grpod_rows = [1] * 30 + [0] * 70  # right on TRL's 20 and on 10 more
+    grpod = [compare.Run(side="grpod", seed=seed, run_dir=tmp_path, launch=0.0) for seed in (0, 1)]
+    trl = [compare.Run(side="trl", seed=0, run_dir=tmp_path, launch=0.0, threads=2)]
+    for run, rows in ((grpod[0], grpod_rows), (grpod[1], [0] * n), (trl[0], trl_rows)):
+        run.saved = [{"minutes": 5.0, "step": 1, "correct": sum(rows), "size": n, "accuracy": sum(rows) / n, "rows": rows}]
+    _, summary = compare.table([*grpod, *trl], ["grpod", "trl"], [], [5.0], None)
+    cell = summary["rows"]["grpod minus each side at 5 min, paired on the same rows (95 %)"]
+    # 10 rows differ by +1, 90 by 0: mean 0.1, standard error sqrt(0.09 * 100 / 99 / 100) = 0.0302
+    assert cell == {"grpod": "-", "trl": "+0.100 [+0.041, +0.159] (1 seeds x 100 rows)"}
+    # The unpaired view of the same runs: the two Wilson intervals overlap.
+    assert compare.wilson(30, n)[0] < compare.wilson(20, n)[1]
+    for run in (*grpod, *trl):
+        del run.saved[0]["rows"]
+    _, summary = compare.table([*grpod, *trl], ["grpod", "trl"], [], [5.0], None)
+    assert summary["rows"]["grpod minus each side at 5 min, paired on the same rows (95 %)"]["trl"] == "-"
+
+
+def test_the_paired_difference_averages_seeds_per_row_before_the_interval():
+    """Two seeds of the same rows are not 2n independent rows: the interval comes from the n
+    per-row differences (each averaged over the seeds). Mismatched rows are refused."""
+    paired_difference = compare.paired_difference
+    a, b = [1, 1, 0, 0], [0, 1, 0, 0]
+    mean, low, high = paired_difference([(a, b), (a, b)])
+    assert (mean, low, high) == paired_difference([(a, b)])  # a repeated seed adds no rows
+    assert mean == 0.25 and low < 0 < high
+    assert paired_difference([([1, 0], [1, 0])]) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="same rows"):
+        paired_difference([([1, 0, 1], [1, 0])])
+
+
 def test_a_format_reward_beside_a_correctness_reward_gets_its_own_held_out_rows(tmp_path):
     """The format task: the evaluator scores each reward function apart (the rows it gave full
     credit), so a side that learned the tags but not the sums is told from one that learned both;

@@ -160,7 +160,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from stats import wilson  # noqa: E402
+from stats import paired_difference, wilson  # noqa: E402
 from timed import ctl  # noqa: E402
 
 
@@ -665,7 +665,7 @@ def run_once(side: str, seed: int, task: Task, base_sets: list[str], workdir: Pa
         for saved in run.saved:
             if saved.get("path") in scored:
                 saved.update({k: scored[saved["path"]].get(k)
-                              for k in ("correct", "size", "accuracy", "mean_score", "functions")})
+                              for k in ("correct", "size", "accuracy", "mean_score", "functions", "rows")})
     return run
 
 
@@ -714,6 +714,18 @@ def _pooled(saved: list[dict | None]) -> str:
     return text + (f" ({len(got)}/{len(saved)} seeds)" if len(got) < len(saved) else "")
 
 
+def _paired(first: list[Run], other: list[Run], mark: float) -> str:
+    """`first`'s accuracy minus `other`'s at `mark`, row by row over the seeds both scored (the
+    evaluator's per-row outcomes), with its 95 % interval (stats.paired_difference)."""
+    theirs = {r.seed: (r.saved_at(mark) or {}).get("rows") for r in other}
+    pairs = [(rows, theirs[r.seed]) for r in first
+             if (rows := (r.saved_at(mark) or {}).get("rows")) and theirs.get(r.seed)]
+    if not pairs:
+        return "-"
+    mean, low, high = paired_difference(pairs)
+    return f"{mean:+.3f} [{low:+.3f}, {high:+.3f}] ({len(pairs)} seeds x {len(pairs[0][0])} rows)"
+
+
 def _functions(runs: list[Run], start: dict | None) -> list[str]:
     """The reward functions' names when the task combines several (a format reward beside a
     correctness reward): each gets its own rows; one function is the accuracy row already."""
@@ -755,6 +767,9 @@ def table(runs: list[Run], sides: list[str], thresholds: list[float], minutes: l
         for mark in minutes:
             rows.append((f"held-out accuracy at {mark:g} min after launch (one evaluator, 95 % Wilson)",
                          [_pooled([r.saved_at(mark) for r in by_side[s]]) for s in sides]))
+            if len(sides) > 1:
+                rows.append((f"{sides[0]} minus each side at {mark:g} min, paired on the same rows (95 %)",
+                             ["-", *[_paired(by_side[sides[0]], by_side[s], mark) for s in sides[1:]]]))
             row(f"held-out mean reward at {mark:g} min (one evaluator; partial credit included)",
                 lambda r, m=mark: (r.saved_at(m) or {}).get("mean_score"), ".3f", missing="-")
             for name in _functions(runs, start_accuracy):

@@ -8,7 +8,7 @@ held-out rows (`eval.size` of `eval.dataset`, or the builtin task's held-out set
 HF generate, completion budget, reward and correctness rule for every directory. Prints one JSON
 line per DIR: {"weights", "correct", "size", "accuracy", "mean_score" (the mean reward, partial
 credit included), "functions" (per reward function: the rows it gave full credit, its mean
-reward), "eval_s"}.
+reward), "rows" (each held-out row's outcome in order, 1 correct, 0 not), "eval_s"}.
 """
 
 from __future__ import annotations

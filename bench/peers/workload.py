@@ -224,20 +224,24 @@ def gradient_tokens(scores: list[float], completion_ids: list[list[int]], group_
 class HeldOut:
     """One evaluation: `correct` of `size` rows by the config's correctness rule, the summed
     combined reward, and per reward function (metric name) how many rows it gave full credit
-    (>= 1.0) and its summed reward: a format reward and a correctness reward apart."""
+    (>= 1.0) and its summed reward: a format reward and a correctness reward apart. `rows`: each
+    held-out row's outcome in order (1 correct, 0 not), so two sides scored on the same rows can be
+    compared row by row (a paired difference)."""
 
     correct: int = 0
     size: int = 0
     summed: float = 0.0
     full_credit: dict[str, int] = field(default_factory=dict)
     function_summed: dict[str, float] = field(default_factory=dict)
+    rows: list[int] = field(default_factory=list)
 
     def record(self) -> dict[str, Any]:
         size = max(self.size, 1)
         return {"correct": self.correct, "size": self.size, "accuracy": self.correct / size,
                 "mean_score": self.summed / size,
                 "functions": {name: {"full_credit": full, "mean": self.function_summed[name] / size}
-                              for name, full in self.full_credit.items()}}
+                              for name, full in self.full_credit.items()},
+                "rows": self.rows}
 
 
 def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Example], batch: int) -> HeldOut:
@@ -267,7 +271,8 @@ def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Examp
                 completions.append(seq if stop is None else seq[: stop + 1])
             texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
             scores, by_name = workload.scored([e.columns for e in chunk], texts, completions)
-            result.correct += sum(workload.correct(s) for s in scores)
+            result.rows += [int(workload.correct(s)) for s in scores]
+            result.correct += sum(result.rows[-len(scores):])
             result.summed += sum(scores)
             for name, values in by_name.items():
                 result.full_credit[name] = result.full_credit.get(name, 0) + sum(v >= 1.0 for v in values)
