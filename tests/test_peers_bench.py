@@ -167,6 +167,26 @@ def test_timed_runs_compare_the_sides_row_by_row_on_the_seeds_both_scored(tmp_pa
     assert summary["rows"]["grpod minus each side at 5 min, paired on the same rows (95 %)"]["trl"] == "-"
 
 
+def test_the_evaluator_keeps_each_held_out_rows_outcome_in_order(monkeypatch):
+    """`held_out_accuracy`: one 0/1 per held-out row, in the rows' order, summing to `correct`;
+    the record carries them (the paired comparison reads them)."""
+    from grpod.models.tiny import build_model
+
+    monkeypatch.chdir(ROOT)
+    cfg = workload.load(ROOT / "etc" / "examples" / "trl-rewards.toml", ["eval.size=6", "eval.max_tokens=4"])
+    model, tokenizer = build_model(seed=0)
+    work = workload.Workload(cfg, tokenizer)
+    held_out = work.eval_examples()
+    answers = [e.columns["answer"] for e in held_out]
+    # The even rows scored right and the odd ones wrong, whatever the model generated.
+    monkeypatch.setattr(work, "scored", lambda columns, texts, ids: (
+        [1.0 if c["answer"] in answers[::2] else 0.0 for c in columns], {}))
+    scored = workload.held_out_accuracy(model, tokenizer, work, held_out, batch=4)
+    expected = [int(a in answers[::2]) for a in answers]
+    assert scored.rows == expected and scored.correct == sum(expected) and scored.size == len(held_out) == 6
+    assert scored.record()["rows"] == expected
+
+
 def test_the_paired_difference_averages_seeds_per_row_before_the_interval():
     """Two seeds of the same rows are not 2n independent rows: the interval comes from the n
     per-row differences (each averaged over the seeds). Mismatched rows are refused."""

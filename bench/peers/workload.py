@@ -271,8 +271,9 @@ def held_out_accuracy(model, tokenizer, workload: Workload, held_out: list[Examp
                 completions.append(seq if stop is None else seq[: stop + 1])
             texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
             scores, by_name = workload.scored([e.columns for e in chunk], texts, completions)
-            result.rows += [int(workload.correct(s)) for s in scores]
-            result.correct += sum(result.rows[-len(scores):])
+            outcomes = [int(workload.correct(s)) for s in scores]
+            result.rows += outcomes
+            result.correct += sum(outcomes)
             result.summed += sum(scores)
             for name, values in by_name.items():
                 result.full_credit[name] = result.full_credit.get(name, 0) + sum(v >= 1.0 for v in values)
