@@ -80,7 +80,7 @@ def test_compare_reads_rates_thresholds_and_trls_final_accuracy_from_grpods_reco
         (125.0, "step", 2, {"sampled_tokens": 220}),
         (130.0, "eval", 2, {"eval_accuracy": 0.55, "when": "periodic"}),
         (130.0, "step", 3, {"sampled_tokens": 340}),
-        (135.0, "step", 4, {"sampled_tokens": 460}),
+        (135.0, "step", 4, {"sampled_tokens": 460, "dynamic_filtered": 3}),
         (150.0, "eval", 4, {"eval_accuracy": 0.85, "when": "end"}),
     ]:
         clock.now = now
@@ -105,6 +105,8 @@ def test_compare_reads_rates_thresholds_and_trls_final_accuracy_from_grpods_reco
     assert summary["rows"]["launch -> trl's final held-out accuracy 0.550 (s)"] == {"grpod": "30.0", "trl": "120.0"}
     assert summary["rows"]["launch -> held-out accuracy >= 0.5 (s)"] == {"grpod": "30.0", "trl": "120.0"}
     assert "| held-out accuracy at step 5 | - | 0.550 |" in text
+    assert summary["rows"]["groups generated and thrown away by dynamic sampling (launch to last step)"] == {
+        "grpod": "3", "trl": "-"}
 
 
 def test_trl_gets_a_conversational_datasets_own_reward_functions(monkeypatch):

@@ -475,6 +475,11 @@ class Run:
         sampled = sum(s["tokens"] for s in counted)
         return sum(s["gradient"] for s in counted) / sampled if counted and sampled else None
 
+    def filtered_groups(self) -> int | None:
+        """Groups generated and thrown away for having no signal, launch to the last step (grpod's
+        `dynamic_filtered`; TRL trains every group it generates)."""
+        return next((s["filtered"] for s in reversed(self.steps) if "filtered" in s), None)
+
     def accuracy_at_step(self, step: int) -> float | None:
         return next((e["accuracy"] for e in self.evals if e["step"] == step), None)
 
@@ -521,7 +526,8 @@ def _read_grpod(run: Run) -> None:
     run.steps = [
         {"step": r["step"], "time": r["time"], "tokens": tokens.get(r["step"], 0),
          **({"sampled": r["sampled_tokens"]} if "sampled_tokens" in r else {}),
-         **({"share": r["gradient_token_share"]} if "gradient_token_share" in r else {})}
+         **({"share": r["gradient_token_share"]} if "gradient_token_share" in r else {}),
+         **({"filtered": r["dynamic_filtered"]} if "dynamic_filtered" in r else {})}
         for r in metrics if r["kind"] == "step"
     ]  # fmt: skip
     run.evals = [
@@ -790,6 +796,7 @@ def table(runs: list[Run], sides: list[str], thresholds: list[float], minutes: l
     row("trained completion tokens/s", Run.tokens_per_s, ".1f")
     row("sampled completion tokens/s (generation, trained or not)", Run.sampled_tokens_per_s, ".1f")
     row("share of sampled completion tokens that reached a gradient (launch to last step)", Run.gradient_share, ".3f", missing="-")
+    row("groups generated and thrown away by dynamic sampling (launch to last step)", Run.filtered_groups, ".0f", missing="-")
     row("CPU-seconds, whole process tree", lambda r: r.cpu_s, ".0f")
     row("CPU-seconds per step (first to last step)", lambda r: r.cpu_s_per_step, ".2f")
     row("peak RSS, process tree (MiB; shared pages once per process)", lambda r: r.peak_rss_mb, ".0f")

@@ -109,10 +109,11 @@ class EnvironmentStats(SamplingStats):
     _episode_metrics: dict[str, deque] = field(default_factory=dict)
 
     def step_metrics(self) -> dict[str, Any]:
-        # Since this process started: episodes played into groups, their model turns; and the
-        # mean of each environment metric over the last ENV_METRIC_WINDOW episodes.
+        # The sampling counters; since this process started, episodes played into groups and their
+        # model turns; and the mean of each environment metric over the last ENV_METRIC_WINDOW
+        # episodes.
         means = {f"env/{key}": sum(values) / len(values) for key, values in self._episode_metrics.items() if values}
-        return {"sampled_tokens": self.sampled_tokens, "episodes": self.episodes, "model_turns": self.model_turns, **means}
+        return {**super().step_metrics(), "episodes": self.episodes, "model_turns": self.model_turns, **means}
 
     def record(self, environment: TurnEnvironment) -> None:
         measured = getattr(environment, "metrics", None)

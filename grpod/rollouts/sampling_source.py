@@ -40,8 +40,9 @@ class SamplingStats(SourceStats):
     dynamic_let_through: int = 0
 
     def step_metrics(self) -> dict[str, Any]:
-        # Completion tokens sampled for training since this process started: the generation rate.
-        return {"sampled_tokens": self.sampled_tokens}
+        # Since this process started: completion tokens sampled for training (the generation
+        # rate), and the groups dynamic sampling threw away (where the rest of them went).
+        return {"sampled_tokens": self.sampled_tokens, "dynamic_filtered": self.dynamic_filtered}
 
 
 @dataclass(frozen=True)

@@ -200,16 +200,18 @@ def test_each_reward_functions_mean_reaches_metrics_and_status(daemon):
 
 
 def test_step_records_carry_the_sources_sampled_token_count_when_it_keeps_one(daemon):
-    """`sampled_tokens`: what the engines sampled for training so far, trained or not (a sampling
-    source's counter); a source without one (Atropos, replay) adds nothing."""
+    """`sampled_tokens`: what the engines sampled for training so far, trained or not, and
+    `dynamic_filtered`: the groups dynamic sampling threw away so far (a sampling source's
+    counters); a source without them (Atropos, replay) adds nothing."""
     rng = random.Random(11)
     daemon.run_dir.mkdir(parents=True, exist_ok=True)
     anyio.run(daemon.step, [_group("a", 10, rng)])
-    daemon.source.stats = SamplingStats(sampled_tokens=1234)
+    daemon.source.stats = SamplingStats(sampled_tokens=1234, dynamic_filtered=7)
     anyio.run(daemon.step, [_group("b", 10, rng)])
     daemon.metrics.close()
     first, second = daemon.metrics.read()
-    assert "sampled_tokens" not in first and second["sampled_tokens"] == 1234
+    assert "sampled_tokens" not in first and "dynamic_filtered" not in first
+    assert second["sampled_tokens"] == 1234 and second["dynamic_filtered"] == 7
 
 
 def test_gradient_tokens_count_the_completion_tokens_trained_with_a_non_zero_advantage(daemon):

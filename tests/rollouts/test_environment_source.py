@@ -106,6 +106,7 @@ async def test_a_group_is_the_episodes_of_one_task_with_tool_turns_appended(toke
     json.dumps(_source_status(source))  # what `ctl status` sends
     metrics = source.stats.step_metrics()
     assert metrics["env/tool_calls"] == 1.0 and metrics["env/tool_errors"] == 0.0 and metrics["model_turns"] == 6
+    assert metrics["sampled_tokens"] == source.stats.sampled_tokens and metrics["dynamic_filtered"] == 0
     assert group.policy_version == 5
     assert source.cursor() == {"kind": "environment", "next_index": 1}
 
