@@ -468,9 +468,9 @@ class Run:
         """The share of every completion token sampled for training, from launch to the last step,
         that reached a non-zero advantage (grpod: its `gradient_token_share`; TRL: the runner's
         count over the groups whose rewards differ, truncated completions out where masked)."""
-        last = next((s for s in reversed(self.steps) if s.get("share") is not None), None)
-        if last is not None:
-            return last["share"]
+        share = self._latest("share")
+        if share is not None:
+            return share
         counted = [s for s in self.steps if "gradient" in s]
         sampled = sum(s["tokens"] for s in counted)
         return sum(s["gradient"] for s in counted) / sampled if counted and sampled else None
@@ -478,7 +478,11 @@ class Run:
     def filtered_groups(self) -> int | None:
         """Groups generated and thrown away for having no signal, launch to the last step (grpod's
         `dynamic_filtered`; TRL trains every group it generates)."""
-        return next((s["filtered"] for s in reversed(self.steps) if "filtered" in s), None)
+        return self._latest("filtered")
+
+    def _latest(self, key: str) -> Any:
+        """The last step record's `key` (grpod's counters since launch), None if no step has it."""
+        return next((s[key] for s in reversed(self.steps) if s.get(key) is not None), None)
 
     def accuracy_at_step(self, step: int) -> float | None:
         return next((e["accuracy"] for e in self.evals if e["step"] == step), None)
