@@ -39,7 +39,13 @@ from grpod.errors import first_error
 from grpod.inference.policy import Policy
 from grpod.rollouts.chat_turns import ChatTurns
 from grpod.rollouts.dynamic_sampling import DynamicSampling
-from grpod.rollouts.environments import EnvironmentAdapter, EnvironmentFailure, Split, TurnEnvironment
+from grpod.rollouts.environments import (
+    EnvironmentAdapter,
+    EnvironmentFailure,
+    EnvironmentTimeout,
+    Split,
+    TurnEnvironment,
+)
 from grpod.rollouts.episode_runner import EpisodeLimits, EpisodeRunner
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.held_out import play_rows
@@ -93,8 +99,13 @@ async def prepare_environment(src: EnvironmentSourceConfig, run_dir: Path, resou
 
 
 def _failure(exc: BaseException) -> BaseException:
-    """What failed in a group's task group: its first `EnvironmentFailure`, else its first error."""
-    return first_error(exc, EnvironmentFailure) or first_error(exc) or exc
+    """What failed in a group's task group: an episode's timeout if one timed out, else its first
+    `EnvironmentFailure`, else its first error. A call that times out has the server killed, and
+    the group's other episodes, on that server, then lose their connections: those losses follow
+    from the timeout and often end first, so the timeout names the group's drop."""
+    return (
+        first_error(exc, EnvironmentTimeout) or first_error(exc, EnvironmentFailure) or first_error(exc) or exc
+    )
 
 
 @dataclass
@@ -187,8 +198,7 @@ class EnvironmentSource(SamplingSource):
                     )
         except TimeoutError:
             await self._close(opened)
-            raise EnvironmentFailure(
-                "environment_timeout",
+            raise EnvironmentTimeout(
                 f"opening task {index} ({split}) took longer than {self.env.start_timeout_s + self.env.timeout_s:g} s",
             ) from None
         except BaseException:

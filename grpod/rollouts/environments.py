@@ -33,6 +33,13 @@ class EnvironmentFailure(Exception):
         self.reason = reason
 
 
+class EnvironmentTimeout(EnvironmentFailure):
+    """An environment that did not answer in time (`environment_timeout`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("environment_timeout", message)
+
+
 class TurnEnvironment(Protocol):
     """One episode's environment (a fresh one per episode: it may keep the episode's state)."""
 

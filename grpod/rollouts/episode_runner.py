@@ -38,16 +38,9 @@ import anyio
 
 from grpod.inference.policy import Policy
 from grpod.rollouts.chat_turns import ChatTurns, Message
-from grpod.rollouts.environments import EnvironmentFailure, TurnEnvironment
+from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, TurnEnvironment
 from grpod.rollouts.episode import Episode, episode_group
 from grpod.rollouts.group import RolloutGroup
-
-
-class EnvironmentTimeout(EnvironmentFailure):
-    """An environment did not answer within `environment_timeout_s`."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("environment_timeout", message)
 
 
 @dataclass(frozen=True)

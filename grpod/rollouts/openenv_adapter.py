@@ -69,7 +69,7 @@ from grpod.config import EnvironmentConfig
 from grpod.inference import release
 from grpod.inference.process import LaunchLog, exit_code_of
 from grpod.rollouts.chat_turns import Message
-from grpod.rollouts.environments import EnvironmentFailure, Split
+from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split
 
 log = structlog.get_logger(__name__)
 
@@ -324,9 +324,11 @@ class OpenEnvEpisode:
             with anyio.fail_after(self.adapter.cfg.timeout_s):
                 return await request()
         except TimeoutError:
-            await self.adapter.after_timeout(self.generation, where)
-            raise EnvironmentFailure(
-                "environment_timeout",
+            # Shielded: a sibling episode that loses its connection to the server this kills must
+            # not cancel the kill, or this timeout, the cause of the group's drop, before it is raised.
+            with anyio.CancelScope(shield=True):
+                await self.adapter.after_timeout(self.generation, where)
+            raise EnvironmentTimeout(
                 f"{where} took longer than source.environment.timeout_s = {self.adapter.cfg.timeout_s:g} s",
             ) from None
         except self.adapter.connection_errors as exc:

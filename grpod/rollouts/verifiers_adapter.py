@@ -37,7 +37,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from grpod.config import EnvironmentConfig
 from grpod.rollouts.chat_turns import Message
-from grpod.rollouts.environments import EnvironmentFailure, Split
+from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split
 from grpod.rollouts.reward_pool import _read_reply, _Worker, kill_worker
 from grpod.rollouts.reward_worker import HEADER
 
@@ -169,7 +169,7 @@ class VerifiersAdapter:
 
     def _failure(self, reason: str, message: str) -> EnvironmentFailure:
         self.failures[reason] = self.failures.get(reason, 0) + 1
-        return EnvironmentFailure(reason, message)
+        return EnvironmentTimeout(message) if reason == "environment_timeout" else EnvironmentFailure(reason, message)
 
     async def _start(self) -> None:
         python = worker_python(self.cfg)

@@ -5,6 +5,7 @@ greedy held-out episodes, and a start-up that cannot open the environment is a c
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack
 from types import SimpleNamespace
 
@@ -16,8 +17,8 @@ from grpod.inference.client import Completion
 from grpod.models.tiny import build_tokenizer
 from grpod.rollouts.calculator import CalculatorAdapter, word_problem
 from grpod.rollouts.dynamic_sampling import DynamicSampling
-from grpod.rollouts.environment_source import ADAPTER_MARGIN_S, EnvironmentSource, prepare_environment
-from grpod.rollouts.environments import EnvironmentFailure
+from grpod.rollouts.environment_source import ADAPTER_MARGIN_S, EnvironmentSource, _failure, prepare_environment
+from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout
 from grpod.rollouts.validation import validate_group
 from tests.rollouts.conftest import scripted_policy
 
@@ -175,6 +176,18 @@ async def test_a_failing_environment_drops_its_group_and_the_next_one_trains(tok
         group = await source.generate_group()
     assert group is not None and group.group_id == "environment-1"
     assert source.stats.consecutive_errors == 0
+
+
+def test_a_group_with_a_timed_out_episode_is_dropped_as_a_timeout_whatever_ended_first():
+    # The timed-out call had the server killed: its siblings' lost connections end first, and
+    # follow from it. Elsewhere, the first failure names the drop.
+    crash = EnvironmentFailure("environment_crash", "connection lost")
+    timeout = EnvironmentTimeout("step took longer than 8 s")
+    nested = BaseExceptionGroup("group", [crash, BaseExceptionGroup("inner", [asyncio.CancelledError(), timeout])])
+    assert _failure(nested) is timeout
+    error = EnvironmentFailure("environment_error", "a reply with role assistant")
+    assert _failure(BaseExceptionGroup("group", [crash, error])) is crash
+    assert _failure(BaseExceptionGroup("group", [ValueError("bad"), error])) is error
 
 
 async def test_evaluation_plays_greedy_held_out_episodes(tokenizer):

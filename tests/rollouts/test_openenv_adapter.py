@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from grpod.config import EnvironmentConfig
+from grpod.rollouts.environment_source import _failure
 from grpod.rollouts.environments import EnvironmentFailure
 from grpod.rollouts.openenv_adapter import OpenEnvAdapter, action_observation_classes
 
@@ -153,6 +154,31 @@ async def test_a_step_that_hangs_times_out_and_its_server_is_killed(tmp_path):
         assert not psutil.pid_exists(pid)  # its step held a session for good: the server was killed
         await episode.aclose()
     assert not psutil.pid_exists(pid)
+
+
+async def test_a_group_whose_step_hangs_is_dropped_as_a_timeout_though_its_siblings_lose_their_connection(tmp_path):
+    """Two episodes of a group on one server, the second asking a moment after the first: the first
+    call times out and has the server killed, which cuts the second's connection (a crash, often
+    ended before the timeout is raised). The group's drop is the timeout, its cause."""
+    (tmp_path / "stuck_env.py").write_text(textwrap.dedent(STUCK_ENV))
+    cfg = EnvironmentConfig(adapter="openenv", name="stuck_env:StuckEnvironment", path=[tmp_path], timeout_s=1.0,
+                            start_timeout_s=START_TIMEOUT_S)
+    async with OpenEnvAdapter(cfg, run_dir=tmp_path / "run") as adapter:
+        episodes = [(await adapter.open(3, "train"))[1] for _ in range(2)]
+
+        async def play(i: int) -> None:
+            await anyio.sleep(0.5 * i)
+            await episodes[i].respond("hello")
+
+        with anyio.fail_after(20), pytest.raises(BaseExceptionGroup) as group:
+            async with anyio.create_task_group() as tg:
+                for i in range(2):
+                    tg.start_soon(play, i)
+        reasons = sorted(e.reason for e in group.value.exceptions if isinstance(e, EnvironmentFailure))
+        assert reasons == ["environment_crash", "environment_timeout"], group.value.exceptions
+        assert _failure(group.value).reason == "environment_timeout"
+        for episode in episodes:
+            await episode.aclose()
 
 
 async def test_url_mode_uses_a_server_it_did_not_start(tmp_path):
