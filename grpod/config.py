@@ -238,7 +238,10 @@ class RewardFunctionConfig(_Section):
     )
     pattern: str | None = Field(
         None,
-        description="regex_format only: the regular expression a completion must match (re.search, DOTALL).",
+        description="regex_format: the regular expression a completion must match (re.search, DOTALL; required). "
+        "reasoning_gym: where the answer is read, the last match of this expression (its first group if it has "
+        "one; DOTALL), e.g. \"-?\\\\d+\" for the last number; default the last <answer>...</answer>, else the whole "
+        "completion.",
         examples=["^\\d+$"],
     )
 
@@ -257,15 +260,18 @@ class RewardFunctionConfig(_Section):
 
     @model_validator(mode="after")
     def _pattern(self) -> RewardFunctionConfig:
-        if self.function == "regex_format":
-            if not self.pattern:
-                raise ValueError("function = 'regex_format' needs pattern = \"<regular expression>\"")
-            try:
-                re.compile(self.pattern)
-            except re.error as exc:
-                raise ValueError(f"pattern {self.pattern!r} is not a regular expression: {exc}") from None
-        elif self.pattern is not None:
-            raise ValueError(f"pattern is a key of function = 'regex_format' only, not of {self.function!r}")
+        if self.function == "regex_format" and not self.pattern:
+            raise ValueError("function = 'regex_format' needs pattern = \"<regular expression>\"")
+        if self.pattern is None:
+            return self
+        if self.function not in ("regex_format", "reasoning_gym"):
+            raise ValueError(f"pattern is a key of function = 'regex_format' or 'reasoning_gym', not of {self.function!r}")
+        try:
+            compiled = re.compile(self.pattern)
+        except re.error as exc:
+            raise ValueError(f"pattern {self.pattern!r} is not a regular expression: {exc}") from None
+        if self.function == "reasoning_gym" and compiled.groups > 1:
+            raise ValueError(f"pattern {self.pattern!r} has {compiled.groups} groups; the answer is its first, give it one")
         return self
 
     @property

@@ -163,7 +163,9 @@ def test_example_configs_are_valid(path):
         ([{"function": "exactly"}], "source.dataset.rewards.0.function: Value error, 'exactly' is neither a builtin"),
         ([{"function": "regex_format"}], "source.dataset.rewards.0: Value error, function = 'regex_format' needs pattern"),
         ([{"function": "regex_format", "pattern": "("}], "is not a regular expression"),
-        ([{"function": "exact", "pattern": "x"}], "pattern is a key of function = 'regex_format' only"),
+        ([{"function": "exact", "pattern": "x"}], "pattern is a key of function = 'regex_format' or 'reasoning_gym'"),
+        ([{"function": "reasoning_gym", "pattern": "(-)?(\\d+)"}], "has 2 groups; the answer is its first"),
+        ([{"function": "reasoning_gym", "pattern": "[0-"}], "is not a regular expression"),
         ([{"function": "exact"}, {"function": "pkg.mod:exact"}], "share a metric name"),
         ([{"function": "exact", "wieght": 2}], "source.dataset.rewards.0.wieght: unknown key"),
     ],
@@ -176,8 +178,9 @@ def test_dataset_reward_specs_are_checked_naming_the_key(rewards, fragment):
         parse_config(tree, "my.toml")
     assert fragment in str(err.value) and "my.toml" in str(err.value)
     ok = parse_config({"source": {"kind": "dataset", "dataset": {"path": "t.jsonl", "rewards": [
-        {"function": "math", "weight": 0.5}, {"function": "regex_format", "pattern": "^\\d+$", "name": "fmt"}]}}})
-    assert [r.metric_name for r in ok.source.dataset.rewards] == ["math", "fmt"]
+        {"function": "math", "weight": 0.5}, {"function": "regex_format", "pattern": "^\\d+$", "name": "fmt"},
+        {"function": "reasoning_gym", "pattern": "-?\\d+"}, {"function": "reasoning_gym", "name": "tagged"}]}}})
+    assert [r.metric_name for r in ok.source.dataset.rewards] == ["math", "fmt", "reasoning_gym", "tagged"]
 
 
 @pytest.mark.parametrize(

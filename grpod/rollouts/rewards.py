@@ -39,7 +39,9 @@ A failed call drops the group with its reason (`REWARD_FAILURE_REASONS`).
 Builtins (by name in `function`): `math` (math-verify: the completion's final answer equals the
 `answer` column, so "0.5" matches "\\boxed{\\frac{1}{2}}"), `exact` (the stripped completion
 equals the stripped `answer`), `last_number` (the last number in the completion equals `answer`
-numerically), `regex_format` (1.0 when the completion matches the function's `pattern`, else 0).
+numerically), `regex_format` (1.0 when the completion matches the function's `pattern`, else 0),
+`reasoning_gym` (the task's own verifier on the answer: the last match of `pattern` when given,
+else the last <answer>...</answer>, else the whole completion).
 """
 
 from __future__ import annotations
@@ -216,19 +218,25 @@ def _reasoning_gym_verifier(task: str) -> Callable[..., float]:
     return reasoning_gym.get_score_answer_fn(task)
 
 
-def reasoning_gym_reward(completions, **columns) -> list[float]:
-    """The reasoning-gym task's own verifier, on the text of the completion's last
-    <answer>...</answer> (the whole completion when it has none); the entry is the row's
-    `reasoning_gym` column (`grpod reasoning-gym` writes it)."""
+def reasoning_gym_reward(completions, *, pattern: str | None = None, **columns) -> list[float]:
+    """The reasoning-gym task's own verifier, on the answer read from the completion: the last
+    match of `pattern` (its group, if it has one; "" when nothing matches), or by default the
+    text of the last <answer>...</answer> (the whole completion when it has none). The entry is
+    the row's `reasoning_gym` column (`grpod reasoning-gym` writes it)."""
     entries = columns.get(REASONING_GYM_COLUMN)
     if entries is None:
         raise KeyError(f"this builtin needs a {REASONING_GYM_COLUMN!r} column (grpod reasoning-gym writes it)")
+    compiled = re.compile(pattern, re.DOTALL) if pattern is not None else None
     rewards = []
     for completion, raw in zip(completions, entries, strict=True):
         entry = json.loads(raw) if isinstance(raw, str) else raw
         text = _text(completion)
-        tagged = _ANSWER_TAG.findall(text)
-        answer = tagged[-1].strip() if tagged else text.strip()
+        if compiled is not None:
+            found = compiled.findall(text)
+            answer = found[-1].strip() if found else ""
+        else:
+            tagged = _ANSWER_TAG.findall(text)
+            answer = tagged[-1].strip() if tagged else text.strip()
         verify = _reasoning_gym_verifier(entry["metadata"]["source_dataset"])
         rewards.append(float(verify(answer=answer, entry=entry)))
     return rewards

@@ -59,6 +59,25 @@ def test_the_builtin_reward_is_the_tasks_verifier_on_the_tagged_answer(tmp_path)
         reasoning_gym_reward(completions, answer=[gold] * 5)
 
 
+def test_the_builtin_reward_reads_the_answer_where_its_pattern_says(tmp_path):
+    """pattern = the last match (its group if it has one) is the answer the verifier sees: an
+    equation that ends in the right sum earns full credit, which the default reading gives only
+    partial credit; nothing matched is no answer."""
+    assert _write(tmp_path, "chain_sum", "--out", "cs", "--size", "5", "--eval-size", "0",
+                  "--option", "max_terms=2", "--option", "max_digits=2").returncode == 0
+    row = json.loads((tmp_path / "cs/train.jsonl").read_text().splitlines()[0])
+    gold, entries = row["answer"], [row["reasoning_gym"]] * 4
+    question = row["prompt"].rpartition(":")[2].strip()  # "12 + 34 ="
+    completions = [f"{question} {gold}", f"{question} {int(gold) + 1}", "I cannot say.", f"<answer>{gold}</answer>"]
+    default = reasoning_gym_reward(completions, reasoning_gym=entries)
+    assert 0.0 < default[0] < 1.0 and default[3] == 1.0
+    last_number = reasoning_gym_reward(completions, pattern=r"-?\d+", reasoning_gym=entries)
+    assert last_number == [1.0, 0.0, 0.0, 1.0]
+    grouped = reasoning_gym_reward([f"so = {gold}.", f"= {gold}0"], pattern=r"=\s*(-?\d+)\.",
+                                   reasoning_gym=entries[:2])
+    assert grouped == [1.0, 0.0]
+
+
 def test_the_dataset_source_loads_the_rows_and_names_a_missing_entry_column(tmp_path):
     assert _write(tmp_path, "basic_arithmetic", "--out", "ba", "--size", "20", "--eval-size", "10").returncode == 0
     rewards = [{"function": "reasoning_gym"}, {"function": "regex_format", "pattern": "<answer>.*</answer>", "weight": 0.2}]
@@ -80,3 +99,27 @@ def test_the_dataset_source_loads_the_rows_and_names_a_missing_entry_column(tmp_
     cfg = parse_config({"source": {"kind": "dataset", "dataset": {"path": str(bare), "rewards": rewards}}})
     with pytest.raises(DatasetError, match="reasoning_gym"):
         anyio.run(prepare_dataset, cfg)
+
+
+def test_the_pattern_reaches_the_reward_pool_that_runs_the_verifier(tmp_path):
+    """As a daemon scores: the function's pattern travels to the worker that imports reasoning-gym."""
+    from grpod.config import RewardFunctionConfig
+    from grpod.rollouts.rewards import TrainerState, reward_functions
+    from grpod.rollouts.scoring import RewardCall, RewardScorer
+
+    assert _write(tmp_path, "chain_sum", "--out", "cs", "--size", "5", "--eval-size", "0").returncode == 0
+    row = json.loads((tmp_path / "cs/train.jsonl").read_text().splitlines()[0])
+    completions = [f"it is {row['answer']}", f"it is {int(row['answer']) + 1}"]
+    functions = reward_functions([RewardFunctionConfig(function="reasoning_gym", pattern=r"-?\d+")])
+    call = RewardCall(prompts=[row["prompt"]] * 2, completions=completions, completion_ids=[[1]] * 2,
+                      columns={"reasoning_gym": [row["reasoning_gym"]] * 2}, trainer_state=TrainerState())
+
+    async def main():
+        scorer = RewardScorer(functions, aggregation="sum", timeout_s=60.0, workers=1, memory_mb=1024)
+        await scorer.start()
+        try:
+            return await scorer.score(call)
+        finally:
+            await scorer.aclose()
+
+    assert anyio.run(main).scores == [1.0, 0.0]
