@@ -39,6 +39,44 @@ class _Tee:
         return ""
 
 
+class _Console:
+    """A console stream that outlives its reader. Once a write or flush fails (a pipe whose reader
+    exited, a terminal that closed), console output is dropped from then on instead of raising
+    into whatever was logging or printing: a daemon started with its output piped to a shell or
+    a test that died still stops vLLM and checkpoints. <run>/grpod.log keeps every event."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.lost: str | None = None  # why console output stopped
+
+    def write(self, text: str) -> int:
+        if self.lost is None:
+            try:
+                return self.stream.write(text)
+            except (OSError, ValueError) as exc:  # EPIPE, EIO; ValueError: the stream was closed
+                self.lost = f"{type(exc).__name__}: {exc}"
+        return len(text)
+
+    def flush(self) -> None:
+        if self.lost is None:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError) as exc:
+                self.lost = f"{type(exc).__name__}: {exc}"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def guard_console() -> None:
+    """sys.stdout and sys.stderr as `_Console`s (once): every print and console log line of this
+    process then survives a reader that went away."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Console):
+            setattr(sys, name, _Console(stream))
+
+
 class _NullLogger:
     def msg(self, *_: Any, **__: Any) -> None:
         pass
@@ -47,9 +85,11 @@ class _NullLogger:
 
 
 def configure_logging(run_dir: Path | None, level: str = "info", console: TextIO | None = None) -> None:
-    """structlog events: all of them to <run>/grpod.log, those at `level` and above to the console."""
+    """structlog events: all of them to <run>/grpod.log, those at `level` and above to the console
+    (sys.stderr, guarded: `guard_console`)."""
     import os
 
+    guard_console()
     # Saving weights every sync would otherwise draw a progress bar each time. transformers reads
     # this when it is imported (later, in the trainer's thread: importing it here would delay the
     # engines' launch by its ~1.5 s import).
