@@ -144,6 +144,8 @@ def test_timed_runs_report_each_sides_saved_weights_at_each_mark_with_a_wilson_i
     assert rows["steps trained by 5 min"] == {"grpod": "40", "trl": "6"}
     assert rows["TRL torch threads"] == {"grpod": "-", "trl": "2"}
     assert rows["held-out accuracy of the starting model (one evaluator)"]["grpod"].startswith("0.050 [")
+    # No in-run evaluation, so no time to a threshold (it would read "not reached" at any score).
+    assert not any(name.startswith("launch -> held-out accuracy >=") for name in rows)
 
 
 def test_timed_runs_compare_the_sides_row_by_row_on_the_seeds_both_scored(tmp_path):

@@ -108,7 +108,8 @@ Measurements (per run; the table shows median [min-max] over seeds).
 - launch -> first training step: from this harness' Popen to the first `step` record (grpod:
   metrics.jsonl; TRL: records.jsonl); includes imports, model load, vLLM start (grpod) and the
   step-0 evaluation on both sides.
-- launch -> held-out accuracy >= threshold: the first evaluation at or above it (`--thresholds`).
+- launch -> held-out accuracy >= threshold: the first evaluation at or above it (`--thresholds`);
+  not shown for timed runs, which evaluate only after the run (the marks' rows).
 - steps/s: (last step - first step) / (their time difference): evaluations and checkpoints in
   between included, on both sides.
 - trained completion tokens/s: completion tokens (EOS included) of the steps after the first over
@@ -798,7 +799,9 @@ def table(runs: list[Run], sides: list[str], thresholds: list[float], minutes: l
             row(f"steps trained by {mark:g} min", lambda r, m=mark: (r.saved_at(m) or {}).get("step"), ".0f", missing="-")
         row("TRL torch threads", lambda r: r.threads, ".0f", missing="-")
     row("launch -> first training step (s)", Run.first_step_s, ".1f")
-    for t in thresholds:
+    # Times to a threshold come from in-run evaluations; timed runs have none (their accuracy is
+    # the evaluator's, at the marks), and would read "not reached" whatever they scored.
+    for t in thresholds if any(r.evals for r in runs) else ():
         row(f"launch -> held-out accuracy >= {t:g} (s)", lambda r, t=t: r.threshold_s(t), ".1f")
     trl_final = [r.evals[-1]["accuracy"] for r in by_side.get("trl", []) if r.evals]
     if trl_final:
