@@ -611,7 +611,11 @@ class LossConfig(_Section):
         "with one update the ratio is exactly 1.",
     )
     clip_high: float = Field(
-        0.28, ge=0, description="Ratio ceiling 1 + clip_high (DAPO's clip-higher); binds as clip_low does."
+        0.28,
+        ge=0,
+        le=100,
+        description="Ratio ceiling 1 + clip_high (DAPO's clip-higher); binds as clip_low does. At most 100 (10 "
+        "already leaves a ratio practically unclipped): a huge ceiling overflows the float32 clamp and fails the step.",
     )
     kl_coef: float = Field(
         0.0,
