@@ -77,11 +77,12 @@ def torchrun(nproc: int, *, max_restarts: int = 0) -> list[str]:
 class DaemonProcess:
     def __init__(
         self, config: Path, run_dir: Path, extra_args: list[str] | None = None, env: dict | None = None,
-        prefix: list[str] | None = None, launcher: list[str] | None = None,
+        prefix: list[str] | None = None, launcher: list[str] | None = None, piped: bool = False,
     ):
         """`grpod start`; with `launcher` (e.g. `torchrun(2)`) that launcher starting it, in a
         session of its own so that `close` stops the launcher and every rank by group; with
-        `prefix`, a command that execs what follows in place (e.g. `ip netns exec NAME`)."""
+        `prefix`, a command that execs what follows in place (e.g. `ip netns exec NAME`); `piped`:
+        its stdout and stderr are pipes the test holds (`proc.stdout`, `proc.stderr`)."""
         self.config = config
         self.run_dir = run_dir
         self.socket = run_dir / "grpod.sock"
@@ -92,8 +93,8 @@ class DaemonProcess:
         self.proc = subprocess.Popen(
             [*(prefix or []), *(launcher or [sys.executable]), "-m", "grpod", "start", "--config", str(config), *(extra_args or [])],
             cwd=ROOT,
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
+            stdout=subprocess.PIPE if piped else self._out,  # piped: the test reads (or drops) them
+            stderr=subprocess.PIPE if piped else subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             start_new_session=self.launched,
         )

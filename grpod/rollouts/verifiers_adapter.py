@@ -129,8 +129,10 @@ class VerifiersAdapter:
 
     async def _episode_call(self, episode: VerifiersEpisode, op: str, *args: Any) -> Any:
         if episode.generation != self.generation:
-            raise self._failure("environment_crash", f"the verifiers worker was restarted since episode {episode.key} "
-                                "opened (its state died with the old worker)")
+            raise self._failure(EnvironmentFailure(
+                "environment_crash",
+                f"the verifiers worker was restarted since episode {episode.key} opened (its state died with the old worker)",
+            ))
         return await self._call(op, episode.key, *args)
 
     # ---- the worker ------------------------------------------------------------------------
@@ -155,21 +157,28 @@ class VerifiersAdapter:
                 raise
             if deadline.cancelled_caught:
                 await self._stop()
-                raise self._failure("environment_timeout", f"verifiers environment {self.cfg.name!r}: {op} took longer "
-                                    f"than source.environment.timeout_s = {self.cfg.timeout_s:g} s (worker killed; "
-                                    f"restarted at the next call)")
+                raise self._failure(EnvironmentTimeout(
+                    f"verifiers environment {self.cfg.name!r}: {op} took longer than source.environment.timeout_s = "
+                    f"{self.cfg.timeout_s:g} s (worker killed; restarted at the next call)"
+                ))
             if reply is None:
                 death = await self._death(worker)
                 await self._stop()
-                raise self._failure("environment_crash", f"verifiers environment {self.cfg.name!r}: its worker died "
-                                    f"during {op} ({death}); its output is in {self.log_path}")
+                raise self._failure(EnvironmentFailure(
+                    "environment_crash",
+                    f"verifiers environment {self.cfg.name!r}: its worker died during {op} ({death}); its output is in "
+                    f"{self.log_path}",
+                ))
         if reply[0] == "error":
-            raise self._failure("environment_error", f"verifiers environment {self.cfg.name!r}, {reply[1]}: {reply[2]}")
+            raise self._failure(EnvironmentFailure(
+                "environment_error", f"verifiers environment {self.cfg.name!r}, {reply[1]}: {reply[2]}"
+            ))
         return reply[1]
 
-    def _failure(self, reason: str, message: str) -> EnvironmentFailure:
-        self.failures[reason] = self.failures.get(reason, 0) + 1
-        return EnvironmentTimeout(message) if reason == "environment_timeout" else EnvironmentFailure(reason, message)
+    def _failure(self, failure: EnvironmentFailure) -> EnvironmentFailure:
+        """`failure`, counted by its reason."""
+        self.failures[failure.reason] = self.failures.get(failure.reason, 0) + 1
+        return failure
 
     async def _start(self) -> None:
         python = worker_python(self.cfg)

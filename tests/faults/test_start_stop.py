@@ -16,12 +16,8 @@ server answering /health while this launch still loads) is in tests/inference/te
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import psutil
@@ -35,7 +31,7 @@ from tests.faults.injection import (
     run_to_exit,
     wait_until,
 )
-from tests.harness import ROOT, DaemonProcess, base_settings, group_processes, metrics, write_config
+from tests.harness import DaemonProcess, base_settings, group_processes, metrics, write_config
 
 pytestmark = pytest.mark.faults
 
@@ -94,8 +90,8 @@ def test_sigterm_after_the_consoles_reader_exited_still_stops_vllm(tmp_path, fau
     row = fault_case("11 SIGTERM mid-run after the console's reader exited")
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "grpod.toml", base_settings(run_dir, fault_model_dir) | {"train.steps": 10_000})
-    proc = subprocess.Popen([sys.executable, "-m", "grpod", "start", "--config", str(config)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    daemon = DaemonProcess(config, run_dir, piped=True)
+    proc = daemon.proc
     try:
         wait_until(lambda: len(metrics(run_dir)) >= 2, 240, "two records in metrics.jsonl")
         proc.stdout.close()
@@ -104,7 +100,7 @@ def test_sigterm_after_the_consoles_reader_exited_still_stops_vllm(tmp_path, fau
         wait_until(lambda: len(metrics(run_dir)) > step, 120, "a step after the reader exited")
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=120)
+        code = daemon.wait_exit(120)
         pgids = launched_pgids(run_dir)
         row.data_lost = "none"
         row.notes = (f"exit {code} {time.monotonic() - sent:.1f} s after SIGTERM; vLLM launches {len(pgids)}, "
@@ -114,13 +110,7 @@ def test_sigterm_after_the_consoles_reader_exited_still_stops_vllm(tmp_path, fau
         assert log_events(run_dir, "inference_stopped"), "the event log records vLLM's stop"
         assert not (run_dir / "grpod.sock").exists()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        for pgid in launched_pgids(run_dir):  # what this daemon, started by the test, left
-            if group_processes(pgid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
+        daemon.close()
 
 
 @pytest.mark.timeout(540)

@@ -145,8 +145,12 @@ async def test_regex_format_builtin_uses_the_functions_pattern():
     assert result.scores == [1.0, 0.0]
 
 
-async def test_a_catastrophic_regex_costs_a_worker_not_the_event_loop():
-    functions = _functions({"function": "regex_format", "pattern": r"^(a+)+$"})
+@pytest.mark.parametrize("function", ["regex_format", "reasoning_gym"])
+async def test_a_catastrophic_regex_costs_a_worker_not_the_event_loop(function):
+    # reasoning_gym's pattern (where the answer is read) runs in the worker as regex_format's does.
+    functions = _functions({"function": function, "pattern": r"^(a+)+$"})
+    entry = '{"question": "1 + 1 =", "answer": "2", "metadata": {"source_dataset": "chain_sum"}}'
+    columns = {"reasoning_gym": entry} if function == "reasoning_gym" else {}
     ticks = 0
 
     async def tick() -> None:
@@ -158,7 +162,7 @@ async def test_a_catastrophic_regex_costs_a_worker_not_the_event_loop():
     async with anyio.create_task_group() as tg:
         tg.start_soon(tick)
         with pytest.raises(RewardFailure) as failure:
-            await _score(functions, ["a" * 40 + "b"], timeout_s=0.5)
+            await _score(functions, ["a" * 40 + "b"], timeout_s=0.5, **columns)
         tg.cancel_scope.cancel()
     assert failure.value.reason == "reward_timeout"
     assert ticks >= 20  # the loop kept running while the regex spun (0.5 s at least)
