@@ -4,10 +4,11 @@ model and on a SmolLM2-135M-shaped model (its config.json and tokenizer, random 
 download, nothing large to carry). Needs CUDA; the GPU suite (tests/gpu) proves correctness, this
 only measures.
 
-    python bench/gpu_trainer.py --smollm2-config DIR [--steps 4] [--out bench/results/gpu_trainer.json]
+    python bench/gpu_trainer.py [--smollm2-config DIR] [--steps 5] [--out bench/results/gpu_trainer.json]
 
-DIR holds SmolLM2's config.json, tokenizer.json and tokenizer_config.json (copied from
-models/smollm2-135m). Batches: `--groups` groups of `--group-size` completions of 64-256 tokens
+DIR (default models/smollm2-135m) holds SmolLM2's config.json, tokenizer.json and
+tokenizer_config.json; only those three files need to travel to a GPU machine (3.5 MB), with the
+wheels tests/gpu/fetch_wheels.sh gathers. Batches: `--groups` groups of `--group-size` completions of 64-256 tokens
 after a 100-140 token prompt (SmolLM2) or the unit tests' arithmetic-shaped groups (tiny).
 FLOPs as bench/compute.py counts them: forward + backward = 3 x the forward of every trained
 sequence, prompt included. The first step of each setting is also profiled with cProfile (host
@@ -144,8 +145,9 @@ def measure(model_dir: Path, setting: str, batches: list, flops: Flops, device: 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smollm2-config", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--smollm2-config", type=Path, default=ROOT / "models" / "smollm2-135m",
+                        help="a folder with SmolLM2's config.json, tokenizer.json and tokenizer_config.json")
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m-shaped"])

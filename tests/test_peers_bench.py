@@ -286,3 +286,42 @@ def test_the_format_tasks_rows_open_with_the_worked_exchange(tmp_path, monkeypat
     assert (row["answer"], row["reasoning_gym"]) == ("3", "{}") and "prompt" not in row
     assert "<answer>" in compare.FORMAT_SHOT[-1]["content"]
     assert compare.TASKS["format"].convert is compare.TASKS["format-plain"].convert is compare._one_shot_rows
+
+
+def test_pool_joins_seeds_run_at_different_times_into_one_paired_table(tmp_path):
+    """bench/peers/pool.py: seeds from two invocations are pooled (rows added for the Wilson
+    interval, per-row outcomes paired over the seeds that kept them); a seed in two files is refused."""
+    pool = bench_module("pool")
+    n = 100
+
+    def run(side, seed, rows, keep_rows=True):
+        saved = {"minutes": 10.0, "step": 7, "correct": sum(rows), "size": n, "accuracy": sum(rows) / n}
+        return {"side": side, "seed": seed, "steps": 9, "sampled_tokens_per_s": 50.0, "gradient_token_share": 0.5,
+                "saved": [{**saved, **({"rows": rows} if keep_rows else {})}]}
+
+    def write(name, runs):
+        path = tmp_path / name
+        path.write_text(json.dumps({"task": "t", "sides": ["grpod", "trl"], "runs": runs,
+                                    "start_accuracy": {"correct": 15, "size": n, "accuracy": 0.15}}))
+        return path
+
+    first = write("seed0.json", [run("grpod", 0, [1] * 30 + [0] * 70), run("trl", 0, [1] * 20 + [0] * 80)])
+    second = write("seed1.json", [run("grpod", 1, [1] * 40 + [0] * 60), run("trl", 1, [1] * 20 + [0] * 80),
+                                  run("grpod", 2, [1] * 50 + [0] * 50, keep_rows=False),
+                                  run("trl", 2, [1] * 10 + [0] * 90, keep_rows=False)])
+    pooled = pool.pool(*pool.load([first, second]))
+    (mark,) = pooled["marks"]
+    assert mark["per_seed"] == {"grpod": [0.3, 0.4, 0.5], "trl": [0.2, 0.2, 0.1]}
+    assert mark["pooled"]["grpod"]["correct"] == 120 and mark["pooled"]["grpod"]["size"] == 300
+    assert mark["pooled"]["trl"]["wilson"] == pool.wilson(50, 300)
+    # Seeds 0 and 1 kept their rows: per row, grpod - trl averages over them to 1 (rows 20-29) and
+    # 0.5 (rows 30-39), 0 elsewhere, so the mean is 0.15 over 100 rows; seed 2 is left out.
+    paired = mark["paired"]
+    assert paired["seeds"] == [0, 1] and paired["rows"] == n
+    assert (paired["mean"], paired["low"], paired["high"]) == pool.paired_difference(
+        [([1] * 30 + [0] * 70, [1] * 20 + [0] * 80), ([1] * 40 + [0] * 60, [1] * 20 + [0] * 80)])
+    assert abs(paired["mean"] - 0.15) < 1e-12 and paired["low"] > 0
+    text = pool.markdown(pooled)
+    assert "0.400 [0.346, 0.456] (120/300)" in text and "steps by 10 min, per seed | 7 / 7 / 7" in text
+    with pytest.raises(SystemExit, match="grpod seed 1 is in"):
+        pool.load([second, write("again.json", [run("grpod", 1, [0] * n)])])
