@@ -635,7 +635,12 @@ class LossConfig(_Section):
         "reverse-KL gradient (the per-token coefficient logp - logp_ref clamped to +-kl_clamp).",
     )
     kl_clamp: float = Field(
-        10.0, gt=0, description="Bound on |logp - logp_ref| in each token's KL gradient coefficient (and on k3's value)."
+        10.0,
+        gt=0,
+        le=100,
+        description="Bound on |logp - logp_ref| in each token's KL gradient coefficient (and on k3's value). At most "
+        "100: a gap of 100 nats is a broken token already, and a huge bound overflows the float32 clamp and fails "
+        "every step.",
     )
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
@@ -658,7 +663,11 @@ class LossConfig(_Section):
         'two-sided token mask; "off" no correction (weight 1).',
     )
     tis_cap: float = Field(
-        2.0, gt=0, description="Upper bound C of the IS weight (truncate at it, or mask above it)."
+        2.0,
+        gt=0,
+        le=1e9,
+        description="Upper bound C of the IS weight (truncate at it, or mask above it). At most 1e9: rho is at most "
+        "exp(20), about 4.9e8, so a larger cap never binds, and a huge one overflows the float32 clamp.",
     )
     tis_floor: float = Field(
         0.0,

@@ -331,6 +331,25 @@ def test_kl_gradient_is_clamped_for_a_mismatched_token():
     assert logp.grad.tolist() == pytest.approx([-2.0])
 
 
+def test_the_largest_kl_clamp_and_tis_cap_a_config_takes_run_in_float32():
+    """kl_clamp and tis_cap end in float32 clamps, which refuse a bound beyond float32 (a config
+    of 1e308 failed every step): the config bounds them, and its largest values work."""
+    from pydantic import ValidationError
+
+    cfg = LossConfig(kl_clamp=100, tis_cap=1e9)
+    logp, ref = torch.tensor([-1.0, -130.0], requires_grad=True), torch.tensor([-1.5, -0.05])
+    value = kl_penalty(logp, ref, "k3", cfg.kl_clamp)
+    assert torch.isfinite(value).all() and value[1].item() == 100.0
+    weights = mismatch_weights(logp.detach(), ref, torch.ones(2, dtype=torch.bool), torch.arange(2),
+                               "token_truncate", cap=cfg.tis_cap).weights
+    assert torch.isfinite(weights).all()
+    for key, above in (("kl_clamp", 101.0), ("tis_cap", 2e9)):
+        with pytest.raises(ValidationError, match=key):
+            LossConfig(**{key: above})
+    with pytest.raises(RuntimeError, match="overflow"):
+        kl_penalty(logp, ref, "k3", 1e308)
+
+
 # ---- CISPO and GSPO against hand-computed values ------------------------------------------------
 
 
