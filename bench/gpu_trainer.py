@@ -41,16 +41,15 @@ from grpod.models.tiny import build_model, save_model  # noqa: E402
 from grpod.rollouts.group import RolloutGroup  # noqa: E402
 from grpod.training.trainer import build_trainer  # noqa: E402
 
+_LORA = ({"train": {"lora": True}, "bridge": {"mode": "lora_only"}}, {"dtype": "bfloat16"})
+# Whole-batch micro-batches: the defaults (one group per micro-batch, its prompt forwarded once,
+# 4096 padded tokens at most) are sized for a CPU; a GPU may want fewer, larger launches.
+_LARGE_MICRO = {"share_prompt": False, "micro_batch_tokens": 65536}
 SETTINGS = {
     "float32": ({"train": {}}, {}),
-    "bfloat16-lora": ({"train": {"lora": True}, "bridge": {"mode": "lora_only"}}, {"dtype": "bfloat16"}),
-    # Whole-batch micro-batches: the defaults (one group per micro-batch, its prompt forwarded once,
-    # 4096 padded tokens at most) are sized for a CPU; a GPU may want fewer, larger launches.
-    "float32-large-micro": ({"train": {"share_prompt": False, "micro_batch_tokens": 65536}}, {}),
-    "bfloat16-lora-large-micro": (
-        {"train": {"lora": True, "share_prompt": False, "micro_batch_tokens": 65536}, "bridge": {"mode": "lora_only"}},
-        {"dtype": "bfloat16"},
-    ),
+    "bfloat16-lora": _LORA,
+    "float32-large-micro": ({"train": _LARGE_MICRO}, {}),
+    "bfloat16-lora-large-micro": ({**_LORA[0], "train": {**_LORA[0]["train"], **_LARGE_MICRO}}, _LORA[1]),
 }
 
 

@@ -305,7 +305,9 @@ def test_pool_joins_seeds_run_at_different_times_into_one_paired_table(tmp_path)
                                     "start_accuracy": {"correct": 15, "size": n, "accuracy": 0.15}}))
         return path
 
-    first = write("seed0.json", [run("grpod", 0, [1] * 30 + [0] * 70), run("trl", 0, [1] * 20 + [0] * 80)])
+    unscored = run("grpod", 0, [1] * 30 + [0] * 70)
+    unscored["saved"].append({"minutes": 15.0, "step": 9})  # saved, but its evaluation failed
+    first = write("seed0.json", [unscored, run("trl", 0, [1] * 20 + [0] * 80)])
     second = write("seed1.json", [run("grpod", 1, [1] * 40 + [0] * 60), run("trl", 1, [1] * 20 + [0] * 80),
                                   run("grpod", 2, [1] * 50 + [0] * 50, keep_rows=False),
                                   run("trl", 2, [1] * 10 + [0] * 90, keep_rows=False)])

@@ -42,13 +42,14 @@ def load(paths: list[Path]) -> tuple[dict, dict[tuple[str, int], dict]]:
 
 
 def saved_at(run: dict, mark: float) -> dict | None:
-    return next((s for s in run.get("saved") or [] if s.get("minutes") == mark), None)
+    """The weights saved at `mark` and scored (a mark whose evaluation failed has no "correct")."""
+    return next((s for s in run.get("saved") or [] if s.get("minutes") == mark and "correct" in s), None)
 
 
 def pool(header: dict, runs: dict[tuple[str, int], dict]) -> dict:
     sides = [s for s in header["sides"] if any(side == s for side, _ in runs)]
     seeds = sorted({seed for _, seed in runs})
-    marks = sorted({s["minutes"] for r in runs.values() for s in r.get("saved") or []})
+    marks = sorted({s["minutes"] for r in runs.values() for s in r.get("saved") or [] if "correct" in s})
     out = {"task": header["task"], "sides": sides, "seeds": seeds, "start_accuracy": header.get("start_accuracy"),
            "marks": []}
     for mark in marks:
