@@ -18,7 +18,7 @@ import re
 import sys
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -50,7 +50,10 @@ class _Section(BaseModel):
         if isinstance(value, (int, str)) and info.field_name in _numeric_fields(cls):
             if isinstance(value, bool):
                 raise ValueError(f"expected a number, not the boolean {str(value).lower()}")
-            if isinstance(value, str):  # pydantic would parse "1" or "1e-5": a number is written as one
+            if isinstance(value, str):
+                if value in _words(cls.model_fields[info.field_name].annotation):
+                    return value  # a word the field takes beside its number ("auto")
+                # pydantic would parse "1" or "1e-5": a number is written as one
                 raise ValueError(f"expected a valid number, not the string {shown(value, 40)}")
             if abs(value) > _INT64_MAX:  # a counter or size beyond any use, and beyond torch's int64
                 raise ValueError(f"{value.bit_length()}-bit integer: out of range (at most {_INT64_MAX})")
@@ -69,6 +72,13 @@ def _numeric_fields(cls: type[BaseModel]) -> frozenset[str]:
             if _holds(field.annotation, (int, float)) and not _holds(field.annotation, (bool,))
         )
     return _NUMERIC_FIELDS[cls]
+
+
+def _words(annotation: Any) -> set[str]:
+    """The strings a field takes beside its number (`Literal["auto"] | int`: {"auto"})."""
+    if get_origin(annotation) is Literal:
+        return {arg for arg in get_args(annotation) if isinstance(arg, str)}
+    return set().union(*(_words(arg) for arg in get_args(annotation)))
 
 
 def _holds(annotation: Any, types: tuple[type, ...]) -> bool:
@@ -155,6 +165,14 @@ class InferenceConfig(_Section):
         gt=0,
         le=1,
         description="GPU: vLLM's --gpu-memory-utilization (leave room for a trainer on the same GPU).",
+    )
+    block_size: Literal["auto"] | Annotated[int, Field(ge=16, le=256, multiple_of=16)] = Field(
+        "auto",
+        description="vLLM's --block-size, the KV cache's block in tokens. A group's completions share their "
+        "prompt, and vLLM serves a prompt from its prefix cache in whole blocks only: with a block longer "
+        'than the prompt, the prompt is computed once per completion. "auto" = 32 on a CPU (vLLM\'s CPU '
+        "default, 128, is longer than most prompts; its CPU attention takes multiples of 32 only: "
+        "bench/engine_batch.py), vLLM's own on a GPU (16).",
     )
     enforce_eager: bool = Field(
         True,

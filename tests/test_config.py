@@ -197,6 +197,8 @@ def test_dataset_reward_specs_are_checked_naming_the_key(rewards, fragment):
         ("source.fail_after_s=inf", "source.fail_after_s: Input should be a finite number"),
         ("train.steps=false", "train.steps: Value error, expected a number, not the boolean false"),
         ('train.lr="1"', "train.lr: Value error, expected a valid number, not the string '1'"),
+        ('inference.block_size="64"', "inference.block_size: Value error, expected a valid number, not the string '64'"),
+        ("inference.block_size=true", "inference.block_size: Value error, expected a number, not the boolean true"),
     ],
 )
 def test_no_infinite_nan_or_boolean_number_anywhere(tmp_path, override, fragment):
@@ -222,6 +224,8 @@ def test_assigned_values_are_checked_too():
     with pytest.raises(ValueError, match="not the boolean"):
         cfg.train.lr = True
     cfg.inference.borrow_trainer_cores = True  # a bool where the field takes one stays fine
+    cfg.inference.block_size = 64
+    cfg.inference.block_size = "auto"  # the word a number field takes beside its numbers stays fine
     assert cfg.train.loss.clip_high == 0.28 and cfg.train.lr == 2e-5
 
 

@@ -7,6 +7,7 @@ Most tests share the session's `vllm_server`; the stop and crash tests launch th
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import socket
 
@@ -31,6 +32,7 @@ from tests.harness import start_decoy
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 
 PROMPT = [3, 4, 5, 6, 7, 8]
+PREFIX_CACHE = re.compile(r"^vllm:prefix_cache_(queries|hits)_total\{[^}]*\} ([0-9.e+]+)$", re.MULTILINE)
 
 
 @pytest.fixture
@@ -49,6 +51,33 @@ async def test_generate_gives_n_completions_with_one_logprob_per_token(vllm_serv
         assert all(lp <= 0.0 for lp in c.logprobs)
         assert c.finish_reason in ("stop", "length")
     assert again == completions, "a seeded request must repeat exactly"
+
+
+async def prefix_cache_tokens(client) -> dict[str, float]:
+    """vLLM's prefix-cache counters: prompt tokens looked up ("queries") and found ("hits")."""
+    counters = {"queries": 0.0, "hits": 0.0}
+    for name, value in PREFIX_CACHE.findall(await client._request("GET", "/metrics")):
+        counters[name] += float(value)
+    return counters
+
+
+async def test_a_groups_completions_share_their_prompt_through_the_prefix_cache(vllm_server):
+    """A group is n completions of one prompt. With the block grpod gives a CPU engine, every
+    completion after the first reads the prompt's whole blocks from vLLM's prefix cache; with vLLM's
+    CPU default (128-token blocks) a 40-token prompt fills no block and each completion computes it."""
+    from grpod.inference.process import block_size_for
+
+    block = block_size_for(vllm_server.cfg, gpu=False)
+    prompt = [3 + (7 * i) % 40 for i in range(40)]  # used by no other test: nothing of it is cached yet
+    async with vllm_server.client() as client:
+        before = await prefix_cache_tokens(client)
+        completions = await client.generate(prompt, n=4, max_tokens=4, temperature=1.0, seed=5)
+        after = await prefix_cache_tokens(client)
+    assert len(completions) == 4
+    assert after["queries"] - before["queries"] >= 4 * (len(prompt) - 1)
+    whole_blocks = (len(prompt) - 1) // block * block  # vLLM always computes the last prompt token
+    assert whole_blocks > 0
+    assert after["hits"] - before["hits"] >= 3 * whole_blocks, (before, after)
 
 
 async def test_the_engine_runs_on_the_threads_it_is_given_while_it_serves(vllm_server):

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import anyio
 import pytest
+from pydantic import ValidationError
 
-from grpod.config import InferenceConfig, ModelConfig
+from grpod.config import ConfigError, InferenceConfig, ModelConfig
 from grpod.inference.process import (
+    CPU_BLOCK_SIZE,
     InferenceProcess,
     InferenceStartError,
     PortInUseError,
@@ -69,6 +71,22 @@ def test_args_on_gpu_size_kv_cache_by_memory_fraction():
     assert _value(args, "--gpu-memory-utilization") == "0.3"
     assert "--kv-cache-memory-bytes" not in args
     assert "--enforce-eager" not in args
+
+
+def test_a_cpu_engine_gets_a_kv_block_short_enough_to_share_a_groups_prompt():
+    """vLLM's CPU default block (128 tokens) is longer than most prompts, and its prefix cache
+    shares whole blocks only: grpod passes a short block on a CPU, vLLM's own on a GPU, and the
+    setting when one is given."""
+    cpu = InferenceProcess(InferenceConfig(), MODEL, Path("run"), gpu=False).build_args("/m")
+    assert _value(cpu, "--block-size") == str(CPU_BLOCK_SIZE) and CPU_BLOCK_SIZE < 128
+    assert "--block-size" not in InferenceProcess(InferenceConfig(), MODEL, Path("run"), gpu=True).build_args("/m")
+    chosen = InferenceProcess(InferenceConfig(block_size=64), MODEL, Path("run"), gpu=True).build_args("/m")
+    assert _value(chosen, "--block-size") == "64"
+    for bad in (0, 8, 24, 512):
+        with pytest.raises(ValidationError, match="block_size"):
+            InferenceConfig(block_size=bad)
+    with pytest.raises(ConfigError, match="inference.block_size = 48: a CPU engine's block must be a multiple of 32"):
+        InferenceProcess(InferenceConfig(block_size=48), MODEL, Path("run"), gpu=False)
 
 
 def test_args_lora_extension_and_extra_args_last():
