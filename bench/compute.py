@@ -13,8 +13,12 @@ optimizer left out: they are a few per cent of the matmuls here):
 - a forward of one token at context length t: 2 x (the linear layers' weights, the output
   projection onto the vocabulary included) + 4 x layers x heads x head_dim x t (attention's
   scores and weighted sum);
-- generation: each request's prompt once (the n completions of a group share the prefill), then
-  every sampled completion token one forward at its position. Completions of the groups that
+- generation: each request's prompt once in full, and again for each of its other n - 1
+  completions but for the prompt's whole KV blocks that vLLM's prefix cache gives them (it
+  shares whole blocks only, and always computes the prompt's last token): the block is the run's
+  `--block-size` (its vllm.log launch line; vLLM's CPU default, 128, when absent). Prompts shared
+  across groups (a system prompt) are counted in every group: an upper bound. Then every sampled
+  completion token one forward at its position. Completions of the groups that
   never reached the trainer (filtered, stale) are in `sampled_tokens` but not in rollouts.jsonl:
   they are counted at the trained groups' mean prompt and completion lengths;
 - training: forward and backward of every trained sequence (the groups in rollouts.jsonl whose
@@ -69,6 +73,26 @@ class Flops:
         return 2 * self.linear * tokens + self.attention * positions
 
 
+# vLLM's KV block on a CPU when the launch names none.
+CPU_DEFAULT_BLOCK = 128
+
+
+def block_size(run_dir: Path) -> int:
+    """The engine's KV block: `--block-size` on the launch line in vllm.log, else vLLM's CPU default."""
+    log = run_dir / "vllm.log"
+    for line in (log.read_text(errors="replace").splitlines() if log.exists() else []):
+        if line.startswith("=== grpod launch") and "--block-size" in line:
+            words = line.split()
+            return int(words[words.index("--block-size") + 1])
+    return CPU_DEFAULT_BLOCK
+
+
+def prefill_flops(flops: Flops, prompt: int, group_size: int, block: int) -> float:
+    """One group request's prompt work: in full once, then the uncached tail per other completion."""
+    cached = (prompt - 1) // block * block
+    return flops.forward(prompt) + (group_size - 1) * flops.forward(prompt - cached, start=cached)
+
+
 def analyse(run_dir: Path, flops: Flops) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step_s" in r]
@@ -92,12 +116,13 @@ def analyse(run_dir: Path, flops: Flops) -> dict:
     sampled = window[-1].get("sampled_tokens", 0) - steps[0].get("sampled_tokens", 0)
     group_size = len(groups[0]["tokens"])
     requests = sampled / (mean_completion * group_size)
-    prefill = requests * flops.forward(round(mean_prompt))
+    block = block_size(run_dir)
+    prefill = requests * sum(prefill_flops(flops, n, group_size, block) for n in prompt_lengths) / len(prompt_lengths)
     decode = sampled * (2 * flops.linear + flops.attention * (mean_prompt + mean_completion / 2))
     train_s = sum(s["train_s"] for s in window)
     return {
         "run": str(run_dir), "steps": len(window), "span_s": round(span, 1), "train_s": round(train_s, 1),
-        "sampled_tokens": sampled, "mean_prompt": round(mean_prompt, 1), "mean_completion": round(mean_completion, 1),
+        "sampled_tokens": sampled, "block_size": block, "mean_prompt": round(mean_prompt, 1), "mean_completion": round(mean_completion, 1),
         "generation_flops": prefill + decode, "prefill_flops": prefill, "train_flops": train_flops,
         "generation_flops_per_s": (prefill + decode) / span, "train_flops_per_s": train_flops / train_s if train_s else None,
         "train_share_of_span": train_s / span, "flops_per_step": (prefill + decode + train_flops) / len(window),

@@ -23,7 +23,7 @@ import textwrap
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import annotated_types
 from pydantic import BaseModel
@@ -174,6 +174,8 @@ _TYPE_NAMES = {int: "integer", float: "number", bool: "boolean", str: "string", 
 
 def type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
+    if origin is Annotated:  # a union member with bounds of its own: `Literal["auto"] | Annotated[int, ...]`
+        return type_name(typing.get_args(annotation)[0])
     if origin is Literal:
         return " or ".join(toml_value(a) for a in typing.get_args(annotation))
     if origin is list:
@@ -199,7 +201,11 @@ _BOUNDS = (
 def bounds(field: FieldInfo) -> str:
     """A field's numeric bounds, e.g. "≥ 0, ≤ 65535"."""
     found = []
-    for item in field.metadata:
+    members = [a for a in typing.get_args(field.annotation) if typing.get_origin(a) is Annotated]
+    inner = [item for member in members for item in typing.get_args(member)[1:]]
+    for item in [*field.metadata, *(m for info in inner for m in getattr(info, "metadata", [info]))]:
+        if isinstance(item, annotated_types.MultipleOf):
+            found.append(f"a multiple of {item.multiple_of}")
         for kind, attr, sign in _BOUNDS:
             if isinstance(item, kind):
                 found.append(f"{sign} {getattr(item, attr)}")
