@@ -21,9 +21,12 @@ optimizer left out: they are a few per cent of the matmuls here):
   completion token one forward at its position. Completions of the groups that
   never reached the trainer (filtered, stale) are in `sampled_tokens` but not in rollouts.jsonl:
   they are counted at the trained groups' mean prompt and completion lengths;
-- training: forward and backward of every trained sequence (the groups in rollouts.jsonl whose
-  scores differ: the trainer drops a zero-variance group), 3 x its forward (the backward is twice
-  the forward), over the whole sequence (prompt included: the loss needs its logits).
+- training: forward and backward of every step (3 x its forward: the backward is twice the
+  forward) as the trainer ran it: the positions it forwarded (the step record's `processed_tokens`:
+  padding included, and with `train.share_prompt` a group's prompt once, not once per completion)
+  through the linear layers, and attention over each trained sequence's context (the groups
+  rollouts.jsonl records for that step whose scores differ; a shared prompt's context once per
+  group). Records without `processed_tokens` count every trained sequence in full.
 Rates: generation over the span from the first to the last step record (the engine generates all
 the time on its own thread), training over the steps' `train_s` (the trainer's own thread).
 Prints one table per run and writes `--out` (default bench/results/compute.json).
@@ -67,10 +70,14 @@ class Flops:
         self.linear = layers * per_layer + h * config["vocab_size"]  # the output projection (tied or not)
         self.attention = 4 * layers * heads * head_dim
 
+    @staticmethod
+    def context(tokens: int, start: int = 0) -> float:
+        """The attended positions of `tokens` tokens at positions start, start+1, ... (causal)."""
+        return tokens * start + tokens * (tokens + 1) / 2
+
     def forward(self, tokens: int, start: int = 0) -> float:
         """A forward of `tokens` tokens at positions start, start+1, ... (causal attention)."""
-        positions = tokens * start + tokens * (tokens + 1) / 2
-        return 2 * self.linear * tokens + self.attention * positions
+        return 2 * self.linear * tokens + self.attention * self.context(tokens, start)
 
 
 # vLLM's KV block on a CPU when the launch names none.
@@ -93,24 +100,47 @@ def prefill_flops(flops: Flops, prompt: int, group_size: int, block: int) -> flo
     return flops.forward(prompt) + (group_size - 1) * flops.forward(prompt - cached, start=cached)
 
 
+def prompt_length(group: dict) -> int:
+    mask = group["loss_mask"][0]
+    return mask.index(1) if 1 in mask else len(group["tokens"][0])
+
+
+def training_flops(flops: Flops, step: dict, groups: list[dict]) -> float:
+    """One step's forward and backward as the trainer ran it (module docstring)."""
+    trained = [g for g in groups if len(set(g["scores"])) > 1]  # a zero-variance group is dropped
+    shared = step.get("shared_prompt_tokens", 0) > 0
+    positions, context = 0, 0.0
+    for g in trained:
+        prompt = prompt_length(g)
+        if shared:
+            positions += prompt
+            context += flops.context(prompt)
+        for tokens in g["tokens"]:
+            positions += len(tokens) - prompt if shared else len(tokens)
+            context += flops.context(len(tokens) - prompt, start=prompt) if shared else flops.context(len(tokens))
+    forwarded = step.get("processed_tokens", positions)
+    return 3 * (2 * flops.linear * forwarded + flops.attention * context)
+
+
 def analyse(run_dir: Path, flops: Flops) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step_s" in r]
-    groups = [json.loads(line)["group"] for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    recorded = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    groups = [r["group"] for r in recorded]
+    by_step: dict[int, list[dict]] = {}
+    for r in recorded:
+        by_step.setdefault(r["step"], []).append(r["group"])
     if len(steps) < 2 or not groups:
         raise SystemExit(f"{run_dir}: needs two step records and rollouts.jsonl")
     span = steps[-1]["time"] - steps[0]["time"]
     # Only the steps after the first: the span's work.
     window = steps[1:]
-    prompt_lengths, completion_lengths, train_flops = [], [], 0.0
+    prompt_lengths, completion_lengths = [], []
     for g in groups:
-        prompt = g["loss_mask"][0].index(1) if 1 in g["loss_mask"][0] else len(g["tokens"][0])
+        prompt = prompt_length(g)
         prompt_lengths.append(prompt)
-        for tokens in g["tokens"]:
-            completion_lengths.append(len(tokens) - prompt)
-            if len(set(g["scores"])) > 1:  # a zero-variance group is dropped by the trainer
-                train_flops += 3 * flops.forward(len(tokens))
-    train_flops *= sum(1 for s in window if not s.get("skipped")) / max(1, sum(1 for s in steps if not s.get("skipped")))
+        completion_lengths += [len(tokens) - prompt for tokens in g["tokens"]]
+    train_flops = sum(training_flops(flops, s, by_step.get(s["step"], [])) for s in window)
     mean_prompt = sum(prompt_lengths) / len(prompt_lengths)
     mean_completion = sum(completion_lengths) / len(completion_lengths)
     sampled = window[-1].get("sampled_tokens", 0) - steps[0].get("sampled_tokens", 0)

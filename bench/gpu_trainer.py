@@ -10,8 +10,10 @@ DIR (default models/smollm2-135m) holds SmolLM2's config.json, tokenizer.json an
 tokenizer_config.json; only those three files need to travel to a GPU machine (3.5 MB), with the
 wheels tests/gpu/fetch_wheels.sh gathers. Batches: `--groups` groups of `--group-size` completions of 64-256 tokens
 after a 100-140 token prompt (SmolLM2) or the unit tests' arithmetic-shaped groups (tiny).
-FLOPs as bench/compute.py counts them: forward + backward = 3 x the forward of every trained
-sequence, prompt included. The first step of each setting is also profiled with cProfile (host
+FLOPs are nominal: forward + backward = 3 x the forward of every trained sequence, prompt
+included, whatever the plan (a shared prompt is forwarded once per group, so the work the device
+executes is less: bench/compute.py counts that); every setting is credited the same work and they
+compare by time. The first step of each setting is also profiled with cProfile (host
 side, cumulative time): the top entries say where a slow cold step goes.
 """
 

@@ -41,3 +41,21 @@ def test_the_block_is_read_from_the_runs_vllm_launch_line(tmp_path):
         "INFO ... --block-size 64 in a later line is not the launch\n"
     )
     assert compute.block_size(tmp_path) == 32
+
+
+def test_a_step_is_counted_as_the_trainer_forwarded_it():
+    """With a shared prompt the trainer forwards a group's prompt once: the step record's
+    processed_tokens say how many positions went through the linear layers."""
+    compute = load_compute()
+    flops = compute.Flops(SMOLLM2_SHAPE)
+    group = {"tokens": [[1] * 40, [1] * 34], "loss_mask": [[0] * 30 + [1] * 10, [0] * 30 + [1] * 4],
+             "scores": [1.0, 0.0]}
+    flat = dict(group, scores=[1.0, 1.0])
+    plain = compute.training_flops(flops, {"processed_tokens": 80}, [group, flat])
+    assert plain == 3 * (2 * flops.linear * 80 + flops.attention * (flops.context(40) + flops.context(34)))
+    shared = compute.training_flops(flops, {"processed_tokens": 44, "shared_prompt_tokens": 30}, [group])
+    context = flops.context(30) + flops.context(10, start=30) + flops.context(4, start=30)
+    assert shared == 3 * (2 * flops.linear * 44 + flops.attention * context)
+    assert shared < plain / 1.5
+    # A record from before processed_tokens: every trained sequence in full.
+    assert compute.training_flops(flops, {}, [group, flat]) == 3 * (flops.forward(40) + flops.forward(34))
