@@ -208,7 +208,7 @@ LOG_LINE_CHARS = 300
 
 
 # A CPU engine's KV block under inference.block_size = "auto": the shortest vLLM's CPU attention
-# takes (a multiple of 32). SmolLM2, groups of 8, 16-token completions: 86 -> 124 tokens/s
+# takes (a multiple of 32). SmolLM2, groups of 8, 16-token completions: 84 -> 122 tokens/s
 # against vLLM's 128 (bench/engine_batch.py --block-sizes 128 32).
 CPU_BLOCK_SIZE = 32
 
