@@ -11,7 +11,7 @@ vLLM's own on a CPU is 128 tokens). Each row has the engine's prefix-cache hit r
 serves a shared prompt from its cache only in whole blocks, so a prompt shorter than one block is
 computed once per completion.
 
-    .venv/bin/python bench/engine_batch.py [--groups 4 8 16] [--threads 1 2] [--block-sizes 128 16] \
+    .venv/bin/python bench/engine_batch.py [--groups 4 8 16] [--threads 1 2] [--block-sizes 128 32] \
         [--group-size 4] [--max-tokens 128] [--out bench/results/engine_batch.json]
 
 Needs `make model-smollm2`. Nothing else should run meanwhile (2 cores).
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import aiohttp
 import anyio
+from prometheus_client.parser import text_string_to_metric_families
 
 from grpod.config import InferenceConfig, ModelConfig
 from grpod.inference.process import InferenceProcess
@@ -71,10 +72,10 @@ async def prefix_cache_counters(url: str) -> tuple[float, float]:
     async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as r:
         text = await r.text()
     totals = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
     return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
 
 
@@ -112,8 +113,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m")
     parser.add_argument("--groups", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[128, 16],
-                        help="inference.block_size per engine (128: vLLM's own on a CPU)")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[128, 32],
+                        help="inference.block_size per engine (128: vLLM's own on a CPU; a CPU takes multiples of 32)")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)

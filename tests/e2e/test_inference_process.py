@@ -7,13 +7,13 @@ Most tests share the session's `vllm_server`; the stop and crash tests launch th
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import socket
 
 import aiohttp
 import anyio
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from grpod.config import InferenceConfig, ModelConfig
 from grpod.inference.client import (
@@ -32,7 +32,6 @@ from tests.harness import start_decoy
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 
 PROMPT = [3, 4, 5, 6, 7, 8]
-PREFIX_CACHE = re.compile(r"^vllm:prefix_cache_(queries|hits)_total\{[^}]*\} ([0-9.e+]+)$", re.MULTILINE)
 
 
 @pytest.fixture
@@ -56,8 +55,11 @@ async def test_generate_gives_n_completions_with_one_logprob_per_token(vllm_serv
 async def prefix_cache_tokens(client) -> dict[str, float]:
     """vLLM's prefix-cache counters: prompt tokens looked up ("queries") and found ("hits")."""
     counters = {"queries": 0.0, "hits": 0.0}
-    for name, value in PREFIX_CACHE.findall(await client._request("GET", "/metrics")):
-        counters[name] += float(value)
+    for family in text_string_to_metric_families(await client._request("GET", "/metrics")):
+        for sample in family.samples:
+            for name in counters:
+                if sample.name == f"vllm:prefix_cache_{name}_total":
+                    counters[name] += sample.value
     return counters
 
 
