@@ -22,19 +22,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 import anyio
-from prometheus_client.parser import text_string_to_metric_families
 
 from grpod.config import InferenceConfig, ModelConfig
 from grpod.inference.process import InferenceProcess
 from grpod.inference.sampling import with_neutral_sampling
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.vllm_metrics import counter_totals  # noqa: E402
 
 
 def prompts(model: Path, count: int) -> list[list[int]]:
@@ -71,11 +74,7 @@ async def prefix_cache_counters(url: str) -> tuple[float, float]:
     """(queries, hits) of the engine's prefix cache, in tokens, from its Prometheus counters."""
     async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as r:
         text = await r.text()
-    totals = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
+    totals = counter_totals(text, ["vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"])
     return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
 
 

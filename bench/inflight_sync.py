@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -37,14 +36,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.sync_latency import synthetic_groups, trainer_and_bridge  # noqa: E402
+from bench.vllm_metrics import counter_totals  # noqa: E402
 from grpod.daemon.step_loop import train_batch  # noqa: E402
 
-GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", re.MULTILINE)
 PROMPT_TOKENS = 24
 
 
 async def generated_tokens(client) -> float:
-    return sum(float(v) for v in GENERATED.findall(await client._request("GET", "/metrics")))
+    text = await client._request("GET", "/metrics")
+    return counter_totals(text, ["vllm:generation_tokens_total"])["vllm:generation_tokens_total"]
 
 
 async def trial(bridge, trainer, variant: str, generations: int, tokens: int, step: int, rng) -> dict:

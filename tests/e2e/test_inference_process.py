@@ -13,8 +13,8 @@ import socket
 import aiohttp
 import anyio
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.vllm_metrics import counter_totals
 from grpod.config import InferenceConfig, ModelConfig
 from grpod.inference.client import (
     ForeignServerError,
@@ -54,13 +54,9 @@ async def test_generate_gives_n_completions_with_one_logprob_per_token(vllm_serv
 
 async def prefix_cache_tokens(client) -> dict[str, float]:
     """vLLM's prefix-cache counters: prompt tokens looked up ("queries") and found ("hits")."""
-    counters = {"queries": 0.0, "hits": 0.0}
-    for family in text_string_to_metric_families(await client._request("GET", "/metrics")):
-        for sample in family.samples:
-            for name in counters:
-                if sample.name == f"vllm:prefix_cache_{name}_total":
-                    counters[name] += sample.value
-    return counters
+    totals = counter_totals(await client._request("GET", "/metrics"),
+                            [f"vllm:prefix_cache_{name}_total" for name in ("queries", "hits")])
+    return {name: totals[f"vllm:prefix_cache_{name}_total"] for name in ("queries", "hits")}
 
 
 async def test_a_groups_completions_share_their_prompt_through_the_prefix_cache(vllm_server):
