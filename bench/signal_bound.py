@@ -34,6 +34,8 @@ import math
 import sys
 from pathlib import Path
 
+from grpod.service.logs import read_metrics
+
 GRID = [i / 40 for i in range(41)]
 BAND = 0.9  # a draw is "in band" when its group comes out mixed with at least this probability
 
@@ -43,13 +45,12 @@ def mixed(p: float, k: int) -> float:
     return 1.0 - p**k - (1.0 - p) ** k
 
 
-def outcomes(run_dir: Path, threshold: float) -> tuple[int, dict[int, int], int]:
-    """(group size, groups of trained batches by their passing completions, groups thrown away for
-    having no signal) of one run."""
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [record for record in steps if record.get("kind") == "step"]
+def outcomes(run_dir: Path, threshold: float) -> tuple[int, dict[int, int], dict]:
+    """(group size, groups of trained batches by their passing completions, the last step record:
+    its `dynamic_filtered` counts the groups thrown away for having no signal) of one run."""
     rollouts = run_dir / "rollouts.jsonl"
-    if not steps or not rollouts.exists():
+    steps = [r for r in read_metrics(run_dir) if r.get("kind") == "step"] if rollouts.exists() else []
+    if not steps:
         raise SystemExit(f"{run_dir}: needs step records in metrics.jsonl and rollouts.jsonl (run.record_rollouts)")
     counts: dict[int, int] = {}
     size = 0
@@ -60,7 +61,7 @@ def outcomes(run_dir: Path, threshold: float) -> tuple[int, dict[int, int], int]
         size = len(scores)
         passing = sum(score >= threshold for score in scores)
         counts[passing] = counts.get(passing, 0) + 1
-    return size, counts, int(steps[-1].get("dynamic_filtered", 0))
+    return size, counts, steps[-1]
 
 
 def fit(size: int, counts: dict[int, int], filtered: int, rounds: int = 3000) -> list[float]:
@@ -99,19 +100,18 @@ def screen_share(weights: list[float], size: int, k: int) -> float:
 
 
 def analyse(run_dir: Path, threshold: float) -> dict:
-    size, counts, filtered = outcomes(run_dir, threshold)
+    size, counts, last = outcomes(run_dir, threshold)
+    filtered = int(last.get("dynamic_filtered", 0))
     weights = fit(size, counts, filtered)
     trained = sum(counts.values())
     mixed_trained = sum(n for j, n in counts.items() if 0 < j < size)
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    share = [record["gradient_token_share"] for record in steps if "gradient_token_share" in record]
     return {
         "run": str(run_dir),
         "group_size": size,
         "groups_queued": trained,
         "groups_filtered": filtered,
         "observed_mixed_share": mixed_trained / (trained + filtered),
-        "gradient_token_share": share[-1] if share else None,
+        "gradient_token_share": last.get("gradient_token_share"),
         "fit_signal": screen_share(weights, size, size),
         "extreme_draws": sum(w for w, p in zip(weights, GRID) if p <= 0.1 or p >= 0.9),
         "in_band_draws": sum(w for w, p in zip(weights, GRID) if mixed(p, size) >= BAND),
