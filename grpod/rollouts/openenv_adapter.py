@@ -440,7 +440,10 @@ class OpenEnvAdapter:
         if self.server is None:
             return {"server": self.url}
         server = self.server
-        return {"server": self.url, "pid": server.pid, "restarts": server.restarts, "log": str(server.log.path)}
+        # The PID of a server that is up only: a killed one is relaunched when the next episode
+        # opens, and until then its old PID names nothing an operator could signal or watch.
+        pid = server.pid if server.running else None
+        return {"server": self.url, "pid": pid, "restarts": server.restarts, "log": str(server.log.path)}
 
 
 # ---- the server process (`python -m grpod.rollouts.openenv_adapter serve ...`) ----------------

@@ -105,9 +105,10 @@ def test_environment_faults_drop_groups_and_training_goes_on(tmp_path, smollm2_d
     run_dir = tmp_path / "run"
     daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", _settings(tmp_path, smollm2_dir, run_dir)), run_dir)
     try:
+        gone: set[int] = set()
         for _ in range(10):
             status = status_until(
-                daemon, lambda s: s["step"] >= 1 and (s.get("source") or {}).get("environment", {}).get("pid"),
+                daemon, lambda s: s["step"] >= 1 and (s.get("source") or {}).get("environment", {}).get("pid") not in {None, *gone},
                 400, "the first step and the environment server's pid",
             )
             server = status["source"]["environment"]["pid"]
@@ -115,9 +116,9 @@ def test_environment_faults_drop_groups_and_training_goes_on(tmp_path, smollm2_d
                 os.kill(server, signal.SIGKILL)
                 break
             except ProcessLookupError:
-                # grpod replaced that server between the status read and the kill (a hung tool
-                # gets its server killed, 27.2): kill the one that serves now.
-                continue
+                # grpod killed that server between the status read and the kill (a hung tool gets
+                # its server killed, 27.2): kill the one it launches next.
+                gone.add(server)
         else:
             pytest.fail("the environment server's pid changed before each of 10 kills")
         killed_at, step_at_kill = time.monotonic(), status["step"]

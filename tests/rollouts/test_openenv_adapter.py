@@ -152,6 +152,7 @@ async def test_a_step_that_hangs_times_out_and_its_server_is_killed(tmp_path):
         assert failure.value.reason == "environment_timeout"
         assert "stuck_env:StuckEnvironment (task 7 of train), turn 1: step" in str(failure.value)
         assert not psutil.pid_exists(pid)  # its step held a session for good: the server was killed
+        assert adapter.health()["pid"] is None  # and status names no PID until the next episode relaunches it
         await episode.aclose()
     assert not psutil.pid_exists(pid)
 
