@@ -327,3 +327,30 @@ def test_pool_joins_seeds_run_at_different_times_into_one_paired_table(tmp_path)
     assert "0.400 [0.346, 0.456] (120/300)" in text and "steps by 10 min, per seed | 7 / 7 / 7" in text
     with pytest.raises(SystemExit, match="grpod seed 1 is in"):
         pool.load([second, write("again.json", [run("grpod", 1, [0] * n)])])
+
+
+def test_pool_renames_a_grpod_only_run_into_a_side_of_its_own_paired_first(tmp_path):
+    """--rename: a grpod-only invocation with another setting (FILE:grpod=NAME) becomes its own
+    side, first in the table, paired against the next side (the same seed's grpod)."""
+    pool = bench_module("pool")
+    n = 100
+
+    def write(name, sides, runs):
+        path = tmp_path / name
+        path.write_text(json.dumps({"task": "t", "sides": sides, "runs": [
+            {"side": side, "seed": 0, "saved": [{"minutes": 10.0, "step": 5, "correct": sum(rows), "size": n,
+                                                 "accuracy": sum(rows) / n, "rows": rows}]} for side, rows in runs]}))
+        return path
+
+    both = write("seed0.json", ["grpod", "trl"], [("grpod", [1] * 30 + [0] * 70), ("trl", [1] * 20 + [0] * 80)])
+    other = write("frontier-seed0.json", ["grpod"], [("grpod", [1] * 40 + [0] * 60)])
+    with pytest.raises(SystemExit, match="grpod seed 0 is in"):
+        pool.load([both, other])
+    renames = pool.parse_renames([f"{other}:grpod=grpod frontier"])
+    pooled = pool.pool(*pool.load([both, other], renames))
+    (mark,) = pooled["marks"]
+    assert pooled["sides"] == ["grpod frontier", "grpod", "trl"]
+    assert mark["per_seed"] == {"grpod frontier": [0.4], "grpod": [0.3], "trl": [0.2]}
+    assert mark["paired"]["minus"] == "grpod frontier - grpod" and abs(mark["paired"]["mean"] - 0.1) < 1e-12
+    with pytest.raises(SystemExit, match="expected FILE:SIDE=NAME"):
+        pool.parse_renames(["frontier-seed0.json=grpod"])

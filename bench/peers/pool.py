@@ -1,6 +1,7 @@
 """Pool the seeds of several `compare.py` invocations of one timed task into one table.
 
     python bench/peers/pool.py bench/results/peers-X-seed0.json bench/results/peers-X-seeds12.json [--out pooled.json]
+        [--rename FILE:SIDE=NAME ...]
 
 A task's seeds are often run at different times (each seed takes 35-40 minutes here). Each JSON
 keeps, per run and per time mark, the evaluator's outcome on every held-out row (`rows`). This
@@ -8,7 +9,9 @@ prints, per mark: each seed's accuracy per side, all seeds' rows together with t
 interval, and the first side minus the second on the same rows, with its 95 % interval, over the
 seeds that recorded per-row outcomes for both sides (`bench/stats.py`'s `paired_difference`);
 then the seeds' steps, tokens/s and gradient share. The files must be of one task and one
-held-out set; a seed may appear in one file only.
+held-out set; a seed may appear in one file only, per side. `--rename` names a side of one file
+otherwise (e.g. `peers-X-frontier-seed0.json:grpod=grpod frontier`, a grpod-only run with another
+setting): renamed sides come first, so the paired difference is theirs minus the next side's.
 """
 
 from __future__ import annotations
@@ -24,20 +27,37 @@ sys.path.insert(0, str(ROOT))
 from bench.stats import paired_difference, wilson  # noqa: E402
 
 
-def load(paths: list[Path]) -> tuple[dict, dict[tuple[str, int], dict]]:
-    """The first file's header and every run by (side, seed)."""
+def parse_renames(texts: list[str]) -> dict[tuple[str, str], str]:
+    """`FILE:SIDE=NAME` -> {(file name, side): NAME}."""
+    renames = {}
+    for text in texts:
+        where, sep, name = text.partition("=")
+        file, colon, side = where.rpartition(":")
+        if not (sep and colon and file and side and name):
+            sys.exit(f"pool: --rename {text!r}: expected FILE:SIDE=NAME")
+        renames[(Path(file).name, side)] = name
+    return renames
+
+
+def load(paths: list[Path], renames: dict[tuple[str, str], str] | None = None) -> tuple[dict, dict[tuple[str, int], dict]]:
+    """The first file's header (its sides after the renamed ones) and every run by (side, seed)."""
+    renames = renames or {}
     header, runs = None, {}
     for path in paths:
         data = json.loads(path.read_text())
         if header is None:
-            header = data
+            header = dict(data)
         elif data["task"] != header["task"]:
             sys.exit(f"pool: {path} is task {data['task']!r}, {paths[0]} is {header['task']!r}")
         for run in data["runs"]:
-            key = (run["side"], run["seed"])
+            side = renames.get((path.name, run["side"]), run["side"])
+            run = {**run, "side": side}
+            key = (side, run["seed"])
             if key in runs:
                 sys.exit(f"pool: {key[0]} seed {key[1]} is in {path} and in an earlier file")
             runs[key] = {**run, "file": path.name}
+    renamed = list(dict.fromkeys(renames.values()))
+    header["sides"] = renamed + [s for s in header["sides"] if s not in renamed]
     return header, runs
 
 
@@ -132,8 +152,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", type=Path, nargs="+")
     parser.add_argument("--out", type=Path, help="also write the pooled figures as JSON")
+    parser.add_argument("--rename", action="append", default=[], metavar="FILE:SIDE=NAME",
+                        help="call SIDE of FILE NAME (it comes first)")
     args = parser.parse_args()
-    pooled = pool(*load(args.files))
+    pooled = pool(*load(args.files, parse_renames(args.rename)))
     print(markdown(pooled))
     if args.out:
         args.out.write_text(json.dumps(pooled, indent=1) + "\n")
