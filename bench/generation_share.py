@@ -2,7 +2,7 @@
 (`gradient_token_share`), with and without dynamic sampling and active sampling, on
 `etc/examples/reasoning-gym.toml` (SmolLM2-135M-Instruct, reasoning-gym chain_sum).
 
-    .venv/bin/python bench/generation_share.py [--minutes 8] [--seeds 0] [--variants off,dynamic,rest,frontier]
+    .venv/bin/python bench/generation_share.py [--minutes 8] [--seeds 0] [--variants off,dynamic,rest]
         [--number]
 
 Each variant is one `grpod start` of the example for `--minutes` from launch, stopped with
@@ -10,9 +10,7 @@ Each variant is one `grpod start` of the example for `--minutes` from launch, st
 `grpod reasoning-gym` (`--train-size` rows, `--eval-size` held-out questions). Variants:
 - off: neither switch (every generated group is queued; the trainer drops zero-variance groups);
 - dynamic: `source.dynamic_sampling = true` (groups without signal are not queued);
-- rest: dynamic sampling and `source.dataset.rest_epochs = 2` (active sampling);
-- frontier: dynamic sampling and `source.dataset.frontier = true` (each epoch keeps a row with the
-  chance that its group carries a signal, from its pass rates over its visits).
+- rest: dynamic sampling and `source.dataset.rest_epochs = 2` (active sampling).
 `--number` reads the answer as the completion's last number (the reward's `pattern`, as
 bench/peers' `reasoning-gym-number` task), where SmolLM2 starts at about 30 % of the held-out rows;
 without it the verifier reads the bare completion and gives partial credit only.
@@ -40,7 +38,6 @@ VARIANTS = {
     "off": ["source.dynamic_sampling=false", "source.dataset.rest_epochs=0"],
     "dynamic": ["source.dynamic_sampling=true", "source.dataset.rest_epochs=0"],
     "rest": ["source.dynamic_sampling=true", "source.dataset.rest_epochs=2"],
-    "frontier": ["source.dynamic_sampling=true", "source.dataset.rest_epochs=0", "source.dataset.frontier=true"],
 }
 NUMBER = "source.dataset.rewards=[{function='reasoning_gym', pattern='-?\\d+'}]"
 

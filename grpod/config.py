@@ -301,15 +301,6 @@ class DatasetConfig(_Section):
     """source.kind = "dataset": prompts from a local JSONL / Parquet / CSV file, scored by reward
     functions (`grpod/rollouts/dataset.py`, `grpod/rollouts/rewards.py`)."""
 
-    @model_validator(mode="after")
-    def _one_active_sampling(self) -> DatasetConfig:
-        if self.frontier and self.rest_epochs:
-            raise ValueError(
-                "source.dataset.frontier and source.dataset.rest_epochs both skip rows without signal; set one "
-                "(frontier = false, or rest_epochs = 0)"
-            )
-        return self
-
     path: Path | None = Field(
         None,
         description="The training file: .jsonl / .json, .parquet or .csv (the format comes from the suffix).",
@@ -342,19 +333,6 @@ class DatasetConfig(_Section):
         "the same: always solved or never solved) is skipped for this many epochs, then drawn again; 0 = off. "
         "Skipped draws are counted as `rested` in the source's status.",
         examples=[2],
-    )
-    frontier: bool = Field(
-        False,
-        description="Frontier sampling (`grpod/rollouts/frontier.py`): each epoch keeps a row with the chance that "
-        "its next group carries a learning signal, estimated from its pass rates over earlier visits (a row never "
-        "visited is kept); the others are skipped for that epoch and counted as `rested`. Instead of rest_epochs.",
-    )
-    frontier_floor: float = Field(
-        0.05,
-        gt=0,
-        le=1,
-        description="The least chance an epoch keeps a row with frontier sampling: a row always or never solved "
-        "so far still comes back about once in 1 / frontier_floor epochs.",
     )
     rewards: list[RewardFunctionConfig] = Field(
         [], description="The reward functions, one [[source.dataset.rewards]] table each (at least one)."

@@ -100,12 +100,6 @@ def _source_rows(source: dict | None, status: dict) -> Rows:
     ]
     line = f"{source.get('kind')}: " + ", ".join(counts)
     rows: Rows = [("source", line + (f" {source['drop_reasons']}" if source.get("drop_reasons") else ""))]
-    if source.get("rested") or source.get("frontier"):
-        sampling = f"{source.get('rested', 0)} draws skipped, {source.get('resting', 0)} rows resting"
-        frontier = source.get("frontier") or {}
-        if frontier.get("rows_seen"):
-            sampling += f"; frontier: {frontier['rows_seen']} rows seen, mean weight {frontier['mean_weight']}"
-        rows.append(("active sampling", sampling))
     environment = source.get("environment")
     if environment:
         rows.append(("environment", ", ".join(f"{k} {v}" for k, v in environment.items())))

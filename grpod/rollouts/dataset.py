@@ -22,9 +22,7 @@ builtin source). With `epochs = 0` the passes never end and `train.steps` ends t
 Active sampling (`rest_epochs = R`): a row whose group carried no learning signal (the trainer's
 own test, `grpod.rollouts.signal.carries_signal`: always solved or never solved) is skipped in the
 next R epochs, then drawn again. The resting rows ride in the cursor ("resting": row index -> the
-epoch it returns), so a resumed run skips the same rows. Frontier sampling (`frontier = true`,
-`grpod.rollouts.frontier`) instead keeps each row in an epoch with the chance that its next group
-carries a signal, from its pass rates over its visits (the cursor's "frontier").
+epoch it returns), so a resumed run skips the same rows.
 
 Each group is `group_size` completions of one prompt in one vLLM request (as the builtin source
 does). A group whose generation or reward failed is dropped with its reason in `stats.drop_reasons`
@@ -54,7 +52,6 @@ import structlog
 from grpod.config import ConfigError, DatasetConfig, DatasetSourceConfig, EvalConfig, GrpodConfig
 from grpod.inference.policy import Policy
 from grpod.rollouts.dynamic_sampling import DynamicSampling
-from grpod.rollouts.frontier import FrontierSampling
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.held_out import play_rows
 from grpod.rollouts.rewards import (
@@ -70,7 +67,7 @@ from grpod.rollouts.rewards import (
     reward_functions,
 )
 from grpod.rollouts.sampling_source import SamplingSource, SamplingStats
-from grpod.rollouts.signal import carries_signal, scored_indices
+from grpod.rollouts.signal import carries_signal
 from grpod.rollouts.scoring import PLACEHOLDER_COMPLETION, RewardCall, RewardScorer
 
 log = structlog.get_logger(__name__)
@@ -119,12 +116,10 @@ STATUS_GROUPS = 64
 @dataclass
 class DatasetStats(SamplingStats):
     epoch: int = 0
-    # Active sampling (source.dataset.rest_epochs or frontier): draws skipped because their row
-    # was resting (or not kept this epoch), and the rows resting now.
+    # Active sampling (source.dataset.rest_epochs): draws skipped because their row was resting,
+    # and the rows resting now.
     rested: int = 0
     resting: int = 0
-    # Frontier sampling: rows visited and their mean weight (the chance an epoch keeps them).
-    frontier: dict[str, Any] | None = None
     reward_s: float = 0.0
     # Per function: its mean reward over the latest STATUS_GROUPS groups (None left out).
     reward_means: dict[str, float] = field(default_factory=dict)
@@ -383,11 +378,6 @@ class DatasetSource(SamplingSource):
         self.position = int((cursor or {}).get("position", 0))
         # Active sampling: item index -> the first epoch it is drawn again (its last group had no signal).
         self.resting: dict[int, int] = {int(k): int(v) for k, v in (cursor or {}).get("resting", {}).items()}
-        self.frontier: FrontierSampling | None = None
-        if self.dcfg.frontier:
-            self.frontier = FrontierSampling(self.dcfg.frontier_floor, self.dcfg.shuffle_seed, src.group_size,
-                                             (cursor or {}).get("frontier"))
-            self.stats.frontier = self.frontier.describe()
         self._order_epoch, self._order = -1, []
         self.dynamic_sampling = dynamic_sampling
         self._warned: dict[tuple[str, str], tuple[float, int]] = {}
@@ -402,15 +392,12 @@ class DatasetSource(SamplingSource):
         cursor: dict[str, Any] = {"kind": self.kind, "epoch": self.epoch, "position": self.position}
         if self.resting:
             cursor["resting"] = {str(k): v for k, v in sorted(self.resting.items())}
-        if self.frontier is not None and self.frontier.counts:
-            cursor["frontier"] = self.frontier.state()
         return cursor
 
     def _draw(self) -> tuple[int, int, DatasetItem, int] | None:
         """(epoch, item index, item, resting rows skipped) of the next row of the stream that is not
         resting (advancing the cursor), or None once `epochs` are done. Every row rests for a
-        bounded number of epochs, so this ends within rest_epochs + 1 passes (with frontier
-        sampling, each row is kept with a chance of at least frontier_floor)."""
+        bounded number of epochs, so this ends within rest_epochs + 1 passes."""
         skipped = 0
         while True:
             if self.position >= len(self.items):
@@ -423,17 +410,13 @@ class DatasetSource(SamplingSource):
                 self._order_epoch, self._order = self.epoch, epoch_order(len(self.items), self.dcfg.shuffle_seed, self.epoch)
             index = self._order[self.position]
             self.position += 1
-            kept = self.frontier is None or self.frontier.keeps(index, self.epoch)
-            if kept and self.resting.get(index, 0) <= self.epoch:
+            if self.resting.get(index, 0) <= self.epoch:
                 return self.epoch, index, self.items[index], skipped
             skipped += 1
 
     def _rest(self, index: int, epoch: int, group: RolloutGroup) -> None:
         """Active sampling: the row of a group without signal skips the next rest_epochs epochs;
-        one with signal is in play. Frontier sampling: the group's scores update its row's counts."""
-        if self.frontier is not None:
-            self.frontier.observe(index, [group.scores[i] for i in scored_indices(group)])
-            self.stats.frontier = self.frontier.describe()
+        one with signal is in play."""
         if not self.dcfg.rest_epochs:
             return
         ds = self.dynamic_sampling

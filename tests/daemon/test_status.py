@@ -71,10 +71,6 @@ def test_a_dataset_sources_reward_workers_and_function_means_show():
     assert "dataset: 40 generated, 3 dropped {'reward_timeout': 3}" in table
     assert "2/2 up, 120 calls (1.2 ms mean), 3 replaced, failed {'reward_timeout': 3}" in table
     assert "reward/correct" in table
-    assert "active sampling" not in table  # nothing skipped: no row
-
-    frontier = {**source, "rested": 17, "resting": 0, "frontier": {"rows_seen": 128, "mean_weight": 0.412}}
-    assert "17 draws skipped, 0 rows resting; frontier: 128 rows seen, mean weight 0.412" in _render_status({"source": frontier})
 
 
 class _Run:

@@ -223,36 +223,6 @@ def test_active_sampling_rests_rows_without_signal_and_a_resumed_cursor_keeps_th
     assert sorted(rows[12:]) == list(range(12)) and plain.stats.rested == 0 and "resting" not in plain.cursor()
 
 
-def test_frontier_sampling_draws_rows_with_signal_more_and_a_resumed_cursor_weighs_rows_alike(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
-
-    def play(cfg, cursor, groups):
-        async def main():
-            src = await open_source(tokenizer, cfg, cursor=cursor, client_class=MixedClient)
-            drawn = [(await src.generate_group()).group_id for _ in range(groups)]
-            return src, [int(g.split("-")[-1]) for g in drawn], src.peek_rows(12)
-
-        return anyio.run(main)
-
-    cfg = config(path, group_size=8, dataset={"shuffle_seed": 5, "frontier": True})
-    src, first, _ = play(cfg, None, 12)  # epoch 0: every row (none visited yet)
-    assert sorted(first) == list(range(12)) and src.stats.rested == 0
-    cursor = json.loads(json.dumps(src.cursor()))  # as a checkpoint stores it
-    assert cursor["frontier"] == {**{str(i): [4.0, 4.0] for i in range(6)}, **{str(i): [0.0, 8.0] for i in range(6, 12)}}
-    assert src.stats.frontier["rows_seen"] == 12
-
-    src, later, peeked = play(cfg, cursor, 60)
-    mixed, flat = sum(r < 6 for r in later), sum(r >= 6 for r in later)
-    assert src.epoch >= 6 and mixed >= 3 * flat, (mixed, flat)  # 4 of 8 right: kept ~98 %; all right: 27 % falling to 10 %
-    assert src.stats.rested > 0 and src.stats.frontier["mean_weight"] < 0.7
-
-    _, again, peeked_again = play(cfg, cursor, 60)  # the same cursor: the same draws
-    assert again == later and peeked_again == peeked
-
-    with pytest.raises(ConfigError, match="frontier and source.dataset.rest_epochs"):
-        config(path, dataset={"frontier": True, "rest_epochs": 2})
-
-
 def test_a_finite_number_of_epochs_exhausts_the_source(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "t.jsonl", ROWS[:3])
     src = source(tokenizer, config(path, dataset={"epochs": 2}, concurrency=2))
