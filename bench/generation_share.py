@@ -3,7 +3,6 @@
 `etc/examples/reasoning-gym.toml` (SmolLM2-135M-Instruct, reasoning-gym chain_sum).
 
     .venv/bin/python bench/generation_share.py [--minutes 8] [--seeds 0] [--variants off,dynamic,rest]
-        [--number]
 
 Each variant is one `grpod start` of the example for `--minutes` from launch, stopped with
 `grpod ctl stop` (which runs the end-of-run evaluation); the task's rows are written once by
@@ -11,9 +10,6 @@ Each variant is one `grpod start` of the example for `--minutes` from launch, st
 - off: neither switch (every generated group is queued; the trainer drops zero-variance groups);
 - dynamic: `source.dynamic_sampling = true` (groups without signal are not queued);
 - rest: dynamic sampling and `source.dataset.rest_epochs = 2` (active sampling).
-`--number` reads the answer as the completion's last number (the reward's `pattern`, as
-bench/peers' `reasoning-gym-number` task), where SmolLM2 starts at about 30 % of the held-out rows;
-without it the verifier reads the bare completion and gives partial credit only.
 Reported per run: steps and trained steps, sampled completion tokens/s, gradient_token_share at
 the stop, the share of groups generated that carried signal, greedy held-out accuracy at start
 and at the stop with its 95 % Wilson interval. Writes bench/results/generation_share.json.
@@ -39,7 +35,6 @@ VARIANTS = {
     "dynamic": ["source.dynamic_sampling=true", "source.dataset.rest_epochs=0"],
     "rest": ["source.dynamic_sampling=true", "source.dataset.rest_epochs=2"],
 }
-NUMBER = "source.dataset.rewards=[{function='reasoning_gym', pattern='-?\\d+'}]"
 
 
 def write_task(data: Path, train_size: int, eval_size: int) -> None:
@@ -48,13 +43,13 @@ def write_task(data: Path, train_size: int, eval_size: int) -> None:
                     "--option", "max_terms=2", "--option", "max_digits=2"], cwd=ROOT, check=True, timeout=300)
 
 
-def run(variant: str, seed: int, minutes: float, data: Path, eval_size: int, workdir: Path, extra: list[str]) -> dict:
+def run(variant: str, seed: int, minutes: float, data: Path, eval_size: int, workdir: Path) -> dict:
     run_dir = workdir / f"{variant}-seed{seed}"
     overrides = [
         f"run.dir={json.dumps(str(run_dir))}", f"run.seed={seed}", f"source.dataset.shuffle_seed={seed}",
         f"source.dataset.path={json.dumps(str(data / 'train.jsonl'))}",
         f"eval.dataset={json.dumps(str(data / 'eval.jsonl'))}", f"eval.size={eval_size}", "eval.every=100000",
-        "train.steps=100000", "run.record_rollouts=true", *VARIANTS[variant], *extra,
+        "train.steps=100000", "run.record_rollouts=true", *VARIANTS[variant],
     ]
     source = (run_for(CONFIG, overrides, minutes, run_dir, workdir / f"{variant}-seed{seed}.log")["status"] or {}).get("source")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -90,7 +85,6 @@ def main() -> int:
     parser.add_argument("--variants", default="off,dynamic,rest")
     parser.add_argument("--train-size", type=int, default=128)
     parser.add_argument("--eval-size", type=int, default=200)
-    parser.add_argument("--number", action="store_true", help="the reward reads the completion's last number")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "generation_share.json")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="generation-share-", dir=ROOT / "runs"))
@@ -100,10 +94,9 @@ def main() -> int:
     for seed in [int(s) for s in args.seeds.split(",")]:
         for variant in args.variants.split(","):
             began = time.time()
-            results.append(run(variant, seed, args.minutes, data, args.eval_size, workdir, [NUMBER] if args.number else []))
+            results.append(run(variant, seed, args.minutes, data, args.eval_size, workdir))
             results[-1]["wall_s"] = round(time.time() - began, 1)
-            args.out.write_text(json.dumps({"config": str(CONFIG.relative_to(ROOT)), "number": args.number, "runs": results},
-                                           indent=2))
+            args.out.write_text(json.dumps({"config": str(CONFIG.relative_to(ROOT)), "runs": results}, indent=2))
     print(f"\n{args.minutes:g} minutes from launch per run, SmolLM2-135M-Instruct, chain_sum (2 terms, up to 2 digits), "
           f"{args.train_size} training rows; greedy held-out accuracy on {args.eval_size} questions (95 % Wilson)\n")
     print("| variant | seed | steps (trained) | sampled tok/s | gradient_token_share | trained groups with signal | "

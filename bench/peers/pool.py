@@ -51,11 +51,10 @@ def load(paths: list[Path], renames: dict[tuple[str, str], str] | None = None) -
             sys.exit(f"pool: {path} is task {data['task']!r}, {paths[0]} is {header['task']!r}")
         for run in data["runs"]:
             side = renames.get((path.name, run["side"]), run["side"])
-            run = {**run, "side": side}
             key = (side, run["seed"])
             if key in runs:
                 sys.exit(f"pool: {key[0]} seed {key[1]} is in {path} and in an earlier file")
-            runs[key] = {**run, "file": path.name}
+            runs[key] = {**run, "side": side, "file": path.name}
     renamed = list(dict.fromkeys(renames.values()))
     header["sides"] = renamed + [s for s in header["sides"] if s not in renamed]
     return header, runs
