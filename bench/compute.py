@@ -23,7 +23,7 @@ optimizer left out: they are a few per cent of the matmuls here):
   they are counted at the trained groups' mean prompt and completion lengths;
 - training: forward and backward of every step (3 x its forward: the backward is twice the
   forward) as the trainer ran it: the positions it forwarded (the step record's `processed_tokens`:
-  padding included, and with `train.share_prompt` a group's prompt once, not once per completion)
+  padding included where rows are padded; with `train.share_prompt` a group packed, its prompt once)
   through the linear layers, and attention over each trained sequence's context (the groups
   rollouts.jsonl records for that step whose scores differ; a shared prompt's context once per
   group). Records without `processed_tokens` count every trained sequence in full.

@@ -797,10 +797,11 @@ class TrainConfig(_Section):
     )
     share_prompt: bool = Field(
         True,
-        description="Forward a group's prompt once for all its completions (micro-batches then hold one group "
-        "each, and the completions attend to the prompt's cached keys and values; the same loss and gradient "
-        "up to float summation order). Not with model.gradient_checkpointing, which turns that cache off; "
-        "trainer ranks under torchrun forward every row in full.",
+        description="Forward a group's prompt once for all its completions: a micro-batch holds one group packed "
+        "into one row, the prompt then each completion, without padding, masked so that each completion sees "
+        "the prompt and itself only (the same loss and gradient up to float summation order; at most 1024 "
+        "positions a row, a larger group is cut). Needs eager or SDPA attention; trainer ranks under torchrun "
+        "forward padded rows.",
     )
     micro_batch_min_efficiency: float = Field(
         0.95,

@@ -62,8 +62,8 @@ EMBEDDED_CHOICES: dict[str, Choice] = {
     ),
     "train.share_prompt": Choice(
         False,
-        "a step here is one micro-batch; forwarding each of its 8 groups' 20-token prompts once would "
-        "make it 16 forward calls of a 440k-parameter model, whose steps are short enough for calls to count",
+        "a step here is one micro-batch; packing each of its 8 groups on its own would make it 8 forward "
+        "calls of a 440k-parameter model, whose steps are short enough for calls to count",
     ),
     "train.threads": Choice(1, "the trainer takes one core, vLLM the other"),
     "bridge.sync_every": Choice(

@@ -15,12 +15,14 @@ positions, which are all real, so its logits are those of the unpadded sequence;
 outputs are never read. Only loss tokens are gathered out of the block (`MicroBatch.rows`,
 `.positions`), so everything downstream of the forward pass is flat and padding-free.
 
-A group's completions share their prompt. With `groups` given, a micro-batch holds sequences of
-one group only, and `MicroBatch.shared_prefix` is the length of the prefix every row has in common
-(up to the first position whose logits are needed): `forward.predicting_logits` forwards it once
-and the rows after it from its cache, instead of the same prompt once per row. With 8 completions
-of a 94-token prompt and 40-token completions, that is 93 + 8 x 41 = 421 positions forwarded
-instead of 8 x 134 = 1072.
+A group's completions share their prompt. With `train.share_prompt`, a micro-batch holds one
+group's sequences packed into a single row, without padding: the prefix they share (up to the
+first position whose logits are needed) once, then each sequence's rest, each at the positions it
+has in its own sequence. An attention mask (`MicroBatch.attention_mask`) lets a rest attend to the
+shared prefix and to its own earlier tokens only, so every logit is that of the sequence forwarded
+alone. With 8 completions of a 94-token prompt and 20 to 40-token completions, that is 93 + 8 x 31
+= 341 positions forwarded instead of 8 x 134 = 1072 padded, or 93 + 8 x 41 = 421 with the rests
+padded to the longest.
 """
 
 from __future__ import annotations
@@ -92,23 +94,16 @@ class MicroBatchPlan:
     processed_tokens: int
     # Prompt tokens of rows after a micro-batch's first that were not forwarded again (shared prompts).
     shared_tokens: int = 0
-
-    @property
-    def shares_prompts(self) -> bool:
-        """A plan by group whose micro-batches forward their prompt once (`plan_sequences`); the
-        plain plan's micro-batches forward every row in full."""
-        return self.shared_tokens > 0
+    # Each micro-batch is one group packed into a single row (`plan_sequences`), not a padded block.
+    packed: bool = False
 
     @property
     def efficiency(self) -> float:
         return self.real_tokens / self.processed_tokens if self.processed_tokens else 1.0
 
 
-def plan_micro_batches(
-    lengths: Sequence[int], micro_batch_tokens: int, min_efficiency: float = 0.0, groups: Sequence[int] | None = None,
-) -> MicroBatchPlan:
-    """Sort by length and cut greedily into contiguous runs; with `groups` (one key per sequence),
-    by group first, and a micro-batch never spans two groups (its rows then share a prompt).
+def plan_micro_batches(lengths: Sequence[int], micro_batch_tokens: int, min_efficiency: float = 0.0) -> MicroBatchPlan:
+    """Sort by length and cut greedily into contiguous runs.
 
     A micro-batch grows while `rows x max_len` fits `micro_batch_tokens` and its efficiency stays
     at least `min_efficiency`; so every micro-batch of more than one sequence meets both bounds,
@@ -116,16 +111,14 @@ def plan_micro_batches(
     """
     if micro_batch_tokens < 1:
         raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
-    key = (lambda i: (groups[i], lengths[i])) if groups is not None else (lambda i: lengths[i])
-    order = sorted(range(len(lengths)), key=key)
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches: list[list[int]] = []
     current: list[int] = []
     current_real = 0
     for i in order:
         # Ascending order: the newcomer is the longest, so it sets the padded width.
         padded = (len(current) + 1) * lengths[i]
-        other_group = groups is not None and current and groups[current[0]] != groups[i]
-        if current and (other_group or padded > micro_batch_tokens or current_real + lengths[i] < min_efficiency * padded):
+        if current and (padded > micro_batch_tokens or current_real + lengths[i] < min_efficiency * padded):
             batches.append(current)
             current, current_real = [], 0
         current.append(i)
@@ -136,20 +129,48 @@ def plan_micro_batches(
     return MicroBatchPlan(batches=batches, real_tokens=sum(lengths), processed_tokens=processed)
 
 
+# The most positions one packed micro-batch forwards. Its attention mask is dense (positions^2):
+# past this a group is cut into several micro-batches, each forwarding the prompt again.
+PACKED_POSITIONS = 1024
+
+
+def plan_packed(prompts: Sequence[int], rests: Sequence[int], groups: Sequence[int], micro_batch_tokens: int) -> MicroBatchPlan:
+    """Micro-batches of one group each, packed: the group's prompt (`prompts[i]`, the prefix
+    sequence i shares with its group) once, then each sequence's rest (`rests[i]`), no padding.
+    A micro-batch grows while its positions fit `micro_batch_tokens` and `PACKED_POSITIONS`;
+    a sequence whose prompt and rest exceed that gets a micro-batch of its own."""
+    if micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    budget = min(micro_batch_tokens, PACKED_POSITIONS)
+    order = sorted(range(len(rests)), key=lambda i: (groups[i], rests[i]))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    positions = 0
+    for i in order:
+        if current and (groups[current[0]] != groups[i] or positions + rests[i] > budget):
+            batches.append(current)
+            current = []
+        if not current:
+            positions = prompts[i]
+        current.append(i)
+        positions += rests[i]
+    if current:
+        batches.append(current)
+    once = [prompts[batch[0]] for batch in batches]
+    return MicroBatchPlan(
+        batches=batches, real_tokens=sum(rests) + sum(once), processed_tokens=sum(rests) + sum(once),
+        shared_tokens=sum(p * (len(batch) - 1) for p, batch in zip(once, batches, strict=True)), packed=True,
+    )
+
+
 def plan_sequences(
     sequences: Sequence[TrainingSequence], micro_batch_tokens: int, min_efficiency: float, share_prompt: bool,
 ) -> MicroBatchPlan:
-    """A step's `sequences` cut into micro-batches. With `share_prompt`, by group, the budget over
-    what each row forwards after its group's prompt, and no efficiency floor (padding a group's
-    completions to its longest costs less than a second forward of its prompt); the plan's tokens
-    then count each micro-batch's prompt once, and `shared_tokens` the prompt tokens not forwarded
-    again. That plan is taken only when it forwards fewer positions than the plain one: with short
-    prompts and completions of very different lengths, the padding within a group costs more than
-    the prompts saved (measured: arith-word's 4 completions of 20-128 tokens after a 48-token
-    prompt, 2669 positions shared against 2485 plain; `bench/shared_prompt.py`)."""
-    plain = plan_micro_batches([len(s.tokens) for s in sequences], micro_batch_tokens, min_efficiency)
+    """A step's `sequences` cut into micro-batches: padded blocks (`plan_micro_batches`), or with
+    `share_prompt` one group each, packed (`plan_packed`); the plan's tokens then count each
+    micro-batch's prompt once, and `shared_tokens` the prompt tokens not forwarded again."""
     if not share_prompt:
-        return plain
+        return plan_micro_batches([len(s.tokens) for s in sequences], micro_batch_tokens, min_efficiency)
     members: dict[int, list[TrainingSequence]] = {}
     for s in sequences:
         members.setdefault(s.group, []).append(s)
@@ -157,24 +178,21 @@ def plan_sequences(
         group: common_prefix([s.tokens for s in rows], min(s.loss_positions[0] for s in rows) - 1)
         for group, rows in members.items()
     }
-    rest = plan_micro_batches([len(s.tokens) - prompt[s.group] for s in sequences], micro_batch_tokens, 0.0,
-                              [s.group for s in sequences])
-    once = [prompt[sequences[batch[0]].group] for batch in rest.batches]
-    shared = MicroBatchPlan(
-        batches=rest.batches, real_tokens=rest.real_tokens + sum(once), processed_tokens=rest.processed_tokens + sum(once),
-        shared_tokens=sum(p * (len(batch) - 1) for p, batch in zip(once, rest.batches, strict=True)),
-    )
-    return shared if shared.processed_tokens < plain.processed_tokens else plain
+    return plan_packed([prompt[s.group] for s in sequences], [len(s.tokens) - prompt[s.group] for s in sequences],
+                       [s.group for s in sequences], micro_batch_tokens)
 
 
 @dataclass
 class MicroBatch:
-    """A padded block of sequences plus the flat per-loss-token tensors the loss needs.
+    """A block of token ids (padded rows, or one packed row) plus the flat per-loss-token tensors
+    the loss needs.
 
-    Loss token k sits at `input_ids[rows[k], positions[k]]` and is predicted by the logits at
-    `[rows[k], positions[k] - 1]`. `inference_logprobs[k]` is NaN where the source sent none.
-    `old_logprobs` is pi_old's logprob of each loss token when the trainer recorded it before a
-    batch's first update (several updates per batch), else None.
+    Loss token k is sequence `rows[k]`'s token `targets[k]`, at position `positions[k]` of that
+    sequence. In a padded block it sits at `input_ids[rows[k], positions[k]]` and is predicted by
+    the logits at `[rows[k], positions[k] - 1]`; in a packed row (`attention_mask` set) it is
+    predicted by the logits at `predict_index[k]`. `inference_logprobs[k]` is NaN where the source
+    sent none. `old_logprobs` is pi_old's logprob of each loss token when the trainer recorded it
+    before a batch's first update (several updates per batch), else None.
     """
 
     input_ids: Tensor
@@ -190,8 +208,13 @@ class MicroBatch:
     # runs from here (`forward.predicting_logits`); known here without reading `positions` back.
     predicted_from: int
     old_logprobs: Tensor | None = None
-    # The leading positions every row has in common, at most `predicted_from` (0: none shared).
+    # A packed row: the leading positions every sequence has in common (0: none shared), each
+    # position's place in its own sequence, the [1, 1, n, n] mask of what each position may attend
+    # to (True: may), and the flat index of the logits that predict each loss token.
     shared_prefix: int = 0
+    position_ids: Tensor | None = None
+    attention_mask: Tensor | None = None
+    predict_index: Tensor | None = None
 
     @property
     def processed_tokens(self) -> int:
@@ -203,16 +226,13 @@ def collate(
     pad_id: int,
     device: torch.device | str = "cpu",
     old_logprobs: list[Tensor] | None = None,
-    share_prefix: bool = False,
+    pack: bool = False,
 ) -> MicroBatch:
-    """Right-pad `sequences` into one block and gather their loss tokens (`old_logprobs`: one
-    tensor per sequence over its loss positions, in the same order); with `share_prefix`, measure
-    the prefix all rows share (`MicroBatch.shared_prefix`)."""
-    width = max(len(s.tokens) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    """Right-pad `sequences` into one block, or with `pack` lay them out as one packed row, and
+    gather their loss tokens (`old_logprobs`: one tensor per sequence over its loss positions, in
+    the same order)."""
     rows, positions, temps, advantages, inference, counts = [], [], [], [], [], []
     for row, seq in enumerate(sequences):
-        input_ids[row, : len(seq.tokens)] = torch.tensor(seq.tokens, dtype=torch.long)
         where = seq.loss_positions
         rows += [row] * len(where)
         positions += where
@@ -225,11 +245,11 @@ def collate(
             inference += [float(seq.inference_logprobs[t]) for t in where]
     rows_t = torch.tensor(rows, dtype=torch.long)
     positions_t = torch.tensor(positions, dtype=torch.long)
-    return MicroBatch(
-        input_ids=input_ids.to(device),
+    batch = MicroBatch(
+        input_ids=torch.empty(0),
         rows=rows_t.to(device),
         positions=positions_t.to(device),
-        targets=input_ids[rows_t, positions_t].to(device),
+        targets=torch.tensor([sequences[r].tokens[t] for r, t in zip(rows, positions, strict=True)], dtype=torch.long, device=device),
         temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
         advantages=torch.tensor(advantages, dtype=torch.float32, device=device),
         inference_logprobs=torch.tensor(inference, dtype=torch.float32, device=device),
@@ -237,8 +257,40 @@ def collate(
         real_tokens=sum(len(s.tokens) for s in sequences),
         predicted_from=min(positions) - 1,
         old_logprobs=torch.cat(old_logprobs).to(device) if old_logprobs is not None else None,
-        shared_prefix=common_prefix([s.tokens for s in sequences], min(positions) - 1) if share_prefix else 0,
     )
+    if pack:
+        _pack(batch, sequences, rows, positions, device)
+    else:
+        width = max(len(s.tokens) for s in sequences)
+        input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            input_ids[row, : len(seq.tokens)] = torch.tensor(seq.tokens, dtype=torch.long)
+        batch.input_ids = input_ids.to(device)
+    return batch
+
+
+def _pack(batch: MicroBatch, sequences: list[TrainingSequence], rows: list[int], positions: list[int], device) -> None:
+    """Lay `sequences` out as one row in `batch`: their shared prefix, then each one's rest."""
+    shared = common_prefix([s.tokens for s in sequences], batch.predicted_from)
+    ids, place, owner, starts = list(sequences[0].tokens[:shared]), list(range(shared)), [-1] * shared, []
+    for row, seq in enumerate(sequences):
+        starts.append(len(ids))
+        ids += seq.tokens[shared:]
+        place += range(shared, len(seq.tokens))
+        owner += [row] * (len(seq.tokens) - shared)
+    n = len(ids)
+    owner_t = torch.tensor(owner)
+    index = torch.arange(n)
+    # A position sees the shared prefix and its own sequence's earlier positions (the rests are
+    # laid out in order, so "earlier" is an earlier index).
+    allowed = (index[None, :] <= index[:, None]) & ((owner_t[None, :] == owner_t[:, None]) | (owner_t[None, :] == -1))
+    batch.input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    batch.shared_prefix = shared
+    batch.position_ids = torch.tensor([place], dtype=torch.long, device=device)
+    batch.attention_mask = allowed[None, None].to(device)
+    # Loss token t of a sequence is predicted by its position t - 1, past the shared prefix.
+    batch.predict_index = torch.tensor([starts[r] + t - 1 - shared for r, t in zip(rows, positions, strict=True)],
+                                       dtype=torch.long, device=device)
 
 
 def common_prefix(rows: list[list[int]], limit: int) -> int:

@@ -18,25 +18,24 @@ from grpod.training.loss import LossStats, LossTokens, StepNormalizer, aggregati
 
 def predicting_logits(model, batch: MicroBatch) -> torch.Tensor:
     """The logits that predict `batch`'s loss tokens, one row per token. The LM head runs only
-    from the first position that predicts a loss token (`logits_to_keep`), not over the prompts
-    before it: on SmolLM2-135M the head is a fifth of a token's matmuls, and the full
-    [rows, length, vocab] logits were the largest tensor of a step. A prefix the rows share
-    (`MicroBatch.shared_prefix`, a group's prompt) is forwarded once (`train.share_prompt`)."""
+    over positions that predict a loss token (`logits_to_keep`), not over the prompts before
+    them: on SmolLM2-135M the head is a fifth of a token's matmuls, and the full
+    [rows, length, vocab] logits were the largest tensor of a step. A packed micro-batch (one
+    group's prompt once, then its completions, `train.share_prompt`) goes through as one row with
+    its attention mask, additive in the model's dtype (what eager and SDPA attention both take)."""
+    if batch.attention_mask is not None:
+        dtype = model.get_input_embeddings().weight.dtype
+        mask = torch.zeros(batch.attention_mask.shape, dtype=dtype, device=batch.attention_mask.device)
+        mask.masked_fill_(~batch.attention_mask, torch.finfo(dtype).min)
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask,
+                       use_cache=False, logits_to_keep=batch.predict_index).logits
+        if logits.shape[1] != batch.predict_index.numel():
+            raise RuntimeError(f"{type(model).__name__} ignored logits_to_keep: {logits.shape[1]} positions came back "
+                               f"for {batch.predict_index.numel()}")
+        return logits[0]
     first = batch.predicted_from
     keep = batch.input_ids.shape[1] - first
-    shared, rows = batch.shared_prefix, batch.input_ids.shape[0]
-    cache = None
-    if shared > 0 and rows > 1:
-        # The rows' common prefix (a group's prompt) once; each row's rest attends to its keys and
-        # values, repeated per row in the graph, so its gradient sums over the rows. A model whose
-        # cache cannot be repeated per row forwards every row in full.
-        cache = model(input_ids=batch.input_ids[:1, :shared], use_cache=True, logits_to_keep=1).past_key_values
-    if cache is not None and hasattr(cache, "batch_repeat_interleave"):
-        cache.batch_repeat_interleave(rows)
-        logits = model(input_ids=batch.input_ids[:, shared:], past_key_values=cache, use_cache=True,
-                       logits_to_keep=keep).logits
-    else:
-        logits = model(input_ids=batch.input_ids, use_cache=False, logits_to_keep=keep).logits
+    logits = model(input_ids=batch.input_ids, use_cache=False, logits_to_keep=keep).logits
     if logits.shape[1] != keep:
         raise RuntimeError(f"{type(model).__name__} ignored logits_to_keep={keep}: {logits.shape[1]} positions came back")
     return logits[batch.rows, batch.positions - 1 - first]

@@ -312,18 +312,18 @@ class Trainer:
         with _LentThreads(self.threads_now, self.train_cfg.threads) as borrowed:
             for indices in micro.batches:
                 borrowed()
-                plan.stats.merge(self._micro_batch_backward(plan, [part[i] for i in indices], normalizer, micro.shares_prompts))
+                plan.stats.merge(self._micro_batch_backward(plan, [part[i] for i in indices], normalizer, micro.packed))
         plan.borrowed_micro_batches += borrowed.count
         plan.real_tokens += micro.real_tokens
         plan.processed_tokens += micro.processed_tokens
         plan.shared_tokens += micro.shared_tokens
         plan.micro_batches += len(micro.batches)
 
-    def _micro_batch_backward(self, plan: BatchPlan, rows: list[int], normalizer: StepNormalizer, share: bool = False) -> LossStats:
+    def _micro_batch_backward(self, plan: BatchPlan, rows: list[int], normalizer: StepNormalizer, pack: bool = False) -> LossStats:
         """Forward the plan's sequences `rows` as one micro-batch, its share of the loss, backward."""
         batch = collate(
             [plan.sequences[i] for i in rows], self.pad_id, self.device,
-            old_logprobs=[plan.old[i] for i in rows] if plan.old is not None else None, share_prefix=share,
+            old_logprobs=[plan.old[i] for i in rows] if plan.old is not None else None, pack=pack,
         )
         loss, stats = self._micro_batch_loss(batch, normalizer)
         loss.backward()
@@ -331,11 +331,12 @@ class Trainer:
 
     @property
     def share_prefix(self) -> bool:
-        """Whether a group's prompt is forwarded once for its completions (`train.share_prompt`;
-        not with gradient checkpointing, which turns the key/value cache off, nor on FSDP2 ranks,
-        whose layers reshard between the prompt's forward and the completions')."""
-        return (self.train_cfg.share_prompt and not self.sharded
-                and not getattr(self.model, "is_gradient_checkpointing", False))
+        """Whether a group's prompt is forwarded once, its completions packed after it in one row
+        (`train.share_prompt`): only where the model's attention takes a custom mask (eager, SDPA;
+        not flash-attention kernels), and not on FSDP2 ranks, which deal a batch out by sequence, not
+        by group (`grpod.training.distributed`)."""
+        attention = getattr(self.model.config, "_attn_implementation", None)
+        return self.train_cfg.share_prompt and not self.sharded and attention in ("eager", "sdpa")
 
     def _micro_plan(self, sequences: list[TrainingSequence]) -> MicroBatchPlan:
         cfg = self.train_cfg
@@ -414,13 +415,13 @@ class Trainer:
         with _LentThreads(self.threads_now, self.train_cfg.threads) as borrowed:
             for indices in plan.batches:
                 borrowed()
-                for i, logprobs in self._micro_batch_logprobs(sequences, indices, plan.shares_prompts).items():
+                for i, logprobs in self._micro_batch_logprobs(sequences, indices, plan.packed).items():
                     old[i] = logprobs
         return old
 
-    def _micro_batch_logprobs(self, sequences: list[TrainingSequence], indices: list[int], share: bool = False) -> dict[int, torch.Tensor]:
+    def _micro_batch_logprobs(self, sequences: list[TrainingSequence], indices: list[int], pack: bool = False) -> dict[int, torch.Tensor]:
         """Each of `sequences[indices]`'s loss-token logprobs, forwarded as one micro-batch."""
-        batch = collate([sequences[i] for i in indices], self.pad_id, self.device, share_prefix=share)
+        batch = collate([sequences[i] for i in indices], self.pad_id, self.device, pack=pack)
         logprobs = batch_logprobs(self.model, batch, self.train_cfg.loss.logprob_chunk_tokens)
         return {i: logprobs[batch.rows == row] for row, i in enumerate(indices)}
 

@@ -10,6 +10,7 @@ from grpod.training.advantages import AdvantageResult
 from grpod.training.batching import (
     TrainingSequence,
     collate,
+    common_prefix,
     plan_micro_batches,
     training_sequences,
 )
@@ -129,23 +130,52 @@ def test_right_padding_without_attention_mask_leaves_real_positions_unchanged():
     torch.testing.assert_close(padded[1, :3], alone[0], rtol=1e-5, atol=1e-5)
 
 
-def test_micro_batches_by_group_never_span_two_groups_and_measure_the_shared_prompt():
-    """With `groups`, sequences sort by group then length and a micro-batch holds one group; the
-    collated block knows the prefix its rows share, short of the first position whose logits are
-    needed (the last prompt token predicts the first completion token)."""
-    from grpod.training.batching import TrainingSequence, collate, common_prefix, plan_micro_batches
+def test_packed_micro_batches_hold_one_group_within_the_budget_and_count_its_prompt_once():
+    """`plan_packed`: sequences sort by group then rest length, a micro-batch holds one group, its
+    prompt plus its rests within the budget, and the plan counts each micro-batch's prompt once."""
+    from grpod.training.batching import PACKED_POSITIONS, plan_packed
 
-    lengths = [5, 3, 9, 4, 7, 2]
+    rests = [5, 3, 9, 4, 7, 2]
     groups = [1, 0, 1, 0, 1, 0]
-    plan = plan_micro_batches(lengths, micro_batch_tokens=1000, groups=groups)
-    assert plan.batches == [[5, 1, 3], [0, 4, 2]]
-    assert plan_micro_batches(lengths, micro_batch_tokens=14, groups=groups).batches == [[5, 1, 3], [0, 4], [2]]
-    assert plan_micro_batches(lengths, micro_batch_tokens=1000).batches == [[5, 1, 3, 0, 4, 2]]
+    prompts = [10, 6, 10, 6, 10, 6]
+    plan = plan_packed(prompts, rests, groups, micro_batch_tokens=1000)
+    assert plan.packed and plan.batches == [[5, 1, 3], [0, 4, 2]]
+    assert plan.processed_tokens == plan.real_tokens == 6 + 9 + 10 + 21
+    assert plan.shared_tokens == 6 * 2 + 10 * 2
+    # 6 + 2 + 3 fits 11; 6 + 4 does not fit 11 with them; 10 + 5 + 7 fits 22, + 9 does not.
+    assert plan_packed(prompts, rests, groups, micro_batch_tokens=11).batches == [[5, 1], [3], [0], [4], [2]]
+    assert plan_packed(prompts, rests, groups, micro_batch_tokens=22).batches == [[5, 1, 3], [0, 4], [2]]
+    # The dense mask bounds a packed row whatever the budget.
+    big = plan_packed([0] * 3, [PACKED_POSITIONS // 2] * 3, [0] * 3, micro_batch_tokens=100_000)
+    assert big.batches == [[0, 1], [2]]
+
+
+def test_a_packed_row_gives_each_sequence_the_logits_it_has_alone():
+    """One group packed: its shared prompt once, then each completion at the positions it has in
+    its own sequence, masked to see the prompt and its own tokens only; the logits gathered at
+    `predict_index` equal those of each sequence forwarded alone, and the targets are its tokens."""
+    from grpod.training.forward import predicting_logits
+
+    model, _ = build_model(seed=3)
+    model.eval()
     prompt = [7, 8, 9, 10]
-    rows = [TrainingSequence(prompt + [11, 12], [0] * 4 + [1, 1], 1.0, 1.0),
-            TrainingSequence(prompt + [13], [0] * 4 + [1], -1.0, 1.0)]
-    assert collate(rows, pad_id=0, share_prefix=True).shared_prefix == 3
-    assert collate(rows, pad_id=0).shared_prefix == 0
-    assert collate(rows[:1], pad_id=0, share_prefix=True).shared_prefix == 0
+    rows = [TrainingSequence(prompt + [11, 12, 13], [0] * 4 + [1, 1, 1], 1.0, 1.0),
+            TrainingSequence(prompt + [14], [0] * 4 + [1], -1.0, 0.7),
+            TrainingSequence(prompt + [15, 16], [0] * 4 + [0, 1], 0.5, 1.0)]
+    batch = collate(rows, pad_id=0, pack=True)
+    assert batch.shared_prefix == 3  # the last prompt token predicts the first completion token
+    assert batch.input_ids.tolist() == [[7, 8, 9, 10, 11, 12, 13, 10, 14, 10, 15, 16]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 3, 4, 3, 4, 5]]
+    assert batch.targets.tolist() == [11, 12, 13, 14, 16]
+    with torch.no_grad():
+        packed = predicting_logits(model, batch)
+        alone = [model(input_ids=torch.tensor([s.tokens])).logits[0] for s in rows]
+    expected = torch.stack([alone[r][t - 1] for r, t in zip(batch.rows.tolist(), batch.positions.tolist(), strict=True)])
+    torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-5)
+    padded = collate(rows, pad_id=0)
+    assert padded.attention_mask is None and padded.input_ids.shape == (3, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(predicting_logits(model, padded), expected, rtol=1e-5, atol=1e-5)
+    assert collate(rows[:1], pad_id=0, pack=True).shared_prefix == 0
     assert common_prefix([[1, 2, 3], [1, 2, 4], [1, 5]], limit=10) == 1
     assert common_prefix([[1, 2, 3], [1, 2, 3]], limit=2) == 2
