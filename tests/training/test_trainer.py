@@ -218,6 +218,8 @@ def test_gradient_checkpointing_gives_the_same_step(model_dir):
     cfg.model.gradient_checkpointing = True
     checkpointed = build_trainer(cfg, model_dir).train_step(groups)
     assert checkpointed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+    # A packed group needs no key/value cache, so checkpointing keeps the prompt forwarded once.
+    assert checkpointed["shared_prompt_tokens"] == plain["shared_prompt_tokens"] > 0
 
 
 def test_inference_logprobs_equal_to_the_trainers_give_zero_diff_at_any_temperature(model_dir):
