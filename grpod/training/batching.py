@@ -245,8 +245,9 @@ def collate(
             inference += [float(seq.inference_logprobs[t]) for t in where]
     rows_t = torch.tensor(rows, dtype=torch.long)
     positions_t = torch.tensor(positions, dtype=torch.long)
-    batch = MicroBatch(
-        input_ids=torch.empty(0),
+    predicted_from = min(positions) - 1
+    layout = _packed(sequences, rows, positions, predicted_from) if pack else {"input_ids": _padded(sequences, pad_id)}
+    return MicroBatch(
         rows=rows_t.to(device),
         positions=positions_t.to(device),
         targets=torch.tensor([sequences[r].tokens[t] for r, t in zip(rows, positions, strict=True)], dtype=torch.long, device=device),
@@ -255,42 +256,43 @@ def collate(
         inference_logprobs=torch.tensor(inference, dtype=torch.float32, device=device),
         sequence_loss_tokens=torch.tensor(counts, dtype=torch.long, device=device),
         real_tokens=sum(len(s.tokens) for s in sequences),
-        predicted_from=min(positions) - 1,
+        predicted_from=predicted_from,
         old_logprobs=torch.cat(old_logprobs).to(device) if old_logprobs is not None else None,
+        **{key: value.to(device) if isinstance(value, Tensor) else value for key, value in layout.items()},
     )
-    if pack:
-        _pack(batch, sequences, rows, positions, device)
-    else:
-        width = max(len(s.tokens) for s in sequences)
-        input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-        for row, seq in enumerate(sequences):
-            input_ids[row, : len(seq.tokens)] = torch.tensor(seq.tokens, dtype=torch.long)
-        batch.input_ids = input_ids.to(device)
-    return batch
 
 
-def _pack(batch: MicroBatch, sequences: list[TrainingSequence], rows: list[int], positions: list[int], device) -> None:
-    """Lay `sequences` out as one row in `batch`: their shared prefix, then each one's rest."""
-    shared = common_prefix([s.tokens for s in sequences], batch.predicted_from)
+def _padded(sequences: list[TrainingSequence], pad_id: int) -> Tensor:
+    """`sequences` right-padded into one [rows, longest] block."""
+    input_ids = torch.full((len(sequences), max(len(s.tokens) for s in sequences)), pad_id, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        input_ids[row, : len(seq.tokens)] = torch.tensor(seq.tokens, dtype=torch.long)
+    return input_ids
+
+
+def _packed(sequences: list[TrainingSequence], rows: list[int], positions: list[int], predicted_from: int) -> dict:
+    """`sequences` laid out as one row: their shared prefix, then each one's rest (the packed
+    fields of `MicroBatch`)."""
+    shared = common_prefix([s.tokens for s in sequences], predicted_from)
     ids, place, owner, starts = list(sequences[0].tokens[:shared]), list(range(shared)), [-1] * shared, []
     for row, seq in enumerate(sequences):
         starts.append(len(ids))
         ids += seq.tokens[shared:]
         place += range(shared, len(seq.tokens))
         owner += [row] * (len(seq.tokens) - shared)
-    n = len(ids)
     owner_t = torch.tensor(owner)
-    index = torch.arange(n)
+    index = torch.arange(len(ids))
     # A position sees the shared prefix and its own sequence's earlier positions (the rests are
     # laid out in order, so "earlier" is an earlier index).
     allowed = (index[None, :] <= index[:, None]) & ((owner_t[None, :] == owner_t[:, None]) | (owner_t[None, :] == -1))
-    batch.input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-    batch.shared_prefix = shared
-    batch.position_ids = torch.tensor([place], dtype=torch.long, device=device)
-    batch.attention_mask = allowed[None, None].to(device)
-    # Loss token t of a sequence is predicted by its position t - 1, past the shared prefix.
-    batch.predict_index = torch.tensor([starts[r] + t - 1 - shared for r, t in zip(rows, positions, strict=True)],
-                                       dtype=torch.long, device=device)
+    return {
+        "input_ids": torch.tensor([ids], dtype=torch.long),
+        "shared_prefix": shared,
+        "position_ids": torch.tensor([place], dtype=torch.long),
+        "attention_mask": allowed[None, None],
+        # Loss token t of a sequence is predicted by its position t - 1, past the shared prefix.
+        "predict_index": torch.tensor([starts[r] + t - 1 - shared for r, t in zip(rows, positions, strict=True)], dtype=torch.long),
+    }
 
 
 def common_prefix(rows: list[list[int]], limit: int) -> int:

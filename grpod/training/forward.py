@@ -27,18 +27,17 @@ def predicting_logits(model, batch: MicroBatch) -> torch.Tensor:
         dtype = model.get_input_embeddings().weight.dtype
         mask = torch.zeros(batch.attention_mask.shape, dtype=dtype, device=batch.attention_mask.device)
         mask.masked_fill_(~batch.attention_mask, torch.finfo(dtype).min)
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask,
-                       use_cache=False, logits_to_keep=batch.predict_index).logits
-        if logits.shape[1] != batch.predict_index.numel():
-            raise RuntimeError(f"{type(model).__name__} ignored logits_to_keep: {logits.shape[1]} positions came back "
-                               f"for {batch.predict_index.numel()}")
-        return logits[0]
-    first = batch.predicted_from
-    keep = batch.input_ids.shape[1] - first
-    logits = model(input_ids=batch.input_ids, use_cache=False, logits_to_keep=keep).logits
+        layout = {"position_ids": batch.position_ids, "attention_mask": mask, "logits_to_keep": batch.predict_index}
+        keep = batch.predict_index.numel()
+    else:
+        keep = batch.input_ids.shape[1] - batch.predicted_from
+        layout = {"logits_to_keep": keep}
+    logits = model(input_ids=batch.input_ids, use_cache=False, **layout).logits
     if logits.shape[1] != keep:
-        raise RuntimeError(f"{type(model).__name__} ignored logits_to_keep={keep}: {logits.shape[1]} positions came back")
-    return logits[batch.rows, batch.positions - 1 - first]
+        raise RuntimeError(f"{type(model).__name__} ignored logits_to_keep: {logits.shape[1]} positions came back for {keep}")
+    if batch.attention_mask is not None:
+        return logits[0]
+    return logits[batch.rows, batch.positions - 1 - batch.predicted_from]
 
 
 @torch.no_grad()

@@ -330,7 +330,7 @@ class Trainer:
         return stats
 
     @property
-    def share_prefix(self) -> bool:
+    def packs_groups(self) -> bool:
         """Whether a group's prompt is forwarded once, its completions packed after it in one row
         (`train.share_prompt`): only where the model's attention takes a custom mask (eager, SDPA;
         not flash-attention kernels), and not on FSDP2 ranks, which deal a batch out by sequence, not
@@ -340,7 +340,7 @@ class Trainer:
 
     def _micro_plan(self, sequences: list[TrainingSequence]) -> MicroBatchPlan:
         cfg = self.train_cfg
-        return plan_sequences(sequences, cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency, self.share_prefix)
+        return plan_sequences(sequences, cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency, self.packs_groups)
 
     def _clip_gradients(self, max_norm: float) -> float:
         """Clip the gradient to `max_norm`; its norm before clipping."""
