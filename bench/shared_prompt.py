@@ -10,6 +10,10 @@ optimizer), and the first step of each setting is a warm-up, left out of the med
 
     .venv/bin/python bench/shared_prompt.py --rollouts RUN_DIR/rollouts.jsonl [...] \
         [--model models/smollm2-135m] [--steps 5] [--threads 1] [--out bench/results/shared_prompt.json]
+
+`--dense-embedding` times instead the packed step with the tied embedding's lookup gradient sparse
+(the trainer's setting, `sparse_tied_embedding_gradient`) and dense, two trainers stepping the
+same batches in turn (which goes first alternates), `--skip` recorded batches in.
 """
 
 from __future__ import annotations
@@ -56,6 +60,25 @@ def timed(model: Path, batches: list[list[RolloutGroup]], share: bool, threads: 
     }
 
 
+def embedding_gradient(model: Path, batches: list[list[RolloutGroup]], threads: int) -> dict:
+    """Packed steps with the tied lookup's gradient sparse and dense, interleaved batch by batch."""
+    cfg = parse_config({"train": {"threads": threads, "lr": 1e-7, "share_prompt": True}})
+    trainers = {}
+    for sparse in (True, False):
+        trainers[sparse] = build_trainer(cfg, model)
+        trainers[sparse].model.get_input_embeddings().sparse = sparse
+        trainers[sparse].train_step(batches[0])  # warm-up
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i, batch in enumerate(batches[1:]):
+        for sparse in ((True, False) if i % 2 == 0 else (False, True)):
+            times[sparse].append(trainers[sparse].train_step(batch)["step_time_s"])
+    ratios = [dense / sparse for sparse, dense in zip(times[True], times[False], strict=True)]
+    return {"threads": threads, "sparse_step_s": [round(t, 3) for t in times[True]],
+            "dense_step_s": [round(t, 3) for t in times[False]],
+            "median_sparse_s": round(statistics.median(times[True]), 3), "median_dense_s": round(statistics.median(times[False]), 3),
+            "dense_over_sparse_paired": {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3), "max": round(max(ratios), 3)}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rollouts", type=Path, nargs="+", required=True)
@@ -63,11 +86,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="the trainer's torch threads (train.threads)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--dense-embedding", action="store_true", help="sparse against dense tied lookup gradient, packed")
+    parser.add_argument("--skip", type=int, default=0, help="recorded trained batches to skip first")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     rows = []
     for path in args.rollouts:
-        batches = recorded_batches(path, args.steps)
+        batches = recorded_batches(path, args.skip + args.steps)[args.skip:]
+        if args.dense_embedding:
+            rows.append({"rollouts": str(path), "skip": args.skip, "batches": len(batches),
+                         **embedding_gradient(args.model, batches, args.threads)})
+            args.out.write_text(json.dumps({"model": str(args.model), "rows": rows}, indent=1) + "\n")
+            print(f"{path}: packed step {rows[-1]['median_sparse_s']} s with the sparse lookup gradient, "
+                  f"{rows[-1]['median_dense_s']} s dense (paired {rows[-1]['dense_over_sparse_paired']})", flush=True)
+            continue
         groups = [g for batch in batches for g in batch]
         prompt = statistics.mean(g.loss_mask[0].index(1) for g in groups)
         completion = statistics.mean(sum(m) for g in groups for m in g.loss_mask)

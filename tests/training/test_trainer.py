@@ -299,6 +299,36 @@ def test_tied_embeddings_stay_one_parameter_after_a_step_and_a_save(tied_model_d
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_a_tied_embeddings_lookup_gradient_is_sparse_and_the_step_is_the_same(tied_model_dir, model_dir, share_prompt):
+    """The tied lookup's gradient comes sparse (no vocab x hidden zero-fill per micro-batch) and
+    autograd adds it into the head's dense one: the weight's gradient is dense, equal to the dense
+    lookup's, over several micro-batches. An untied embedding keeps a dense gradient."""
+    groups = random_groups(seed=7)
+    cfg = config(share_prompt=share_prompt, micro_batch_tokens=64, lr=1e-3)
+    results = []
+    for sparse in (True, False):
+        trainer = build_trainer(cfg, tied_model_dir)
+        embedding = trainer.model.get_input_embeddings()
+        assert embedding.sparse  # what the trainer set
+        embedding.sparse = sparse
+        metrics, grads = step_with_gradients(trainer, groups)
+        assert metrics["micro_batches"] > 1
+        results.append((metrics, grads, trainer))
+    (sparse_metrics, sparse_grads, trainer), (dense_metrics, dense_grads, _) = results
+    weight = trainer.model.get_input_embeddings().weight
+    assert weight.grad is None or weight.grad.layout == torch.strided
+    name = next(n for n, p in trainer.model.named_parameters() if p is weight)
+    assert sparse_grads[name].layout == torch.strided
+    assert sparse_metrics["loss"] == pytest.approx(dense_metrics["loss"], rel=1e-6)
+    for key, grad in dense_grads.items():
+        assert (sparse_grads[key] - grad).norm() <= 1e-6 * grad.norm(), key
+    untied = build_trainer(cfg, model_dir)
+    assert not untied.model.get_input_embeddings().sparse
+    untied.train_step(groups)
+    assert untied.model.get_input_embeddings().weight.grad is None or untied.model.get_input_embeddings().weight.grad.layout == torch.strided
+
+
 def test_full_save_loads_with_from_pretrained_and_the_copied_tokenizer(model_dir, tmp_path):
     trainer = build_trainer(config(lr=1e-3), model_dir)
     trainer.train_step(random_groups())
