@@ -144,19 +144,17 @@ def _zero_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def sparse_tied_embedding_gradient(model: torch.nn.Module) -> bool:
+def sparse_tied_embedding_gradient(model: torch.nn.Module) -> None:
     """Where the output head is the input embedding's weight (tied, as SmolLM2's) and trained,
     the lookup's gradient made sparse: the head's gradient is dense anyway, and autograd adds the
     lookup's few rows into it, where a dense lookup gradient zero-fills a vocab x hidden tensor
-    and adds it in whole, each micro-batch (SmolLM2-135M: 113 MB each time; 3 % of a packed step
+    and adds it in whole, each micro-batch (SmolLM2-135M: 113 MB each time; 2-3.5 % of a packed step
     on CPU, `bench/shared_prompt.py --dense-embedding`).
     The weight's gradient stays dense, as the optimizer and clipping expect. Untied embeddings
-    are left alone: their gradient would be sparse. Whether it was set."""
+    are left alone: their gradient would be sparse."""
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = isinstance(embedding, torch.nn.Embedding) and head is not None and head.weight is embedding.weight
-    if tied and embedding.weight.requires_grad:
-        embedding.sparse = True
-    return tied and embedding.weight.requires_grad
+    if isinstance(embedding, torch.nn.Embedding) and head is not None and head.weight is embedding.weight:
+        embedding.sparse = embedding.weight.requires_grad
 
 
 def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
