@@ -59,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     gym.add_argument("--seed", type=int, default=0)
     gym.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                      help="an option of the task's config (JSON value), e.g. max_terms=3")
+    gym.add_argument("--level", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                     help="a difficulty level, easiest first: options over --option; --size rows each, with a "
+                          "`level` column (0, 1, ...) for source.dataset.curriculum")
+    gym.add_argument("--eval-level", type=int, default=-1,
+                     help="the level the held-out rows come from (default -1: the last, the hardest)")
+    gym.add_argument("--exclude", type=Path, action="append", default=[], metavar="JSONL",
+                     help="a JSONL file whose `prompt` questions are never written (e.g. another split's eval.jsonl)")
 
     plot = sub.add_parser("plot", help="PNG charts of a run's metrics")
     plot.add_argument("run_dir", type=Path)
@@ -182,14 +189,18 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_reasoning_gym(args: argparse.Namespace) -> int:
-    from grpod.rollouts.reasoning_gym_rows import parse_options, write_task
+    from grpod.rollouts.reasoning_gym_rows import excluded_prompts, parse_level, parse_options, write_task
 
     if args.size < 1 or args.eval_size < 0:
         print("grpod reasoning-gym: --size must be at least 1 and --eval-size at least 0", file=sys.stderr)
         return 2
+    if args.level and not -len(args.level) <= args.eval_level < len(args.level):
+        print(f"grpod reasoning-gym: --eval-level {args.eval_level}: there are {len(args.level)} levels", file=sys.stderr)
+        return 2
     try:
         written = write_task(args.task, args.out, size=args.size, eval_size=args.eval_size, seed=args.seed,
-                             options=parse_options(args.option))
+                             options=parse_options(args.option), levels=[parse_level(x) for x in args.level] or None,
+                             eval_level=args.eval_level, exclude=excluded_prompts(args.exclude))
     except ValueError as exc:
         print(f"grpod reasoning-gym: {exc}", file=sys.stderr)
         return 2

@@ -297,6 +297,32 @@ class RewardFunctionConfig(_Section):
         return self.name or self.function.rpartition(":")[2]
 
 
+class CurriculumConfig(_Section):
+    """source.dataset.curriculum: draw rows from the difficulty level the policy passes about half
+    the time (`grpod/rollouts/curriculum.py`)."""
+
+    column: str = Field(
+        "level",
+        description="The integer column holding each row's difficulty level (`grpod reasoning-gym --level` writes "
+        "it); rows are drawn from one level at a time, each level in its own shuffled endless order.",
+    )
+    band: tuple[float, float] = Field(
+        (0.3, 0.7),
+        description="The pass rate kept: after `window` groups at a level, a mean pass rate above the upper bound "
+        "moves to the next harder level, one below the lower bound to the next easier one. A completion passes "
+        "when its score is at least eval.correct_threshold.",
+    )
+    window: int = Field(8, ge=1, le=10_000, description="Groups at a level between two decisions.")
+    start: int | None = Field(None, description="The level to start at; unset: the lowest in the file.", examples=[0])
+
+    @model_validator(mode="after")
+    def _check_band(self) -> CurriculumConfig:
+        low, high = self.band
+        if not 0.0 <= low < high <= 1.0:
+            raise ValueError(f"band {list(self.band)}: expected [low, high] with 0 <= low < high <= 1")
+        return self
+
+
 class DatasetConfig(_Section):
     """source.kind = "dataset": prompts from a local JSONL / Parquet / CSV file, scored by reward
     functions (`grpod/rollouts/dataset.py`, `grpod/rollouts/rewards.py`)."""
@@ -334,6 +360,11 @@ class DatasetConfig(_Section):
         "Skipped draws are counted as `rested` in the source's status.",
         examples=[2],
     )
+    curriculum: CurriculumConfig | None = Field(
+        None,
+        description="Difficulty levels: rows carry a level, and the level drawn follows the running pass rate "
+        "(a [source.dataset.curriculum] table; unset = off). Needs epochs = 0 and rest_epochs = 0.",
+    )
     rewards: list[RewardFunctionConfig] = Field(
         [], description="The reward functions, one [[source.dataset.rewards]] table each (at least one)."
     )
@@ -360,6 +391,15 @@ class DatasetConfig(_Section):
         description='How several functions\' rewards make a score: "sum" (weighted; TRL\'s sum_then_normalize) or '
         '"normalize_then_sum" (each function\'s rewards normalised in the group first).',
     )
+
+    @model_validator(mode="after")
+    def _check_curriculum(self) -> DatasetConfig:
+        if self.curriculum is not None and (self.epochs or self.rest_epochs):
+            raise ValueError(
+                "curriculum draws each level endlessly and decides by level, not by row: it needs epochs = 0 and "
+                f"rest_epochs = 0 (got epochs = {self.epochs}, rest_epochs = {self.rest_epochs})"
+            )
+        return self
 
 
 _SOURCE_KIND = (

@@ -162,7 +162,7 @@ def toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, (str, Path)):
         return json.dumps(str(value), ensure_ascii=False)
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + "}"

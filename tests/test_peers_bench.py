@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -288,6 +289,26 @@ def test_the_format_tasks_rows_open_with_the_worked_exchange(tmp_path, monkeypat
     assert compare.TASKS["format"].convert is compare.TASKS["format-plain"].convert is compare._one_shot_rows
 
 
+def test_the_levels_task_prepares_the_held_out_rows_it_is_scored_on_first_and_refuses_a_trl_side(tmp_path, monkeypatch):
+    """`--task reasoning-gym-number-levels`: reasoning-gym-number's files are written first (its
+    held-out rows score the run, and --exclude keeps them out of the levels), then the levels; the
+    config draws them by curriculum, which TRL has no counterpart for."""
+    task = compare.TASKS["reasoning-gym-number-levels"]
+    written = []
+    monkeypatch.setattr(compare.subprocess, "run", lambda argv, **kw: written.append(argv[argv.index("--out") + 1]))
+    monkeypatch.setattr(compare, "TASKS", {**compare.TASKS, "reasoning-gym-number": replace(
+        compare.TASKS["reasoning-gym-number"], data=tmp_path / "none.jsonl")})
+    monkeypatch.setattr(compare, "_grpod", lambda: ["grpod"])
+    compare._prepare(replace(task, data=tmp_path / "levels.jsonl"))
+    assert written == [str(compare.ROOT / "data" / "chain_sum"), str(compare.LEVELS_DATA)]
+    assert "--exclude" in task.prepare and task.prepare.count("--level") == 4
+    cfg = workload.load(task.config, list(task.overrides))
+    assert cfg.source.dataset.curriculum is not None and cfg.source.dataset.rest_epochs == 0
+    assert cfg.eval.dataset == Path("data/chain_sum/eval.jsonl")
+    with pytest.raises(workload.WorkloadError, match="source.dataset.curriculum"):
+        workload.grpo_config_kwargs(cfg, completion_tokens=8)
+
+
 def test_pool_joins_seeds_run_at_different_times_into_one_paired_table(tmp_path):
     """bench/peers/pool.py: seeds from two invocations are pooled (rows added for the Wilson
     interval, per-row outcomes paired over the seeds that kept them); a seed in two files is refused."""
@@ -354,3 +375,25 @@ def test_pool_renames_a_grpod_only_run_into_a_side_of_its_own_paired_first(tmp_p
     assert mark["paired"]["minus"] == "grpod frontier - grpod" and abs(mark["paired"]["mean"] - 0.1) < 1e-12
     with pytest.raises(SystemExit, match="expected FILE:SIDE=NAME"):
         pool.parse_renames(["frontier-seed0.json=grpod"])
+
+
+def test_pool_joins_another_task_only_when_its_starting_model_scored_the_same_rows_alike(tmp_path):
+    """A task with another training set (the levels) pools with the one whose held-out rows it is
+    scored on; a task whose starting model's per-row outcomes differ is refused."""
+    pool = bench_module("pool")
+    start = [1, 0, 0, 1] * 25
+
+    def write(name, task, start_rows):
+        path = tmp_path / name
+        path.write_text(json.dumps({"task": task, "sides": ["grpod"], "start_accuracy": {"rows": start_rows}, "runs": [
+            {"side": "grpod", "seed": 0, "saved": [{"minutes": 10.0, "step": 5, "correct": 50, "size": 100,
+                                                    "accuracy": 0.5, "rows": [1, 0] * 50}]}]}))
+        return path
+
+    base = write("base.json", "reasoning-gym-number", start)
+    levels = write("levels.json", "reasoning-gym-number-levels", start)
+    other = write("other.json", "format", [1 - x for x in start])
+    header, runs = pool.load([base, levels], pool.parse_renames([f"{levels}:grpod=grpod levels"]))
+    assert header["sides"] == ["grpod levels", "grpod"] and set(runs) == {("grpod levels", 0), ("grpod", 0)}
+    with pytest.raises(SystemExit, match="is task 'format'.*did not score the same held-out rows alike"):
+        pool.load([base, other])

@@ -1,6 +1,6 @@
 """grpod vs TRL's GRPOTrainer, side by side on this machine: one workload, N seeds, interleaved.
 
-    python bench/peers/compare.py [--task default|real|reasoning-gym|reasoning-gym-number|format|format-plain] [--seeds 0 1 2] [--steps N] [--quick]
+    python bench/peers/compare.py [--task default|real|reasoning-gym|reasoning-gym-number[-levels]|format|format-plain] [--seeds 0 1 2] [--steps N] [--quick]
         [--grpod-sync] [--trl-threads auto|N] [--minutes 5 10 15] [--label "loaded machine"]
         [--out bench/results/peers.json] [--set KEY=VALUE ...]
 
@@ -25,6 +25,9 @@ Tasks.
   number (`pattern = "-?\\d+"`): SmolLM2 answers "57 + 16 = 73", which the bare reading gives
   partial credit only (0 of 200 held-out rows right at the start, and after 15 minutes on either
   side, three seeds); read this way it starts at 30 of 200.
+- `reasoning-gym-number-levels`: the same with `[source.dataset.curriculum]` (no rest_epochs) over
+  chain_sum in four levels, easiest first (LEVELS), 128 rows each, scored on reasoning-gym-number's
+  held-out rows (prepared first; no level repeats one). grpod only: TRL's runner refuses a curriculum.
 - `format`: the reasoning-gym example's settings on an easier chain_sum (two or three one-digit
   numbers, 128 training rows, 200 held-out), each prompt opening with one worked exchange that ends
   with the number inside `<answer></answer>` tags (SmolLM2 ignores the tags when only told of
@@ -182,6 +185,7 @@ class Task:
     data: Path | None = None
     prepare: tuple[str, ...] = ()
     convert: Any = None  # then called with no argument, to derive `data` from what `prepare` wrote
+    needs: str | None = None  # a task whose data is prepared first (this one reads it)
 
 
 SMOLLM2 = ROOT / "models" / "smollm2-135m"
@@ -232,6 +236,14 @@ REASONING_GYM = Task(
 )
 
 
+# reasoning-gym-number's chain_sum in four levels, easiest first: one-digit terms; one or two
+# digits (the task's own rows); two digits; two or three. Scored on the task's held-out rows,
+# which no level repeats.
+LEVELS_DATA = ROOT / "data" / "chain_sum_levels"
+LEVELS = ("--level", "max_digits=1", "--level", "max_digits=2", "--level", "min_digits=2,max_digits=2",
+          "--level", "min_digits=2,max_digits=3")
+
+
 def _one_shot_rows() -> None:
     """The format task's rows: `grpod reasoning-gym`'s, each prompt turned into chat messages that
     open with the worked exchange (FORMAT_SHOT); the other columns as they are."""
@@ -260,6 +272,19 @@ TASKS = {
     "reasoning-gym": REASONING_GYM,
     "reasoning-gym-number": replace(
         REASONING_GYM, overrides=("source.dataset.rewards=[{function='reasoning_gym', pattern='-?\\d+'}]",)
+    ),
+    "reasoning-gym-number-levels": replace(
+        REASONING_GYM,
+        overrides=(
+            "source.dataset.rewards=[{function='reasoning_gym', pattern='-?\\d+'}]",
+            f"source.dataset.path={json.dumps(str(LEVELS_DATA / 'train.jsonl'))}",
+            "source.dataset.rest_epochs=0",
+            "source.dataset.curriculum={}",
+        ),
+        data=LEVELS_DATA / "train.jsonl",
+        prepare=("reasoning-gym", "chain_sum", "--out", str(LEVELS_DATA), "--size", "128", "--eval-size", "0",
+                 "--option", "max_terms=2", *LEVELS, "--exclude", str(ROOT / "data" / "chain_sum" / "eval.jsonl")),
+        needs="reasoning-gym-number",
     ),
     "format": _format_task(FORMAT_WEIGHT),
     "format-plain": _format_task(0.0),
@@ -840,6 +865,16 @@ def versions() -> dict[str, str]:
     return found
 
 
+def _prepare(task: Task) -> None:
+    """Write the files `task` reads (and first those of the task it needs), unless they exist."""
+    if task.needs is not None:
+        _prepare(TASKS[task.needs])
+    if task.data is not None and not task.data.exists():
+        subprocess.run([*_grpod(), *task.prepare], cwd=ROOT, check=True, timeout=600)
+        if task.convert is not None:
+            task.convert()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=sorted(TASKS), default="default")
@@ -868,10 +903,7 @@ def main() -> None:
     task = TASKS[args.task]
     if not (task.model / "config.json").exists():
         sys.exit(f"peers: no model at {task.model}; build it first: PYTHONPATH=. {Path(sys.executable).parent}/{task.build}")
-    if task.data is not None and not task.data.exists():
-        subprocess.run([*_grpod(), *task.prepare], cwd=ROOT, check=True, timeout=600)
-        if task.convert is not None:
-            task.convert()
+    _prepare(task)
     sides = args.sides or ["grpod", "trl", *(["grpod-sync"] if args.grpod_sync else [])]
     base_sets = [*([f"train.steps={args.steps}"] if args.steps else []), *args.set]
     workdir = args.runs_dir / f"{args.task}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"

@@ -9,7 +9,8 @@ prints, per mark: each seed's accuracy per side, all seeds' rows together with t
 interval, and the first side minus the second on the same rows, with its 95 % interval, over the
 seeds that recorded per-row outcomes for both sides (`bench/stats.py`'s `paired_difference`);
 then the seeds' steps, tokens/s and gradient share. The files must be of one task and one
-held-out set; a seed may appear in one file only, per side. `--rename` names a side of one file
+held-out set, or of tasks scored on the same held-out rows (another training set: the starting
+model's outcome on every row is the same in both); a seed may appear in one file only, per side. `--rename` names a side of one file
 otherwise (e.g. `peers-X-frontier-seed0.json:grpod=grpod frontier`, a grpod-only run with another
 setting): renamed sides come first, so the paired difference is theirs minus the next side's.
 """
@@ -39,6 +40,13 @@ def parse_renames(texts: list[str]) -> dict[tuple[str, str], str]:
     return renames
 
 
+def _same_rows(one: dict, other: dict) -> bool:
+    """Two tasks scored on the same held-out rows (another training set, say): the evaluator gave
+    the starting model the same outcome on every row of both."""
+    rows = [(data.get("start_accuracy") or {}).get("rows") for data in (one, other)]
+    return rows[0] is not None and rows[0] == rows[1]
+
+
 def load(paths: list[Path], renames: dict[tuple[str, str], str] | None = None) -> tuple[dict, dict[tuple[str, int], dict]]:
     """The first file's header (its sides after the renamed ones) and every run by (side, seed)."""
     renames = renames or {}
@@ -47,8 +55,9 @@ def load(paths: list[Path], renames: dict[tuple[str, str], str] | None = None) -
         data = json.loads(path.read_text())
         if header is None:
             header = dict(data)
-        elif data["task"] != header["task"]:
-            sys.exit(f"pool: {path} is task {data['task']!r}, {paths[0]} is {header['task']!r}")
+        elif data["task"] != header["task"] and not _same_rows(data, header):
+            sys.exit(f"pool: {path} is task {data['task']!r}, {paths[0]} is {header['task']!r}, and their "
+                     "starting models did not score the same held-out rows alike")
         for run in data["runs"]:
             side = renames.get((path.name, run["side"]), run["side"])
             key = (side, run["seed"])

@@ -321,6 +321,8 @@ def grpo_config_kwargs(cfg: GrpodConfig, completion_tokens: int) -> dict[str, An
         unsupported.append("train.advantages.std = 'population' (TRL: sample std)")
     if adv.overlong_buffer:
         unsupported.append("train.advantages.overlong_buffer > 0")
+    if cfg.source.kind == "dataset" and cfg.source.dataset.curriculum is not None:
+        unsupported.append("source.dataset.curriculum (TRL draws from a fixed dataset; run grpod alone: --sides grpod)")
     if loss.kl_coef > 0 and loss.kl_reference != "model":
         unsupported.append("train.loss.kl_coef > 0 against the inference logprobs (TRL: a reference model)")
     if unsupported:

@@ -49,8 +49,9 @@ from typing import Any
 import anyio
 import structlog
 
-from grpod.config import ConfigError, DatasetConfig, DatasetSourceConfig, EvalConfig, GrpodConfig
+from grpod.config import ConfigError, CurriculumConfig, DatasetConfig, DatasetSourceConfig, EvalConfig, GrpodConfig
 from grpod.inference.policy import Policy
+from grpod.rollouts.curriculum import Curriculum
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.held_out import play_rows
@@ -125,7 +126,13 @@ class DatasetStats(SamplingStats):
     reward_means: dict[str, float] = field(default_factory=dict)
     # The reward workers: size, calls, failures by reason, replaced workers, mean call time.
     reward_pool: dict[str, Any] | None = None
+    # source.dataset.curriculum: the level, its window's pass rate, moves and draws per level.
+    curriculum: dict[str, Any] | None = None
     _recent: dict[str, deque] = field(default_factory=dict, repr=False)
+
+    def step_metrics(self) -> dict[str, Any]:
+        level = {"curriculum_level": self.curriculum["level"]} if self.curriculum else {}
+        return {**super().step_metrics(), **level}
 
     def scored(self, means: dict[str, float]) -> None:
         for name, mean in means.items():
@@ -257,6 +264,24 @@ def load_rows(path: Path, dcfg: DatasetConfig, functions: list[RewardFunction]) 
     return checked
 
 
+def check_levels(rows: list[DatasetRow], path: Path, curriculum: CurriculumConfig) -> None:
+    """The training rows' difficulty levels (source.dataset.curriculum): an integer in every row,
+    and the start level among them; a DatasetError names the first bad row. The held-out rows
+    need none."""
+    column = curriculum.column
+    if column not in rows[0].columns:
+        raise DatasetError(f"{path}: source.dataset.curriculum needs a {column!r} column (each row's integer "
+                           f"difficulty level); the columns are {list(rows[0].columns)}")
+    for row in rows:
+        value = row.columns.get(column)
+        if type(value) is not int:
+            raise DatasetError(f"{path}: row {row.row + 1}, column {column!r}: expected an integer difficulty level, "
+                               f"got {value!r:.80}")
+    levels = sorted({row.columns[column] for row in rows})
+    if curriculum.start is not None and curriculum.start not in levels:
+        raise DatasetError(f"{path}: curriculum.start = {curriculum.start}: no row has that level; the levels are {levels}")
+
+
 def tokenize_rows(
     rows: list[DatasetRow], path: Path, dcfg: DatasetConfig, tokenizer, max_prompt_tokens: int
 ) -> list[DatasetItem]:
@@ -302,6 +327,8 @@ async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None) -> 
     for function in functions:  # a missing file is said before a worker starts
         missing_file(function.function)
     rows = await anyio.to_thread.run_sync(load_rows, dcfg.path, dcfg, functions)
+    if dcfg.curriculum is not None:
+        check_levels(rows, Path(dcfg.path), dcfg.curriculum)
     eval_rows = []
     if cfg.eval.dataset is not None:
         eval_rows = await anyio.to_thread.run_sync(load_rows, cfg.eval.dataset, dcfg, functions)
@@ -379,6 +406,15 @@ class DatasetSource(SamplingSource):
         # Active sampling: item index -> the first epoch it is drawn again (its last group had no signal).
         self.resting: dict[int, int] = {int(k): int(v) for k, v in (cursor or {}).get("resting", {}).items()}
         self._order_epoch, self._order = -1, []
+        self.curriculum: Curriculum | None = None
+        if self.dcfg.curriculum is not None:
+            levels = [item.columns[self.dcfg.curriculum.column] for item in self.items]
+            try:
+                self.curriculum = Curriculum(self.dcfg.curriculum, levels, self.dcfg.shuffle_seed,
+                                             (cursor or {}).get("curriculum"))
+            except ValueError as exc:
+                raise DatasetError(f"{self.dcfg.path}: {exc}") from None
+            self.stats.curriculum = self.curriculum.describe()
         self.dynamic_sampling = dynamic_sampling
         self._warned: dict[tuple[str, str], tuple[float, int]] = {}
         log.info("dataset_loaded", path=str(self.dcfg.path), rows=len(self.items), eval_rows=len(self.eval_items),
@@ -392,12 +428,19 @@ class DatasetSource(SamplingSource):
         cursor: dict[str, Any] = {"kind": self.kind, "epoch": self.epoch, "position": self.position}
         if self.resting:
             cursor["resting"] = {str(k): v for k, v in sorted(self.resting.items())}
+        if self.curriculum is not None:
+            cursor["curriculum"] = self.curriculum.cursor()
         return cursor
 
     def _draw(self) -> tuple[int, int, DatasetItem, int] | None:
         """(epoch, item index, item, resting rows skipped) of the next row of the stream that is not
         resting (advancing the cursor), or None once `epochs` are done. Every row rests for a
-        bounded number of epochs, so this ends within rest_epochs + 1 passes."""
+        bounded number of epochs, so this ends within rest_epochs + 1 passes. With a curriculum,
+        the next row of the current level's stream ("epoch": the level)."""
+        if self.curriculum is not None:
+            index, level = self.curriculum.draw()
+            self.stats.curriculum = self.curriculum.describe()
+            return level, index, self.items[index], 0
         skipped = 0
         while True:
             if self.position >= len(self.items):
@@ -428,6 +471,8 @@ class DatasetSource(SamplingSource):
 
     def peek_rows(self, count: int) -> list[int]:
         """The file rows the next `count` draws will give (without drawing them)."""
+        if self.curriculum is not None:
+            return [self.items[index].row for index in self.curriculum.peek(count)]
         saved = (self.epoch, self.position, self.stats.exhausted)
         rows = []
         for _ in range(count):
@@ -497,9 +542,15 @@ class DatasetSource(SamplingSource):
         # An unscorable completion's placeholder score is never read: `unscorable` leaves it out.
         scores = [scorable[0] if s is None else s for s in scored.scores]
         overrides = [{"unscorable": True} if u else {} for u in unscorable] if any(unscorable) else None
-        group = self.group(item.prompt_ids, sampled, scores, f"dataset-{epoch}-{item.row}",
+        group_id = f"dataset-L{epoch}-{item.row}" if self.curriculum is not None else f"dataset-{epoch}-{item.row}"
+        group = self.group(item.prompt_ids, sampled, scores, group_id,
                            extra={EXTRA_KEY: scored.means, LOGGED_KEY: scored.logged}, overrides=overrides)
         self._rest(index, epoch, group)
+        if self.curriculum is not None:
+            threshold = self.eval_cfg.correct_threshold
+            passed = [s is not None and s >= threshold for s in scored.scores]
+            self.curriculum.record(epoch, sum(passed) / len(passed))
+            self.stats.curriculum = self.curriculum.describe()
         return group
 
     async def evaluate(self, size: int, max_tokens: int) -> dict:

@@ -43,7 +43,40 @@ def test_the_command_writes_train_and_disjoint_held_out_rows_and_refuses_a_bad_t
     option = _write(tmp_path, "chain_sum", "--out", "x", "--option", "colour=3")
     assert option.returncode == 2 and "colour" in option.stderr
     small = _write(tmp_path, "chain_sum", "--out", "x", "--size", "400", "--option", "max_terms=2", "--option", "max_digits=1")
-    assert small.returncode == 2 and "no question outside the 400 training rows" in small.stderr
+    assert small.returncode == 2 and "no more questions outside the" in small.stderr
+
+
+def test_levels_write_a_level_column_and_held_out_rows_of_one_level_and_exclude_keeps_questions_out(tmp_path):
+    """--level: --size rows per level with its options over --option, the held-out rows from the
+    last level unless --eval-level says; --exclude: another file's questions in neither split."""
+    first = _write(tmp_path, "chain_sum", "--out", "one", "--size", "40", "--eval-size", "60",
+                   "--option", "max_terms=2", "--option", "max_digits=2")
+    assert first.returncode == 0, first.stderr
+    done = _write(tmp_path, "chain_sum", "--out", "lv", "--size", "50", "--eval-size", "30", "--option", "max_terms=2",
+                  "--level", "max_digits=1", "--level", "min_digits=3,max_digits=3", "--exclude", "one/eval.jsonl")
+    assert done.returncode == 0, done.stderr
+    train = [json.loads(line) for line in (tmp_path / "lv/train.jsonl").read_text().splitlines()]
+    held_out = [json.loads(line) for line in (tmp_path / "lv/eval.jsonl").read_text().splitlines()]
+    assert [r["level"] for r in train] == [0] * 50 + [1] * 50 and {r["level"] for r in held_out} == {1}
+
+    def digits(row):
+        return {len(str(abs(int(t)))) for t in row["prompt"].rpartition(":")[2].strip(" =").replace("-", "+").split("+")}
+
+    assert set().union(*(digits(r) for r in train[:50])) == {1}
+    assert set().union(*(digits(r) for r in train[50:] + held_out)) == {3}
+    excluded = {json.loads(line)["prompt"] for line in (tmp_path / "one/eval.jsonl").read_text().splitlines()}
+    assert not excluded & {r["prompt"] for r in train + held_out}
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    easiest = _write(tmp_path, "chain_sum", "--out", "lv0", "--size", "20", "--eval-size", "10", "--option", "max_terms=2",
+                     "--level", "max_digits=1", "--level", "min_digits=3,max_digits=3", "--eval-level", "0")
+    assert easiest.returncode == 0, easiest.stderr
+    rows = [json.loads(line) for line in (tmp_path / "lv0/eval.jsonl").read_text().splitlines()]
+    assert {r["level"] for r in rows} == {0} and set().union(*(digits(r) for r in rows)) == {1}
+    wrong = _write(tmp_path, "chain_sum", "--out", "x", "--level", "max_digits=1", "--eval-level", "1")
+    assert wrong.returncode == 2 and "--eval-level 1: there are 1 levels" in wrong.stderr
+    (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
+    missing = _write(tmp_path, "chain_sum", "--out", "x", "--exclude", "bad.jsonl")
+    assert missing.returncode == 2 and "bad.jsonl: line 1: no string `prompt`" in missing.stderr
 
 
 def test_the_builtin_reward_is_the_tasks_verifier_on_the_tagged_answer(tmp_path):
