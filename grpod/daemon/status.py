@@ -103,6 +103,14 @@ def _source_rows(source: dict | None, status: dict) -> Rows:
     environment = source.get("environment")
     if environment:
         rows.append(("environment", ", ".join(f"{k} {v}" for k, v in environment.items())))
+    curriculum = source.get("curriculum")
+    if curriculum:
+        window = curriculum.get("window_pass_rate")
+        draws = ", ".join(f"{level}: {count}" for level, count in (curriculum.get("draws") or {}).items())
+        rows.append(("curriculum", (
+            f"level {curriculum.get('level')} of {curriculum.get('levels')}, window pass rate "
+            f"{'-' if window is None else window} ({curriculum.get('window_groups')} groups), "
+            f"{curriculum.get('moves_up')} up, {curriculum.get('moves_down')} down, draws {{{draws}}}")))
     pool = source.get("reward_pool")
     if pool:
         workers = (f"{pool['workers']}/{pool['size']} up, {pool['calls']} calls ({pool.get('mean_call_ms')} ms mean), "

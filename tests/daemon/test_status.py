@@ -71,6 +71,12 @@ def test_a_dataset_sources_reward_workers_and_function_means_show():
     assert "dataset: 40 generated, 3 dropped {'reward_timeout': 3}" in table
     assert "2/2 up, 120 calls (1.2 ms mean), 3 replaced, failed {'reward_timeout': 3}" in table
     assert "reward/correct" in table
+    curriculum = {"level": 1, "levels": [0, 1, 2], "window_pass_rate": 0.4375, "window_groups": 6, "moves_up": 3,
+                  "moves_down": 2, "draws": {"0": 50, "1": 41}}  # as the reply's JSON carries them
+    shown = _render_status({"source": source | {"curriculum": curriculum}})
+    assert "level 1 of [0, 1, 2], window pass rate 0.4375 (6 groups), 3 up, 2 down, draws {0: 50, 1: 41}" in shown
+    assert "window pass rate - (0 groups)" in _render_status(
+        {"source": source | {"curriculum": curriculum | {"window_pass_rate": None, "window_groups": 0}}})
 
 
 class _Run:
