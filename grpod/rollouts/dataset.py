@@ -24,6 +24,10 @@ own test, `grpod.rollouts.signal.carries_signal`: always solved or never solved)
 next R epochs, then drawn again. The resting rows ride in the cursor ("resting": row index -> the
 epoch it returns), so a resumed run skips the same rows.
 
+Difficulty levels (`curriculum`, `grpod.rollouts.curriculum`): rows carry an integer level and are
+drawn from one level's endless stream at a time, the level following the running pass rate; the
+curriculum's state rides in the cursor ("curriculum"), and its group ids read `dataset-L<level>-<row>`.
+
 Each group is `group_size` completions of one prompt in one vLLM request (as the builtin source
 does). A group whose generation or reward failed is dropped with its reason in `stats.drop_reasons`
 (`ctl status`: source.drop_reasons) and logged; the run goes on. Each function's mean reward rides
