@@ -18,7 +18,7 @@ draws what the stopped one would have drawn next.
 
 What it buys depends on the levels: a level whose mean pass rate is in the band can still be made
 of rows the policy always solves and rows it never does. On reasoning-gym chain_sum by digits it
-raised the share of generation that reached a gradient from about 0.4 to 0.44-0.51
+raised the share of generation that reached a gradient from about 0.4 to 0.43-0.51
 (docs/performance.md, "Difficulty levels").
 """
 
