@@ -412,12 +412,10 @@ class DatasetSource(SamplingSource):
         self._order_epoch, self._order = -1, []
         self.curriculum: Curriculum | None = None
         if self.dcfg.curriculum is not None:
+            # prepare_dataset checked the levels (check_levels) before anything launched.
             levels = [item.columns[self.dcfg.curriculum.column] for item in self.items]
-            try:
-                self.curriculum = Curriculum(self.dcfg.curriculum, levels, self.dcfg.shuffle_seed,
-                                             (cursor or {}).get("curriculum"))
-            except ValueError as exc:
-                raise DatasetError(f"{self.dcfg.path}: {exc}") from None
+            self.curriculum = Curriculum(self.dcfg.curriculum, levels, self.dcfg.shuffle_seed,
+                                         (cursor or {}).get("curriculum"))
             self.stats.curriculum = self.curriculum.describe()
         self.dynamic_sampling = dynamic_sampling
         self._warned: dict[tuple[str, str], tuple[float, int]] = {}

@@ -101,22 +101,19 @@ def parse_level(text: str) -> dict[str, Any]:
 
 
 def excluded_prompts(paths: list[Path]) -> set[str]:
-    """The `prompt` values of JSONL files (ValueError naming a file or line that cannot be read)."""
+    """The `prompt` values of dataset files (`grpod.rollouts.dataset.read_rows`: JSONL, Parquet,
+    CSV); ValueError naming a file or row that cannot be used."""
+    from grpod.rollouts.dataset import DatasetError, read_rows
+
     prompts: set[str] = set()
     for path in paths:
         try:
-            lines = Path(path).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--exclude {path}: cannot read: {exc}") from None
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(f"--exclude {path}: line {number}: not JSON ({exc})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"--exclude {path}: line {number}: no string `prompt`")
+            rows = read_rows(Path(path))
+        except DatasetError as exc:
+            raise ValueError(f"--exclude {exc}") from None
+        for number, row in enumerate(rows, 1):
+            if not isinstance(row.get("prompt"), str):
+                raise ValueError(f"--exclude {path}: row {number}: no string `prompt`")
             prompts.add(row["prompt"])
     return prompts
 

@@ -76,7 +76,9 @@ def test_levels_write_a_level_column_and_held_out_rows_of_one_level_and_exclude_
     assert wrong.returncode == 2 and "--eval-level 1: there are 1 levels" in wrong.stderr
     (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
     missing = _write(tmp_path, "chain_sum", "--out", "x", "--exclude", "bad.jsonl")
-    assert missing.returncode == 2 and "bad.jsonl: line 1: no string `prompt`" in missing.stderr
+    assert missing.returncode == 2 and "bad.jsonl: row 1: no string `prompt`" in missing.stderr
+    unreadable = _write(tmp_path, "chain_sum", "--out", "x", "--exclude", "none.jsonl")
+    assert unreadable.returncode == 2 and "--exclude none.jsonl: no such dataset file" in unreadable.stderr
 
 
 def test_the_builtin_reward_is_the_tasks_verifier_on_the_tagged_answer(tmp_path):
