@@ -11,18 +11,24 @@ Guarantees:
 - one worker, started in a process group of its own on entry, with `PR_SET_PDEATHSIG`; entry
   returns once it has loaded the environment (within `cfg.start_timeout_s`) or raises
   `EnvironmentFailure("environment_error")` saying why, with nothing left running;
-- calls are serialised (the worker answers one at a time) and each is bounded by
-  `cfg.timeout_s`: past it the worker is killed and the call fails as `environment_timeout`; a
-  worker that dies fails the call as `environment_crash` with its exit status; the env's code
-  raising fails it as `environment_error` with what it raised and where;
+- calls run concurrently: the worker plays each as an asyncio task and answers it by its call id
+  (`_Channel`), so one episode's slow tool holds up no other;
+- each call is bounded by `cfg.timeout_s`. Past it the call is cancelled in the worker (an
+  episode it was playing is closed) and fails as `environment_timeout`; the worker and the other
+  episodes go on. A worker that does not confirm the cancel within `CANCEL_GRACE_S` has a blocked
+  event loop (env code that never yields, e.g. `time.sleep`) and is killed: its other episodes
+  fail as `environment_crash` at their next call;
+- a worker that dies fails the calls in flight as `environment_crash` with its exit status; the
+  env's code raising fails its call as `environment_error` with what it raised and where;
 - a killed or dead worker is started again by the next call (counted in `health()["restarts"]`);
   the episodes it held fail as `environment_crash` at their next call (their state died with it);
-- a call cancelled mid-way kills the worker (its reply would desynchronise the pipe);
+- a call cancelled mid-way (the run stopping) is cancelled in the worker the same way;
 - `__aexit__` kills the worker's process group and reaps it, on every path, cancellation included.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pickle
@@ -39,13 +45,20 @@ from grpod.config import EnvironmentConfig
 from grpod.rollouts.chat_turns import Message
 from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split
 from grpod.rollouts.reward_pool import _read_reply, _Worker, kill_worker
-from grpod.rollouts.reward_worker import HEADER
+from grpod.rollouts.reward_worker import HEADER, MAX_FRAME
 
 log = structlog.get_logger(__name__)
 
 WORKER = Path(__file__).with_name("verifiers_worker.py")
 DEFAULT_PYTHON = Path(".venv-verifiers/bin/python")
 _REPO = Path(__file__).resolve().parents[2]
+# A call past cfg.timeout_s is cancelled in the worker; a worker that has not confirmed the cancel
+# this long after has a blocked event loop and is killed.
+CANCEL_GRACE_S = 5.0
+# Once a reply's length has arrived, its body (written with it) is read without interruption, in
+# at most this long.
+BODY_READ_S = 10.0
+_BROKEN = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.IncompleteRead, OSError)
 
 
 def worker_python(cfg: EnvironmentConfig) -> Path:
@@ -63,6 +76,81 @@ def worker_python(cfg: EnvironmentConfig) -> Path:
     )
 
 
+class _Broken(Exception):
+    """The worker's pipe closed or broke."""
+
+
+class _Channel:
+    """Calls to one worker, answered out of order by call id.
+
+    No task of its own reads the worker's replies: a caller waiting for its reply reads the next
+    frame itself when no other caller is reading, and hands every frame to the call it answers;
+    the others wait for `moved`. A reply nobody waits for any more (its call timed out) is
+    dropped. A reader cancelled while waiting for a frame's length loses nothing
+    (`receive_exactly` keeps what it has read); the body is then read shielded."""
+
+    def __init__(self, worker: _Worker) -> None:
+        self.worker = worker
+        self.replies: dict[int, tuple | None] = {}  # the calls waited for: None until answered
+        self.reading = False
+        self.moved = anyio.Event()
+        self.broken: str | None = None
+        self.ids = itertools.count(1)
+        self._send_lock = anyio.Lock()
+
+    def next_id(self) -> int:
+        return next(self.ids)
+
+    async def call(self, call_id: int, op: str, *args: Any) -> tuple:
+        """The reply to call `call_id`, (op, *args); _Broken once the pipe closes."""
+        self.replies[call_id] = None
+        try:
+            data = pickle.dumps((call_id, op, *args), protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                async with self._send_lock:
+                    await self.worker.process.stdin.send(HEADER.pack(len(data)) + data)
+            except _BROKEN as exc:
+                raise _Broken(f"{type(exc).__name__} on send") from None
+            return await self._reply(call_id)
+        finally:
+            self.replies.pop(call_id, None)
+
+    async def _reply(self, call_id: int) -> tuple:
+        while True:
+            reply = self.replies[call_id]
+            if reply is not None:
+                return reply
+            if self.broken is not None:
+                raise _Broken(self.broken)
+            if self.reading:
+                await self.moved.wait()
+                continue
+            self.reading = True
+            try:
+                frame = await self._frame()
+                if frame and frame[0] in self.replies:
+                    self.replies[frame[0]] = tuple(frame[1:])
+            except _BROKEN as exc:
+                self.broken = f"{type(exc).__name__}: {exc}"
+            finally:
+                self.reading = False
+                self.moved.set()
+                self.moved = anyio.Event()
+
+    async def _frame(self) -> list:
+        replies = self.worker.replies
+        (size,) = HEADER.unpack(await replies.receive_exactly(HEADER.size))
+        if size > MAX_FRAME:
+            raise anyio.BrokenResourceError(f"reply frame of {size} bytes")
+        with anyio.CancelScope(shield=True), anyio.move_on_after(BODY_READ_S):
+            body = await replies.receive_exactly(size)
+            try:
+                return json.loads(body)
+            except ValueError as exc:
+                raise anyio.BrokenResourceError(f"unreadable reply: {exc}") from None
+        raise anyio.BrokenResourceError(f"a reply's body did not follow its length within {BODY_READ_S:g} s")
+
+
 class VerifiersEpisode:
     """One episode in the worker (a `TurnEnvironment`)."""
 
@@ -76,7 +164,7 @@ class VerifiersEpisode:
         return float(await self.adapter._episode_call(self, "reward"))
 
     async def aclose(self) -> None:
-        if self.generation != self.adapter.generation or self.adapter.worker is None:
+        if self.generation != self.adapter.generation or self.adapter.channel is None:
             return  # its worker is gone, and the episode with it
         try:
             await self.adapter._call("close", self.key)
@@ -91,29 +179,36 @@ class VerifiersAdapter:
         self.cfg = cfg
         self.name = f"verifiers:{cfg.name}"
         self.log_path = Path(run_dir) / "verifiers-worker.log"
-        self.worker: _Worker | None = None
+        self.channel: _Channel | None = None
         self.generation = 0  # bumped at every worker start: an episode knows which one holds it
         self.restarts = 0
+        self.cancelled = 0  # calls cancelled in the worker past their timeout, the worker kept
         self.failures: dict[str, int] = {}
-        self._lock = anyio.Lock()
+        self._start_lock = anyio.Lock()
+
+    @property
+    def worker(self) -> _Worker | None:
+        return self.channel.worker if self.channel is not None else None
 
     # ---- lifetime --------------------------------------------------------------------------
     async def __aenter__(self) -> VerifiersAdapter:
         try:
-            async with self._lock:
+            async with self._start_lock:
                 await self._start()
         except BaseException:
-            await self._stop()
+            await self._stop(self.channel)
             raise
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self._stop()
+        await self._stop(self.channel)
 
     def health(self) -> dict[str, Any]:
         return {
             "worker_pid": self.worker.pid if self.worker else None,
             "restarts": self.restarts,
+            "calls_in_flight": len(self.channel.replies) if self.channel else 0,
+            "cancelled": self.cancelled,
             "failed": dict(self.failures),
             "log": str(self.log_path),
         }
@@ -137,43 +232,58 @@ class VerifiersAdapter:
 
     # ---- the worker ------------------------------------------------------------------------
     async def _call(self, op: str, *args: Any) -> Any:
-        """One request to the worker and its reply, bounded by cfg.timeout_s (module docstring)."""
-        async with self._lock:
-            if self.worker is None:
+        """One call to the worker and its reply, bounded by cfg.timeout_s (module docstring)."""
+        async with self._start_lock:
+            if self.channel is None:
                 self.restarts += 1
                 await self._start()
-            worker = self.worker
-            data = pickle.dumps((op, *args), protocol=pickle.HIGHEST_PROTOCOL)
-            reply: tuple | None = None
-            try:
-                with anyio.move_on_after(self.cfg.timeout_s) as deadline:
-                    try:
-                        await worker.process.stdin.send(HEADER.pack(len(data)) + data)
-                        reply = await _read_reply(worker)
-                    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.IncompleteRead, OSError):
-                        reply = None
-            except BaseException:  # cancelled mid-call: its reply would desynchronise the pipe
-                await self._stop()
-                raise
-            if deadline.cancelled_caught:
-                await self._stop()
-                raise self._failure(EnvironmentTimeout(
-                    f"verifiers environment {self.cfg.name!r}: {op} took longer than source.environment.timeout_s = "
-                    f"{self.cfg.timeout_s:g} s (worker killed; restarted at the next call)"
-                ))
-            if reply is None:
-                death = await self._death(worker)
-                await self._stop()
-                raise self._failure(EnvironmentFailure(
-                    "environment_crash",
-                    f"verifiers environment {self.cfg.name!r}: its worker died during {op} ({death}); its output is in "
-                    f"{self.log_path}",
-                ))
+            channel = self.channel
+        name, call_id = self.cfg.name, channel.next_id()
+        try:
+            with anyio.move_on_after(self.cfg.timeout_s) as deadline:
+                reply = await channel.call(call_id, op, *args)
+        except _Broken:
+            death = await self._death(channel.worker)
+            await self._stop(channel)
+            raise self._failure(EnvironmentFailure(
+                "environment_crash",
+                f"verifiers environment {name!r}: its worker died during {op} ({death}); its output is in {self.log_path}",
+            )) from None
+        except BaseException:  # cancelled from outside: the worker drops the call too
+            await self._cancel(channel, call_id)
+            raise
+        if deadline.cancelled_caught:
+            kept = await self._cancel(channel, call_id)
+            raise self._failure(EnvironmentTimeout(
+                f"verifiers environment {name!r}: {op} took longer than source.environment.timeout_s = "
+                f"{self.cfg.timeout_s:g} s " + ("(cancelled in the worker, which goes on)" if kept else
+                f"(the worker did not confirm the cancel within {CANCEL_GRACE_S:g} s, so its event loop is blocked: "
+                "killed, restarted at the next call)")
+            ))
         if reply[0] == "error":
             raise self._failure(EnvironmentFailure(
-                "environment_error", f"verifiers environment {self.cfg.name!r}, {reply[1]}: {reply[2]}"
+                "environment_error", f"verifiers environment {name!r}, {reply[1]}: {reply[2]}"
             ))
         return reply[1]
+
+    async def _cancel(self, channel: _Channel, call_id: int) -> bool:
+        """Cancel call `call_id` in the worker, shielded: True once the worker confirms; else its
+        event loop is blocked (or it died) and it is killed."""
+        with anyio.CancelScope(shield=True):
+            if self.channel is not channel or channel.broken is not None:
+                await self._stop(channel)  # gone already, and the call with it
+                return False
+            with anyio.move_on_after(CANCEL_GRACE_S):
+                try:
+                    await channel.call(channel.next_id(), "cancel", call_id)
+                    self.cancelled += 1
+                    return True
+                except _Broken:
+                    pass
+            log.warning("verifiers_worker_killed", pid=channel.worker.pid,
+                        why=f"no confirmation of a cancel within {CANCEL_GRACE_S:g} s")
+            await self._stop(channel)
+            return False
 
     def _failure(self, failure: EnvironmentFailure) -> EnvironmentFailure:
         """`failure`, counted by its reason."""
@@ -193,7 +303,7 @@ class VerifiersAdapter:
             process = await anyio.open_process([str(python), str(WORKER), json.dumps(spec)], stdin=PIPE, stdout=PIPE,
                                                stderr=stderr, start_new_session=True)
         worker = _Worker(process, BufferedByteReceiveStream(process.stdout))
-        self.worker = worker
+        self.channel = channel = _Channel(worker)
         self.generation += 1
         try:
             with anyio.fail_after(self.cfg.start_timeout_s):
@@ -201,11 +311,11 @@ class VerifiersAdapter:
         except (TimeoutError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError) as exc:
             why = (f"no answer in source.environment.start_timeout_s = {self.cfg.start_timeout_s:g} s"
                    if isinstance(exc, TimeoutError) else await self._death(worker))
-            await self._stop()
+            await self._stop(channel)
             raise EnvironmentFailure("environment_error", f"the verifiers worker for {self.cfg.name!r} did not start: "
                                      f"{why} (its output is in {self.log_path})") from None
         if hello[0] != "ready":
-            await self._stop()
+            await self._stop(channel)
             raise EnvironmentFailure("environment_error", f"verifiers environment {self.cfg.name!r} does not load "
                                      f"(source.environment.name / args / path): {hello[1]}")
         log.info("verifiers_worker_ready", pid=worker.pid, env=hello[1], generation=self.generation)
@@ -216,9 +326,10 @@ class VerifiersAdapter:
             return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
         return "its pipe closed"
 
-    async def _stop(self) -> None:
-        """SIGKILL the worker's process group (the adapter created it) and reap it."""
-        worker, self.worker = self.worker, None
-        if worker is None:
+    async def _stop(self, channel: _Channel | None) -> None:
+        """SIGKILL `channel`'s worker's process group (the adapter created it) and reap it."""
+        if channel is None:
             return
-        await kill_worker(worker)
+        if self.channel is channel:
+            self.channel = None
+        await kill_worker(channel.worker)

@@ -5,7 +5,8 @@ Run as `<verifiers venv>/bin/python path/to/verifiers_worker.py '<json spec>'` w
 {"name", "args", "eval_args", "path"}. It imports only the standard library, verifiers and
 `grpod.rollouts.reward_worker` (stdlib only: the frame format and `protocol_channel`, i.e.
 PR_SET_PDEATHSIG, are shared with the reward workers). Frames both ways are an 8-byte length and a body: a pickle of plain data from
-the daemon, JSON back. First frame: ("ready", env id) or ("load_error", why).
+the daemon, JSON back. First frame: ("ready", env id) or ("load_error", why); then requests
+(call id, op, *args), served concurrently, each answered by its id (`_serve`).
 
 What verifiers 0.4.0 (`verifiers.v1`) calls an environment, and how it is played here. There is
 no `vf.load_environment(name, **kwargs)` in 0.4.0: an environment is a `Taskset` package (a module
@@ -60,7 +61,7 @@ from grpod.rollouts.reward_worker import protocol_channel, read_request, write_r
 
 # How long the worker waits for an episode's env code to reach its next turn, or to finish,
 # before it answers anyway; the daemon's own bound (source.environment.timeout_s) is what a user
-# sees: it kills the worker first.
+# sees: it cancels the call first (the "cancel" request).
 STEP_WAIT_S = 3600.0
 
 
@@ -260,7 +261,11 @@ class EnvironmentHost:
         key = next(self.ids)
         self.episodes[key] = episode
         episode.runner = asyncio.get_running_loop().create_task(episode.play())
-        kind, value = await episode.events.get()
+        try:
+            kind, value = await episode.events.get()
+        except asyncio.CancelledError:  # the daemon gave up on this open: nobody holds the episode
+            await self.close(key)
+            raise
         if kind == "error":
             await self.close(key)
             raise UserCodeError(value)
@@ -305,24 +310,49 @@ class EnvironmentHost:
 
 
 async def _serve(host: EnvironmentHost, requests: Any, replies: Any) -> None:
+    """Answer the daemon's calls concurrently: each request (call id, op, *args) runs as a task of
+    its own, and its reply (call id, "ok", result) or (call id, "error", op, why) is written when
+    it is done, so one episode's slow turn holds up no other. ("cancel", id) cancels call `id`'s
+    task (an episode it was playing is closed) and answers once it is gone: the daemon's way out
+    of a call past its timeout without killing the worker, and proof that the event loop runs."""
     loop = asyncio.get_running_loop()
     calls = {"task": lambda i, s: _wire(_opening(host.task(i, s))), "open": host.open,
              "respond": host.respond, "reward": host.reward, "close": host.close}
+    running: dict[int, asyncio.Task] = {}
+
+    async def cancel(target: int) -> None:
+        task = running.get(target)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def handle(call_id: int, op: str, args: list[Any]) -> None:
+        try:
+            if op == "cancel":
+                result = await cancel(*args)
+            else:
+                result = calls[op](*args)
+                if asyncio.iscoroutine(result):
+                    result = await asyncio.wait_for(result, STEP_WAIT_S)
+            reply: tuple = (call_id, "ok", result)
+        except asyncio.CancelledError:
+            if op in ("respond", "reward"):  # the episode was mid-turn: it cannot go on
+                await host.close(args[0])
+            raise
+        except UserCodeError as exc:
+            reply = (call_id, "error", op, str(exc))
+        except Exception as exc:  # noqa: BLE001 — a bug in user code reached outside an episode
+            reply = (call_id, "error", op, "".join(traceback.format_exception(exc)[-3:])[:4000])
+        finally:
+            running.pop(call_id, None)
+        write_reply(replies, reply)
+
     while True:
         message = await loop.run_in_executor(None, read_request, requests)
         if message is None:
             return
-        op, *args = message
-        try:
-            result = calls[op](*args)
-            if asyncio.iscoroutine(result):
-                result = await asyncio.wait_for(result, STEP_WAIT_S)
-            reply: tuple = ("ok", result)
-        except UserCodeError as exc:
-            reply = ("error", op, str(exc))
-        except Exception as exc:  # noqa: BLE001 — a bug in user code reached outside an episode
-            reply = ("error", op, "".join(traceback.format_exception(exc)[-3:])[:4000])
-        write_reply(replies, reply)
+        call_id, op, *args = message
+        running[call_id] = loop.create_task(handle(call_id, op, args))
 
 
 def main(argv: list[str]) -> int:

@@ -1,5 +1,6 @@
 """`VerifiersAdapter` with its real worker in the real verifiers venv (`make verifiers`), playing
-the example environment `etc/examples/agent-envs/vf_calculator` and a hanging one written here."""
+the example environment `etc/examples/agent-envs/vf_calculator` and a slow, hanging and blocking one
+written here."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from grpod.config import EnvironmentConfig
 from grpod.rollouts.environments import EnvironmentFailure
-from grpod.rollouts.verifiers_adapter import VerifiersAdapter, worker_python
+from grpod.rollouts.verifiers_adapter import CANCEL_GRACE_S, VerifiersAdapter, worker_python
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "etc" / "examples" / "agent-envs"
@@ -25,29 +26,40 @@ pytestmark = [
                        reason="no .venv-verifiers: run `make verifiers`"),
 ]
 
-HANGING_ENV = '''
+# Task 0 sleeps 2 s (awaiting) before its next turn, task 1 awaits forever, task 2 blocks the
+# worker's event loop.
+SLOW_ENV = '''
 import asyncio
+import time
 import verifiers.v1 as vf
 
 
-class HangTaskset(vf.Taskset[vf.Task, vf.TasksetConfig]):
+class SlowTaskset(vf.Taskset[vf.Task, vf.TasksetConfig]):
     def load(self):
-        yield vf.Task(vf.TaskData(prompt="say anything"))
+        for kind in ("slow", "hang", "block"):
+            yield vf.Task(vf.TaskData(prompt=kind))
 
 
-class HangEnvConfig(vf.EnvConfig):
+class SlowEnvConfig(vf.EnvConfig):
     agent: vf.AgentConfig = vf.AgentConfig()
 
 
-class HangEnv(vf.Env[HangEnvConfig]):
+class SlowEnv(vf.Env[SlowEnvConfig]):
     async def run(self, task, agents):
         async with agents.agent.interaction(task) as interaction:
             await interaction.turn()
-            await asyncio.sleep(3600)
+            if task.data.prompt == "hang":
+                await asyncio.sleep(3600)
+            elif task.data.prompt == "block":
+                time.sleep(3600)
+            else:
+                await asyncio.sleep(2.0)
+            await interaction.turn("slept")
 
 
-__all__ = ["HangEnv", "HangTaskset"]
+__all__ = ["SlowEnv", "SlowTaskset"]
 '''
+SLOW, HANG, BLOCK = 0, 1, 2
 
 
 @pytest.fixture
@@ -116,19 +128,74 @@ async def test_a_killed_worker_fails_its_episode_and_the_next_open_works(tmp_pat
         assert caught.value.reason == "environment_crash"
 
 
-async def test_a_hanging_call_times_out_and_the_worker_is_replaced(tmp_path):
-    (tmp_path / "vf_hang.py").write_text(textwrap.dedent(HANGING_ENV))
-    cfg = calculator(name="vf_hang", path=[tmp_path], timeout_s=2.0)
-    async with VerifiersAdapter(cfg, run_dir=tmp_path) as adapter:
-        _, episode = await adapter.open(0, "train")
+def slow_env(tmp_path: Path, timeout_s: float) -> EnvironmentConfig:
+    (tmp_path / "vf_slow.py").write_text(textwrap.dedent(SLOW_ENV))
+    return calculator(name="vf_slow", path=[tmp_path], timeout_s=timeout_s)
+
+
+async def test_episodes_play_concurrently_in_one_worker(tmp_path):
+    async with VerifiersAdapter(slow_env(tmp_path, timeout_s=30.0), run_dir=tmp_path) as adapter:
+        episodes = [(await adapter.open(SLOW, "train"))[1] for _ in range(3)]
+        replies = []
+
+        async def turn(episode) -> None:
+            replies.append(await episode.respond("hello"))
+
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for episode in episodes:
+                tg.start_soon(turn, episode)
+        elapsed = time.monotonic() - started
+        for episode in episodes:
+            await episode.aclose()
+    assert replies == [[{"role": "user", "content": "slept"}]] * 3
+    # Each turn sleeps 2 s in the env: one at a time would take 6 s.
+    assert elapsed < 4.0, elapsed
+
+
+async def test_a_call_past_its_timeout_is_cancelled_and_the_worker_goes_on(tmp_path):
+    async with VerifiersAdapter(slow_env(tmp_path, timeout_s=3.0), run_dir=tmp_path) as adapter:
+        pid = adapter.worker.pid
+        _, stuck = await adapter.open(HANG, "train")
+        _, sibling = await adapter.open(SLOW, "train")
+        outcome = {}
+
+        async def turn(name, episode) -> None:
+            try:
+                outcome[name] = await episode.respond("hello")
+            except EnvironmentFailure as failure:
+                outcome[name] = failure
+
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(turn, "stuck", stuck)
+            tg.start_soon(turn, "sibling", sibling)
+        assert outcome["sibling"] == [{"role": "user", "content": "slept"}]
+        failure = outcome["stuck"]
+        assert isinstance(failure, EnvironmentFailure) and failure.reason == "environment_timeout"
+        assert "cancelled in the worker, which goes on" in str(failure)
+        assert time.monotonic() - started < 3.0 + 3.0
+        assert adapter.worker.pid == pid and not _gone(pid)
+        assert adapter.health()["restarts"] == 0 and adapter.health()["cancelled"] == 1
+        # The cancelled call's episode was closed in the worker; the sibling plays on.
+        with pytest.raises(EnvironmentFailure, match="no open episode"):
+            await stuck.reward()
+        assert await sibling.reward() == 0.0
+        await sibling.aclose()
+
+
+async def test_a_blocked_event_loop_gets_the_worker_replaced(tmp_path):
+    async with VerifiersAdapter(slow_env(tmp_path, timeout_s=2.0), run_dir=tmp_path) as adapter:
+        _, episode = await adapter.open(BLOCK, "train")
         pid = adapter.worker.pid
         started = time.monotonic()
         with pytest.raises(EnvironmentFailure) as caught:
             await episode.respond("anything")
         assert caught.value.reason == "environment_timeout"
-        assert time.monotonic() - started < 2.0 + 5.0
+        assert "event loop is blocked" in str(caught.value)
+        assert time.monotonic() - started < 2.0 + CANCEL_GRACE_S + 5.0
         assert _gone(pid)
-        _, episode = await adapter.open(0, "train")
+        _, episode = await adapter.open(SLOW, "train")
         assert adapter.health()["restarts"] == 1
         await episode.aclose()
 
