@@ -178,33 +178,38 @@ class EnvironmentSource(SamplingSource):
         return {"kind": self.kind, "next_index": self.next_index}
 
     async def _open(self, index: int, split: Split, count: int) -> tuple[list, list[TurnEnvironment]]:
-        """`count` fresh environments of task `index`, and their (common) opening messages; what was
-        opened is closed again if opening the rest fails."""
-        opened: list[TurnEnvironment] = []
-        first: list | None = None
+        """`count` fresh environments of task `index`, opened concurrently (an environment that
+        sets up slowly costs one set-up per group, not `count`), and their (common) opening
+        messages; what was opened is closed again if opening the rest fails."""
+        bound_s = self.env.start_timeout_s + self.env.timeout_s
+        opened: list[tuple[list, TurnEnvironment]] = []
+
+        async def one() -> None:
+            # An open may wait for a restarted environment process to come up.
+            with anyio.fail_after(bound_s):
+                opened.append(await self.adapter.open(index, split))
+
         try:
-            for _ in range(count):
-                # An open may wait for a restarted environment process to come up.
-                with anyio.fail_after(self.env.start_timeout_s + self.env.timeout_s):
-                    messages, environment = await self.adapter.open(index, split)
-                opened.append(environment)
-                if first is None:
-                    first = messages
-                elif messages != first:
-                    raise EnvironmentFailure(
-                        "environment_error",
-                        f"task {index} ({split}) opened with different messages for two episodes; an environment "
-                        "must give one task per index (seed its reset with the index)",
-                    )
-        except TimeoutError:
-            await self._close(opened)
-            raise EnvironmentTimeout(
-                f"opening task {index} ({split}) took longer than {self.env.start_timeout_s + self.env.timeout_s:g} s",
-            ) from None
-        except BaseException:
-            await self._close(opened)
+            async with anyio.create_task_group() as tg:
+                for _ in range(count):
+                    tg.start_soon(one)
+        except BaseException as exc:
+            await self._close([environment for _, environment in opened])
+            failure = first_error(exc)
+            if isinstance(failure, TimeoutError):
+                raise EnvironmentTimeout(f"opening task {index} ({split}) took longer than {bound_s:g} s") from None
+            if failure is not None and failure is not exc:
+                raise failure from None
             raise
-        return first or [], opened
+        first = opened[0][0] if opened else []
+        if any(messages != first for messages, _ in opened):
+            await self._close([environment for _, environment in opened])
+            raise EnvironmentFailure(
+                "environment_error",
+                f"task {index} ({split}) opened with different messages for two episodes; an environment "
+                "must give one task per index (seed its reset with the index)",
+            )
+        return first, [environment for _, environment in opened]
 
     async def _close(self, environments: list[TurnEnvironment]) -> None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.env.timeout_s):

@@ -53,8 +53,10 @@ WORKER = Path(__file__).with_name("verifiers_worker.py")
 DEFAULT_PYTHON = Path(".venv-verifiers/bin/python")
 _REPO = Path(__file__).resolve().parents[2]
 # A call past cfg.timeout_s is cancelled in the worker; a worker that has not confirmed the cancel
-# this long after has a blocked event loop and is killed.
-CANCEL_GRACE_S = 5.0
+# this long after has a blocked event loop and is killed. A live loop confirms within
+# milliseconds; it stays under the source's own margin (environment_source.ADAPTER_MARGIN_S), so
+# the adapter's verdict is the one a dropped group reports.
+CANCEL_GRACE_S = 3.0
 # Once a reply's length has arrived, its body (written with it) is read without interruption, in
 # at most this long.
 BODY_READ_S = 10.0
