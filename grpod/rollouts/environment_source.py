@@ -180,36 +180,32 @@ class EnvironmentSource(SamplingSource):
     async def _open(self, index: int, split: Split, count: int) -> tuple[list, list[TurnEnvironment]]:
         """`count` fresh environments of task `index`, opened concurrently (an environment that
         sets up slowly costs one set-up per group, not `count`), and their (common) opening
-        messages; what was opened is closed again if opening the rest fails."""
+        messages; what was opened is closed again if opening the rest fails. Failures come out of
+        the task group as they do out of a played group (`_failure` names the drop)."""
         bound_s = self.env.start_timeout_s + self.env.timeout_s
         opened: list[tuple[list, TurnEnvironment]] = []
 
         async def one() -> None:
-            # An open may wait for a restarted environment process to come up.
-            with anyio.fail_after(bound_s):
-                opened.append(await self.adapter.open(index, split))
+            try:  # an open may wait for a restarted environment process to come up
+                with anyio.fail_after(bound_s):
+                    opened.append(await self.adapter.open(index, split))
+            except TimeoutError:
+                raise EnvironmentTimeout(f"opening task {index} ({split}) took longer than {bound_s:g} s") from None
 
         try:
             async with anyio.create_task_group() as tg:
                 for _ in range(count):
                     tg.start_soon(one)
-        except BaseException as exc:
+            if any(messages != opened[0][0] for messages, _ in opened):
+                raise EnvironmentFailure(
+                    "environment_error",
+                    f"task {index} ({split}) opened with different messages for two episodes; an environment "
+                    "must give one task per index (seed its reset with the index)",
+                )
+        except BaseException:
             await self._close([environment for _, environment in opened])
-            failure = first_error(exc)
-            if isinstance(failure, TimeoutError):
-                raise EnvironmentTimeout(f"opening task {index} ({split}) took longer than {bound_s:g} s") from None
-            if failure is not None and failure is not exc:
-                raise failure from None
             raise
-        first = opened[0][0] if opened else []
-        if any(messages != first for messages, _ in opened):
-            await self._close([environment for _, environment in opened])
-            raise EnvironmentFailure(
-                "environment_error",
-                f"task {index} ({split}) opened with different messages for two episodes; an environment "
-                "must give one task per index (seed its reset with the index)",
-            )
-        return first, [environment for _, environment in opened]
+        return opened[0][0], [environment for _, environment in opened]
 
     async def _close(self, environments: list[TurnEnvironment]) -> None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.env.timeout_s):

@@ -50,6 +50,11 @@ log = structlog.get_logger(__name__)
 MEMORY_POLL_S = 0.1
 # How long a killed worker may take to be reaped (SIGKILL: milliseconds in practice).
 REAP_TIMEOUT_S = 10.0
+# Once a reply's length has arrived, its body (written with it) is read without interruption, in
+# at most this long: a reader cancelled between the two would leave the stream mid-frame.
+BODY_READ_S = 10.0
+# What reading from or writing to a worker's pipes raises once it died or its pipe was closed.
+PIPE_ERRORS = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.IncompleteRead, OSError)
 
 
 class RewardPoolError(Exception):
@@ -204,7 +209,7 @@ class RewardPool:
             try:
                 await worker.process.stdin.send(HEADER.pack(len(data)) + data)
                 return await _read_reply(worker)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.IncompleteRead, OSError):
+            except PIPE_ERRORS:
                 return None  # it died: said below
 
         async def over_memory() -> None:
@@ -285,13 +290,18 @@ class RewardPool:
 
 
 async def _read_reply(worker: _Worker) -> tuple:
+    """The next reply frame of `worker`. Cancelled while waiting for its length, it loses nothing
+    (`receive_exactly` keeps what it read); the body is then read shielded, within BODY_READ_S."""
     (size,) = HEADER.unpack(await worker.replies.receive_exactly(HEADER.size))
     if size > MAX_FRAME:
         raise anyio.BrokenResourceError(f"reply frame of {size} bytes")
-    try:
-        return tuple(json.loads(await worker.replies.receive_exactly(size)))
-    except ValueError as exc:
-        raise anyio.BrokenResourceError(f"unreadable reply: {exc}") from None
+    with anyio.CancelScope(shield=True), anyio.move_on_after(BODY_READ_S):
+        body = await worker.replies.receive_exactly(size)
+        try:
+            return tuple(json.loads(body))
+        except ValueError as exc:
+            raise anyio.BrokenResourceError(f"unreadable reply: {exc}") from None
+    raise anyio.BrokenResourceError(f"a reply's body did not follow its length within {BODY_READ_S:g} s")
 
 
 def _rss_mb(pid: int) -> float:

@@ -44,8 +44,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from grpod.config import EnvironmentConfig
 from grpod.rollouts.chat_turns import Message
 from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split
-from grpod.rollouts.reward_pool import _read_reply, _Worker, kill_worker
-from grpod.rollouts.reward_worker import HEADER, MAX_FRAME
+from grpod.rollouts.reward_pool import PIPE_ERRORS, _read_reply, _Worker, kill_worker
+from grpod.rollouts.reward_worker import HEADER
 
 log = structlog.get_logger(__name__)
 
@@ -57,10 +57,6 @@ _REPO = Path(__file__).resolve().parents[2]
 # milliseconds; it stays under the source's own margin (environment_source.ADAPTER_MARGIN_S), so
 # the adapter's verdict is the one a dropped group reports.
 CANCEL_GRACE_S = 3.0
-# Once a reply's length has arrived, its body (written with it) is read without interruption, in
-# at most this long.
-BODY_READ_S = 10.0
-_BROKEN = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.IncompleteRead, OSError)
 
 
 def worker_python(cfg: EnvironmentConfig) -> Path:
@@ -88,8 +84,7 @@ class _Channel:
     No task of its own reads the worker's replies: a caller waiting for its reply reads the next
     frame itself when no other caller is reading, and hands every frame to the call it answers;
     the others wait for `moved`. A reply nobody waits for any more (its call timed out) is
-    dropped. A reader cancelled while waiting for a frame's length loses nothing
-    (`receive_exactly` keeps what it has read); the body is then read shielded."""
+    dropped. `_read_reply` reads a frame whole even when its reader is cancelled."""
 
     def __init__(self, worker: _Worker) -> None:
         self.worker = worker
@@ -111,7 +106,7 @@ class _Channel:
             try:
                 async with self._send_lock:
                     await self.worker.process.stdin.send(HEADER.pack(len(data)) + data)
-            except _BROKEN as exc:
+            except PIPE_ERRORS as exc:
                 raise _Broken(f"{type(exc).__name__} on send") from None
             return await self._reply(call_id)
         finally:
@@ -129,28 +124,15 @@ class _Channel:
                 continue
             self.reading = True
             try:
-                frame = await self._frame()
+                frame = await _read_reply(self.worker)
                 if frame and frame[0] in self.replies:
-                    self.replies[frame[0]] = tuple(frame[1:])
-            except _BROKEN as exc:
+                    self.replies[frame[0]] = frame[1:]
+            except PIPE_ERRORS as exc:
                 self.broken = f"{type(exc).__name__}: {exc}"
             finally:
                 self.reading = False
                 self.moved.set()
                 self.moved = anyio.Event()
-
-    async def _frame(self) -> list:
-        replies = self.worker.replies
-        (size,) = HEADER.unpack(await replies.receive_exactly(HEADER.size))
-        if size > MAX_FRAME:
-            raise anyio.BrokenResourceError(f"reply frame of {size} bytes")
-        with anyio.CancelScope(shield=True), anyio.move_on_after(BODY_READ_S):
-            body = await replies.receive_exactly(size)
-            try:
-                return json.loads(body)
-            except ValueError as exc:
-                raise anyio.BrokenResourceError(f"unreadable reply: {exc}") from None
-        raise anyio.BrokenResourceError(f"a reply's body did not follow its length within {BODY_READ_S:g} s")
 
 
 class VerifiersEpisode:
