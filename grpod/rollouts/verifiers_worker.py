@@ -313,18 +313,22 @@ async def _serve(host: EnvironmentHost, requests: Any, replies: Any) -> None:
     """Answer the daemon's calls concurrently: each request (call id, op, *args) runs as a task of
     its own, and its reply (call id, "ok", result) or (call id, "error", op, why) is written when
     it is done, so one episode's slow turn holds up no other. ("cancel", id) cancels call `id`'s
-    task (an episode it was playing is closed) and answers once it is gone: the daemon's way out
-    of a call past its timeout without killing the worker, and proof that the event loop runs."""
+    task (an episode it was playing is closed; an open that has already answered has its episode
+    closed, since its reply reached nobody) and answers once it is gone: the daemon's way out of a
+    call past its timeout without killing the worker, and proof that the event loop runs."""
     loop = asyncio.get_running_loop()
     calls = {"task": lambda i, s: _wire(_opening(host.task(i, s))), "open": host.open,
              "respond": host.respond, "reward": host.reward, "close": host.close}
     running: dict[int, asyncio.Task] = {}
+    opened: dict[int, int] = {}  # an open's call id -> the episode it opened, while that is open
 
     async def cancel(target: int) -> None:
         task = running.get(target)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        elif target in opened:  # it answered as the daemon gave up on it: nobody holds the episode
+            await host.close(opened.pop(target))
 
     async def handle(call_id: int, op: str, args: list[Any]) -> None:
         try:
@@ -334,6 +338,10 @@ async def _serve(host: EnvironmentHost, requests: Any, replies: Any) -> None:
                 result = calls[op](*args)
                 if asyncio.iscoroutine(result):
                     result = await asyncio.wait_for(result, STEP_WAIT_S)
+            if op == "open":
+                for done in [c for c, key in opened.items() if key not in host.episodes]:
+                    del opened[done]
+                opened[call_id] = result[0]
             reply: tuple = (call_id, "ok", result)
         except asyncio.CancelledError:
             if op in ("respond", "reward"):  # the episode was mid-turn: it cannot go on

@@ -184,6 +184,24 @@ async def test_a_call_past_its_timeout_is_cancelled_and_the_worker_goes_on(tmp_p
         await sibling.aclose()
 
 
+async def test_a_cancel_that_reaches_an_answered_open_closes_its_episode(tmp_path):
+    # The open answers in the instant its timeout fires: the daemon drops the reply and cancels a
+    # call the worker has finished. The episode it opened is held by nobody, so it is closed.
+    async with VerifiersAdapter(calculator(), run_dir=tmp_path) as adapter:
+        _, other = await adapter.open(0, "train")
+        channel = adapter.channel
+        opening = channel.next_id()
+        status, (key, _) = await channel.call(opening, "open", 0, "train")
+        assert status == "ok"
+        assert await channel.call(channel.next_id(), "cancel", opening) == ("ok", None)
+        reply = await channel.call(channel.next_id(), "reward", key)
+        assert reply[0] == "error" and "no open episode" in reply[2], reply
+        # Only that episode: the other plays on.
+        assert await other.respond("<answer>78</answer>") is None
+        assert await other.reward() == pytest.approx(1.1)
+        await other.aclose()
+
+
 async def test_a_blocked_event_loop_gets_the_worker_replaced(tmp_path):
     async with VerifiersAdapter(slow_env(tmp_path, timeout_s=2.0), run_dir=tmp_path) as adapter:
         _, episode = await adapter.open(BLOCK, "train")
