@@ -96,6 +96,7 @@ class _Episode:
         self.ended = False  # grpod ended it: every further turn is terminated
         self.reward: float | None = None
         self.runner: asyncio.Task | None = None
+        self.opened_by: int | None = None  # the daemon's call id of the open that started it
 
     async def play(self) -> None:
         import verifiers.v1 as vf
@@ -320,15 +321,16 @@ async def _serve(host: EnvironmentHost, requests: Any, replies: Any) -> None:
     calls = {"task": lambda i, s: _wire(_opening(host.task(i, s))), "open": host.open,
              "respond": host.respond, "reward": host.reward, "close": host.close}
     running: dict[int, asyncio.Task] = {}
-    opened: dict[int, int] = {}  # an open's call id -> the episode it opened, while that is open
 
     async def cancel(target: int) -> None:
         task = running.get(target)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        elif target in opened:  # it answered as the daemon gave up on it: nobody holds the episode
-            await host.close(opened.pop(target))
+            return
+        # An open that answered as the daemon gave up on it: nobody holds its episode.
+        for key in [key for key, episode in host.episodes.items() if episode.opened_by == target]:
+            await host.close(key)
 
     async def handle(call_id: int, op: str, args: list[Any]) -> None:
         try:
@@ -339,9 +341,7 @@ async def _serve(host: EnvironmentHost, requests: Any, replies: Any) -> None:
                 if asyncio.iscoroutine(result):
                     result = await asyncio.wait_for(result, STEP_WAIT_S)
             if op == "open":
-                for done in [c for c, key in opened.items() if key not in host.episodes]:
-                    del opened[done]
-                opened[call_id] = result[0]
+                host.episodes[result[0]].opened_by = call_id
             reply: tuple = (call_id, "ok", result)
         except asyncio.CancelledError:
             if op in ("respond", "reward"):  # the episode was mid-turn: it cannot go on
