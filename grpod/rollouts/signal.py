@@ -51,18 +51,24 @@ def scored_indices(group: RolloutGroup) -> list[int]:
     return [i for i in range(len(group.scores)) if not has_override(group, i, "unscorable")]
 
 
+def all_equal(values: list[float]) -> bool:
+    """Whether `values` (none counts) are equal within ZERO_VARIANCE_TOL: centred on their own mean,
+    they give no advantage."""
+    return not values or max(values) - min(values) <= ZERO_VARIANCE_TOL
+
+
 def is_zero_variance(group: RolloutGroup, scores: list[float], cfg: AdvantageConfig) -> bool:
     """Whether the group gives no advantage. Per estimator: `grpo` and `rloo` compare a completion
     with its siblings, so equal scores carry nothing; `reinforce_pp` compares it with the whole
     batch, so an all-correct group still carries signal (its advantage is r - batch mean) and is
-    never zero-variance by itself."""
+    never zero-variance by itself (a step whose every score is equal is: `grpod.training.advantages`
+    drops it whole)."""
     source = source_advantages(group, cfg)
     if source is not None:
         return all(a == 0.0 for a in source)
     if cfg.estimator == "reinforce_pp":
         return False
-    scored = [scores[i] for i in scored_indices(group)]
-    return not scored or max(scored) - min(scored) <= ZERO_VARIANCE_TOL
+    return all_equal([scores[i] for i in scored_indices(group)])
 
 
 def carries_signal(group: RolloutGroup, cfg: AdvantageConfig, completion_budget: int) -> bool:

@@ -34,7 +34,11 @@ statistic (group mean and std, batch and pooled spreads, zero variance) and give
 as TRL does with its NaN rewards.
 
 Zero variance is estimator-aware (`grpod.rollouts.signal.is_zero_variance`): under `reinforce_pp`
-the baseline is the batch's, so no group is dropped for equal scores of its own.
+the baseline is the batch's, so no group is dropped for equal scores of its own. But when every
+scored completion of the step scored the same (every group failed, say), the step's baseline is
+that score and every advantage is zero: with `drop_zero_variance` those groups are dropped, so the
+trainer skips the step as it does a step of flat groups under `grpo`, instead of a forward and
+backward pass for no gradient and an optimizer step driven by its moments alone.
 """
 
 from __future__ import annotations
@@ -44,7 +48,14 @@ from dataclasses import dataclass, field
 
 from grpod.config import AdvantageConfig
 from grpod.rollouts.group import RolloutGroup
-from grpod.rollouts.signal import has_override, is_zero_variance, scored_indices, shaped_scores, source_advantages
+from grpod.rollouts.signal import (
+    all_equal,
+    has_override,
+    is_zero_variance,
+    scored_indices,
+    shaped_scores,
+    source_advantages,
+)
 
 EPS = 1e-6
 
@@ -88,6 +99,18 @@ def _from_scores(scores: list[float], cfg: AdvantageConfig, batch: tuple[float, 
     return [r - m for r in scores]
 
 
+def _drop_a_flat_step(result: AdvantageResult, kept_scores: list[list[float]], scored: list[list[float]],
+                      cfg: AdvantageConfig) -> None:
+    """Under a step-wide baseline: when every completion scored from scores (not from source
+    advantages) is equal, those groups get no advantage at all; drop them (in place)."""
+    from_scores = [i for i, g in enumerate(result.groups) if source_advantages(g, cfg) is None]
+    if not from_scores or not all_equal([r for i in from_scores for r in scored[i]]):
+        return
+    for i in reversed(from_scores):
+        del result.groups[i], kept_scores[i], scored[i]
+    result.dropped_zero_variance += len(from_scores)
+
+
 def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig, completion_budget: int = 0) -> AdvantageResult:
     """Advantages for every kept group; see the module docstring for the formulas."""
     result = AdvantageResult()
@@ -103,6 +126,8 @@ def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig, complet
 
     # Each kept group's scored completions (unscorable ones are in no statistic).
     scored = [[scores[i] for i in scored_indices(g)] for g, scores in zip(result.groups, kept_scores)]
+    if cfg.estimator == "reinforce_pp" and cfg.drop_zero_variance:
+        _drop_a_flat_step(result, kept_scores, scored, cfg)
     from_scores = [s for g, s in zip(result.groups, scored) if source_advantages(g, cfg) is None and s]
     every = [r for scores in from_scores for r in scores]
     residuals = [r - _mean(scores) for scores in from_scores for r in scores]

@@ -136,6 +136,26 @@ def test_reinforce_pp_keeps_all_equal_groups_that_carry_signal_against_the_batch
     assert compute_advantages(groups, AdvantageConfig(drop_zero_variance=True)).dropped_zero_variance == 1
 
 
+def test_reinforce_pp_drops_a_step_whose_every_score_is_equal():
+    # Every completion of the step failed: the step's baseline is 0 and every advantage would be 0,
+    # so the step is dropped whole (the trainer skips it) instead of trained for no gradient.
+    cfg = AdvantageConfig(estimator="reinforce_pp", drop_zero_variance=True)
+    flat = [group([0.0, 0.0, 0.0, 0.0]), group([0.0, 0.0, 0.0, 0.0])]
+    result = compute_advantages(flat, cfg)
+    assert result.groups == [] and result.dropped_zero_variance == 2
+    # A group that brings its own advantages is kept, and the flat ones are still dropped.
+    sourced = group([0.0, 0.0], advantages=[1.0, -1.0])
+    mixed = compute_advantages([*flat, sourced], cfg.model_copy(update={"use_source_advantages": True}))
+    assert mixed.groups == [sourced] and mixed.dropped_zero_variance == 2
+    assert mixed.advantages == [[1.0, -1.0]]
+    # One differing score anywhere in the step keeps every group, each against the step's mean.
+    kept = compute_advantages([group([0.0, 0.0, 0.0, 0.0]), group([0.0, 0.0, 1.0, 0.0])], cfg)
+    assert len(kept.groups) == 2 and kept.dropped_zero_variance == 0 and kept.advantages[0][0] < 0
+    # With drop_zero_variance off the flat step stays, every advantage 0.
+    off = compute_advantages(flat, cfg.model_copy(update={"drop_zero_variance": False}))
+    assert len(off.groups) == 2 and off.advantages == [[0.0] * 4, [0.0] * 4]
+
+
 def test_an_unscorable_completion_is_left_out_of_the_baseline_and_gets_zero():
     unscorable = [{}, {"unscorable": True}, {}, {}]
     result = compute_advantages([group([1.0, 0.0, 0.0, 1.0], overrides=unscorable)], AdvantageConfig())
