@@ -780,7 +780,9 @@ class AdvantageConfig(_Section):
         description='The std of `scale`: "sample" (Bessel, n - 1: TRL\'s and verl\'s) or "population".',
     )
     drop_zero_variance: bool = Field(
-        True, description="Drop groups whose scores are all equal: they carry no signal."
+        True,
+        description="Drop what carries no signal: a group whose scores are all equal (grpo, rloo), or a step "
+        "whose every score is equal (reinforce_pp, whose baseline is the step's).",
     )
     use_source_advantages: bool = Field(False, description="Use the advantages a source sends when present.")
     overlong_buffer: int = Field(
