@@ -99,26 +99,24 @@ def _from_scores(scores: list[float], cfg: AdvantageConfig, batch: tuple[float, 
     return [r - m for r in scores]
 
 
-def _drop_a_flat_step(result: AdvantageResult, kept_scores: list[list[float]], scored: list[list[float]],
-                      cfg: AdvantageConfig) -> None:
-    """Under a step-wide baseline: when every completion scored from scores (not from source
-    advantages) is equal, those groups get no advantage at all; drop them (in place)."""
-    from_scores = [i for i, g in enumerate(result.groups) if source_advantages(g, cfg) is None]
-    if not from_scores or not all_equal([r for i in from_scores for r in scored[i]]):
-        return
-    for i in reversed(from_scores):
-        del result.groups[i], kept_scores[i], scored[i]
-    result.dropped_zero_variance += len(from_scores)
+def _flat_step(groups: list[RolloutGroup], shaped: list[list[float]], cfg: AdvantageConfig) -> bool:
+    """Under the step-wide baseline (`reinforce_pp`): whether every completion scored from scores
+    (not from source advantages) scored the same, so that none of them gets an advantage."""
+    return cfg.estimator == "reinforce_pp" and all_equal(
+        [scores[i] for g, scores in zip(groups, shaped) if source_advantages(g, cfg) is None for i in scored_indices(g)]
+    )
 
 
 def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig, completion_budget: int = 0) -> AdvantageResult:
     """Advantages for every kept group; see the module docstring for the formulas."""
     result = AdvantageResult()
     kept_scores: list[list[float]] = []
-    for group in groups:
-        scores = shaped_scores(group, cfg, completion_budget)
+    shaped = [shaped_scores(group, cfg, completion_budget) for group in groups]
+    flat_step = _flat_step(groups, shaped, cfg)
+    for group, scores in zip(groups, shaped, strict=True):
         result.overlong_penalized += sum(1 for r, raw in zip(scores, group.scores) if r != float(raw))
-        if cfg.drop_zero_variance and is_zero_variance(group, scores, cfg):
+        no_signal = is_zero_variance(group, scores, cfg) or (flat_step and source_advantages(group, cfg) is None)
+        if cfg.drop_zero_variance and no_signal:
             result.dropped_zero_variance += 1
             continue
         result.groups.append(group)
@@ -126,8 +124,6 @@ def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig, complet
 
     # Each kept group's scored completions (unscorable ones are in no statistic).
     scored = [[scores[i] for i in scored_indices(g)] for g, scores in zip(result.groups, kept_scores)]
-    if cfg.estimator == "reinforce_pp" and cfg.drop_zero_variance:
-        _drop_a_flat_step(result, kept_scores, scored, cfg)
     from_scores = [s for g, s in zip(result.groups, scored) if source_advantages(g, cfg) is None and s]
     every = [r for scores in from_scores for r in scores]
     residuals = [r - _mean(scores) for scores in from_scores for r in scores]
