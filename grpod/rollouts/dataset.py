@@ -485,6 +485,13 @@ class DatasetSource(SamplingSource):
         self.epoch, self.position, self.stats.exhausted = saved
         return rows
 
+    def passes(self) -> float:
+        """Rows drawn so far over the rows of the set (`trainer_state.epoch`, fractional as TRL's):
+        the epoch and the position in it, or under a curriculum, every level's draws."""
+        if self.curriculum is not None:
+            return sum(self.curriculum.draws.values()) / len(self.items)
+        return self.epoch + self.position / len(self.items)
+
     async def score(self, item: DatasetItem, completions, version: int | None = None) -> GroupRewards:
         """Rewards of `completions` of `item`, called as TRL calls them; raises RewardFailure."""
         n = len(completions)
@@ -495,7 +502,7 @@ class DatasetSource(SamplingSource):
             columns={name: [value] * n for name, value in item.columns.items()},
             trainer_state=TrainerState(
                 global_step=self.policy.version if version is None else version, max_steps=self.steps,
-                policy_version=self.policy.version if version is None else version, epoch=float(self.epoch),
+                policy_version=self.policy.version if version is None else version, epoch=self.passes(),
             ),
         )
         started = anyio.current_time()

@@ -158,3 +158,35 @@ def test_a_level_column_that_is_missing_or_not_an_integer_and_a_curriculum_with_
                 "path": str(path), "rewards": [{"function": "exact"}], key: 2, "curriculum": {}}}})
     with pytest.raises(ConfigError, match=r"band \[0.8, 0.2\]: expected \[low, high\]"):
         _config(path, band=[0.8, 0.2])
+
+
+EPOCH_SPY = '''
+def epoch(completions, trainer_state, log_metric, **kwargs):
+    log_metric("epoch", trainer_state.epoch)
+    return [0.0] * len(completions)
+'''
+
+
+def test_trainer_state_epoch_is_the_rows_drawn_over_the_set_with_and_without_levels(tmp_path, tokenizer):
+    """A reward function reads `trainer_state.epoch` as TRL hands it: passes over the set so far,
+    a fraction; under a curriculum, every level's draws (the level is not an epoch)."""
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)  # 12 rows
+    (tmp_path / "spy.py").write_text(EPOCH_SPY)
+    rewards = [{"function": "exact"}, {"function": f"{tmp_path / 'spy.py'}:epoch", "weight": 0.0}]
+
+    def epochs(curriculum, groups):
+        cfg = parse_config({"source": {"kind": "dataset", "group_size": 4, "dataset": {
+            "path": str(path), "rewards": rewards, "shuffle_seed": 2,
+            **({"curriculum": {"window": 2}} if curriculum else {})}}})
+
+        async def main():
+            src = await open_source(tokenizer, cfg, client_class=SkillClient)
+            try:
+                return [(await src.generate_group()).extra["reward_logged"]["epoch"] for _ in range(groups)]
+            finally:
+                await src.aclose()
+
+        return anyio.run(main)
+
+    assert epochs(False, 18) == pytest.approx([n / 12 for n in range(1, 19)])  # into the second pass
+    assert epochs(True, 8) == pytest.approx([n / 12 for n in range(1, 9)])  # two at level 0, six at 1
