@@ -357,7 +357,8 @@ class DatasetConfig(_Section):
         ge=0,
         description="Active sampling: a row whose last group carried no learning signal (every completion scored "
         "the same: always solved or never solved) is skipped for this many epochs, then drawn again; 0 = off. "
-        "Skipped draws are counted as `rested` in the source's status.",
+        "Skipped draws are counted as `rested` in the source's status. Live: set to 0, every resting row is drawn "
+        "again.",
         examples=[2],
     )
     curriculum: CurriculumConfig | None = Field(

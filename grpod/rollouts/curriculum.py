@@ -14,7 +14,9 @@ easier one; inside, stay, and each further group slides the window on by one. A 
 window. Groups drawn at another level (in flight across a move) are not counted.
 
 The cursor holds the current level, its window and each level's stream position, so a resumed run
-draws what the stopped one would have drawn next.
+draws what the stopped one would have drawn next. `band` and `window` are live settings (`ctl set`,
+SIGHUP): the next group recorded is judged by them, against the groups already in the window (a
+smaller window keeps its latest groups).
 
 What it buys depends on the levels: a level whose mean pass rate is in the band can still be made
 of rows the policy always solves and rows it never does. On reasoning-gym chain_sum by digits it
@@ -57,7 +59,8 @@ class Curriculum:
             self.level = start
         # Per level: [pass, position in that pass].
         self.streams: dict[int, list[int]] = {int(k): [int(v[0]), int(v[1])] for k, v in cursor.get("streams", {}).items()}
-        self.window: deque[float] = deque((float(x) for x in cursor.get("window", [])), maxlen=cfg.window)
+        # Unbounded: `window` (and `band`) are live settings, read at each record.
+        self.window: deque[float] = deque(float(x) for x in cursor.get("window", []))
         self.moves_up = int(cursor.get("moves_up", 0))
         self.moves_down = int(cursor.get("moves_down", 0))
         self.draws: dict[int, int] = {int(k): int(v) for k, v in cursor.get("draws", {}).items()}
@@ -114,6 +117,8 @@ class Curriculum:
         if level != self.level:
             return
         self.window.append(pass_rate)
+        while len(self.window) > self.cfg.window:
+            self.window.popleft()
         if len(self.window) < self.cfg.window:
             return
         mean = sum(self.window) / len(self.window)

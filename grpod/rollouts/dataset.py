@@ -443,6 +443,9 @@ class DatasetSource(SamplingSource):
             index, level = self.curriculum.draw()
             self.stats.curriculum = self.curriculum.describe()
             return level, index, self.items[index], 0
+        if not self.dcfg.rest_epochs and self.resting:  # turned off live: every resting row is back
+            self.resting.clear()
+            self.stats.resting = 0
         skipped = 0
         while True:
             if self.position >= len(self.items):

@@ -10,6 +10,9 @@ import anyio
 import pytest
 
 from grpod.config import ConfigError, CurriculumConfig, parse_config
+from grpod.daemon.control import ControlError
+from grpod.daemon.desk import OperatorDesk
+from grpod.daemon.progress import RunProgress
 from grpod.inference.client import Completion
 from grpod.rollouts.curriculum import Curriculum
 from grpod.rollouts.dataset import DatasetError
@@ -190,3 +193,39 @@ def test_trainer_state_epoch_is_the_rows_drawn_over_the_set_with_and_without_lev
 
     assert epochs(False, 18) == pytest.approx([n / 12 for n in range(1, 19)])  # into the second pass
     assert epochs(True, 8) == pytest.approx([n / 12 for n in range(1, 9)])  # two at level 0, six at 1
+
+
+def test_ctl_set_moves_a_running_curriculums_band_and_window_and_refuses_what_does_not_fit(tmp_path, tokenizer):
+    """`source.dataset.curriculum.band` and `.window` are live: queued by the operator desk as
+    `ctl set` queues them, applied at a boundary, and the next group is judged by them."""
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    cfg = _config(path)  # window 2, band [0.3, 0.7]
+
+    async def main():
+        src = await open_source(tokenizer, cfg, client_class=SkillClient)
+        desk = OperatorDesk(cfg, RunProgress(cfg.train.steps))
+
+        async def levels(groups):
+            return [(await src.generate_group()).group_id.split("-")[1] for _ in range(groups)]
+
+        before = await levels(4)
+        with pytest.raises(ControlError, match=r"band \[0.8, 0.2\]: expected \[low, high\]"):
+            await desk.ctl_set({"key": "source.dataset.curriculum.band", "value": [0.8, 0.2]})
+        await desk.ctl_set({"key": "source.dataset.curriculum.band", "value": [0.6, 1.0]})
+        await desk.ctl_set({"key": "source.dataset.curriculum.window", "value": 3})
+        assert await levels(1) == ["L1"], "nothing applies before the boundary"
+        applied = desk.apply_changes(1, lambda change: None)
+        assert [(c["key"], c["new"]) for c in applied] == [("source.dataset.curriculum.band", [0.6, 1.0]),
+                                                           ("source.dataset.curriculum.window", 3)]
+        return before, await levels(5), src.stats.curriculum
+
+    before, after, status = anyio.run(main)
+    assert before == ["L0", "L0", "L1", "L1"]  # 1.0 > 0.7: up; 0.5 inside [0.3, 0.7]: stays
+    # Level 1's window (three groups at 0.5) is below 0.6: down; level 0 at 1.0 is not above 1.0: stays.
+    assert after == ["L1", "L0", "L0", "L0", "L0"]
+    assert status["moves_down"] == 1 and status["window_groups"] == 3
+
+    plain = parse_config({"source": {"kind": "dataset", "dataset": {"path": str(path), "rewards": [{"function": "exact"}]}}})
+    with pytest.raises(ControlError, match="source.dataset.curriculum.band: no such key"):
+        anyio.run(OperatorDesk(plain, RunProgress(plain.train.steps)).ctl_set,
+                  {"key": "source.dataset.curriculum.band", "value": [0.2, 0.8]})

@@ -14,6 +14,8 @@ import anyio
 import pytest
 
 from grpod.config import ConfigError, parse_config
+from grpod.daemon.desk import OperatorDesk
+from grpod.daemon.progress import RunProgress
 from grpod.inference.client import Completion
 from grpod.models.tiny import build_tokenizer
 from grpod.rollouts.buffer import RolloutBuffer
@@ -221,6 +223,30 @@ def test_active_sampling_rests_rows_without_signal_and_a_resumed_cursor_keeps_th
 
     plain, rows = play(config(path, dataset={"shuffle_seed": 5}), None, 24)
     assert sorted(rows[12:]) == list(range(12)) and plain.stats.rested == 0 and "resting" not in plain.cursor()
+
+
+def test_rest_epochs_set_to_zero_while_running_brings_every_resting_row_back(tmp_path, tokenizer):
+    """`source.dataset.rest_epochs` is live (`ctl set`, applied at a boundary): turned off, the
+    rows resting since the last epoch are drawn again at once, not when their rest would end."""
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    cfg = config(path, dataset={"shuffle_seed": 5, "rest_epochs": 3})
+
+    async def main():
+        src = await open_source(tokenizer, cfg, client_class=MixedClient)
+        desk = OperatorDesk(cfg, RunProgress(cfg.train.steps))
+
+        async def rows(groups):
+            return [int((await src.generate_group()).group_id.split("-")[-1]) for _ in range(groups)]
+
+        first = await rows(12)  # epoch 0: rows 6-11 carry no signal and rest until epoch 4
+        resting = src.stats.resting
+        await desk.ctl_set({"key": "source.dataset.rest_epochs", "value": 0})
+        desk.apply_changes(1, lambda change: None)
+        return first, resting, await rows(12), src
+
+    first, resting, second, src = anyio.run(main)
+    assert sorted(first) == list(range(12)) and resting == 6
+    assert sorted(second) == list(range(12)) and src.stats.resting == 0 and "resting" not in src.cursor()
 
 
 def test_a_finite_number_of_epochs_exhausts_the_source(tmp_path, tokenizer):
