@@ -11,7 +11,8 @@ into state the step loop reads at its boundaries, and wakes the loop when it wai
   at the next step boundary (or at once when the loop is idle, waiting for data);
 - `set` and SIGHUP: live settings validated now (`grpod.daemon.live`) against the running config
   with every change still pending in it (a second `set` of a key corrects the first), applied at
-  the boundary, numbered and kept for `ctl status` and the next checkpoint;
+  the boundary, numbered and kept for `ctl status` and the next checkpoint, from which a resumed
+  run applies the `ctl set` values again (`restore`);
 - `stop`: `stopping`, set once with the first reason.
 
 Precedence of a setting, kept across reloads: the config file, then the `--set` overrides of
@@ -131,16 +132,36 @@ class OperatorDesk:
         applied = []
         while self._changes:
             change, origin = self._changes.pop(next(iter(self._changes)))
-            *sections, leaf = change.key.split(".")
-            node: Any = self.cfg
-            for part in sections:
-                node = getattr(node, part)
-            setattr(node, leaf, change.new)
+            applied.append(self._apply(change, origin, step))
             on_change(change)
-            record = {"version": len(self.config_changes) + 1, "step": step, "origin": origin, **vars(change)}
-            self.config_changes.append(record)
-            log.info("config_changed", **record)
-            applied.append(record)
+        return applied
+
+    def _apply(self, change: SettingChange, origin: str, step: int) -> dict[str, Any]:
+        *sections, leaf = change.key.split(".")
+        node: Any = self.cfg
+        for part in sections:
+            node = getattr(node, part)
+        setattr(node, leaf, change.new)
+        record = {"version": len(self.config_changes) + 1, "step": step, "origin": origin, **vars(change)}
+        self.config_changes.append(record)
+        log.info("config_changed", **record)
+        return record
+
+    def restore(self, extra: dict[str, Any], origin: str, step: int) -> list[dict[str, Any]]:
+        """A resumed run, before anything reads the config: the values the stopped run had from
+        `ctl set` (its checkpoint's `operator_values`) go over the file and `--set` again, as a
+        reload keeps them, so a restart does not undo an operator's change; the numbered changes
+        go on from the checkpoint's. A value the config refuses now is logged and left out."""
+        self.config_changes = list(extra.get("config_changes", []))
+        applied = []
+        for key, value in extra.get("operator_values", {}).items():
+            try:
+                changes = plan_changes(self.cfg, {key: value}, origin)[1]
+            except ConfigError as exc:
+                log.warning("config_restore_refused", key=key, value=value, reason=str(exc))
+                continue
+            self.operator_values[key] = value
+            applied += [self._apply(change, origin, step) for change in changes]
         return applied
 
     def fail_requests(self, reason: str) -> None:

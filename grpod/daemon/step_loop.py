@@ -342,6 +342,7 @@ class StepLoop:
             extra={
                 "rejections": self.admission.rejections.as_dict(),
                 "config_changes": self.desk.config_changes,
+                "operator_values": dict(self.desk.operator_values),
                 "step_counts": {"trained": self.progress.trained_steps, "skipped": self.progress.skipped_batches},
             },
         )

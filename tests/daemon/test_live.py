@@ -179,3 +179,41 @@ def test_sighup_with_a_file_that_is_not_utf8_changes_nothing(desk):
         desk.reload_file()
     assert not desk.pending()
     assert any(e["event"] == "reload_refused" and "UTF-8" in e["reason"] for e in events), events
+
+
+def test_a_resumed_run_applies_the_stopped_runs_ctl_set_values_again(tmp_path):
+    """A restart (systemd after a crash, `grpod start` after a stop) does not undo `ctl set`: the
+    checkpoint's operator values go over the file and `--set` again, before anything reads the
+    config, and a reload keeps them; a value the config refuses now is logged and left out."""
+    model, tok = build_model(seed=0)
+    save_model(model, tok, tmp_path / "model")
+    config = write_config(
+        tmp_path / "grpod.toml",
+        {"run.dir": str(tmp_path / "run"), "model.path": str(tmp_path / "model"), "train.lr": 1e-4,
+         "source.temperature": 1.0, "train.loss.clip_high": 0.28},
+    )
+    cfg = load_config(config)
+    stopped = OperatorDesk(cfg, RunProgress(cfg.train.steps), config_path=config)
+    anyio.run(stopped.ctl_set, {"key": "train.lr", "value": 2e-5})
+    anyio.run(stopped.ctl_set, {"key": "source.temperature", "value": 0.8})
+    stopped.apply_changes(3, lambda change: None)
+    # As the checkpoint stores them; one value the config no longer takes.
+    extra = json.loads(json.dumps({"config_changes": stopped.config_changes, "operator_values": stopped.operator_values}))
+    extra["operator_values"]["train.loss.clip_high"] = 1e308
+
+    overrides = ["train.lr=3e-5"]
+    resumed = load_config(config, overrides)
+    desk = OperatorDesk(resumed, RunProgress(resumed.train.steps), config_path=config, overrides=overrides)
+    with structlog.testing.capture_logs() as events:
+        applied = desk.restore(extra, "checkpoint step-3", 3)
+    assert resumed.train.lr == 2e-5 and resumed.source.temperature == 0.8, "ctl set over the file and --set"
+    assert resumed.train.loss.clip_high == 0.28
+    (refused,) = [e for e in events if e["event"] == "config_restore_refused"]
+    assert refused["key"] == "train.loss.clip_high" and "less than or equal to 100" in refused["reason"]
+    assert [(c["version"], c["key"], c["old"], c["origin"]) for c in applied] == [
+        (3, "train.lr", 3e-5, "checkpoint step-3"), (4, "source.temperature", 1.0, "checkpoint step-3")]
+    assert [c["version"] for c in desk.config_changes] == [1, 2, 3, 4], "the stopped run's changes go on"
+    assert build_trainer(resumed).optimizer.param_groups[0]["lr"] == pytest.approx(2e-5)
+
+    desk.reload_file()
+    assert not desk.pending() and resumed.train.lr == 2e-5, "a reload keeps them, as it keeps a ctl set"

@@ -6,7 +6,7 @@ started with `--set train.lr=3e-5 --set metrics.prometheus_port=P` over a file t
 disk-full case is skipped and only its unit test in tests/run/test_checkpoint.py runs). Each case
 throws one mistake at it and checks that it is answered and that the daemon still trains after
 it; the last case stops it cleanly and starts `grpod start` again on the run directory, which
-resumes the final checkpoint. The cases without a running daemon (a broken trainer's checkpoint,
+resumes the final checkpoint and the values set with `ctl set` before it. The cases without a running daemon (a broken trainer's checkpoint,
 corrupt checkpoints at start) need no vLLM and run in seconds.
 
   30.1  `ctl set` of inf / NaN / a boolean / 1e308 / JSON's 1e999 is refused
@@ -380,8 +380,10 @@ def test_a_second_daemon_on_the_run_directory_is_refused(run, fault_case):
 @pytest.mark.timeout(420)
 def test_zz_the_run_stops_cleanly_and_resumes(run, fault_case):
     """After every mistake: `ctl stop` writes a good final checkpoint and `grpod start` resumes it."""
-    row = fault_case("30.0 after 30.1-30.8: stop, final checkpoint, grpod start resumes it")
+    row = fault_case("30.0 after 30.1-30.8: stop, final checkpoint, grpod start resumes it and its ctl set values")
     began = time.monotonic()
+    assert run.set("train.loss.clip_high", 0.3)["ok"] and run.set("train.lr", 2e-5)["ok"]
+    run.trains_on(1)
     assert run.daemon.ctl("stop", timeout_s=60)["ok"]
     assert run.daemon.wait_exit(180) == 0, run.daemon.tail()
     stopped = [e for e in log_events(run.run_dir, "checkpoint_written")][-1]
@@ -393,6 +395,9 @@ def test_zz_the_run_stops_cleanly_and_resumes(run, fault_case):
         status = status_until(again, lambda s: s["step"] >= final + 1, 300, "a step after the resume")
         (resumed,) = log_events(run.run_dir, "resumed")
         assert resumed["step"] == final and resumed["checkpoint"] == stopped["path"]
+        # Started again without `--set train.lr=3e-5`: the ctl set values of the stopped run stand.
+        restored = {c["key"]: c["new"] for c in status["config_changes"] if c["origin"] == f"checkpoint {stopped['path']}"}
+        assert restored.get("train.loss.clip_high") == 0.3 and restored.get("train.lr") == 2e-5, status["config_changes"]
         assert again.ctl("stop", timeout_s=60)["ok"] and again.wait_exit(180) == 0
     finally:
         again.close()
