@@ -144,10 +144,9 @@ async def start_parts(
     await anyio.to_thread.run_sync(store.ensure_model)
     mark("model_s", t)
     progress.restore_counts(restored.step, restored.extra)
-    if restored.checkpoint is not None:
-        desk.restore(restored.extra, f"checkpoint {restored.checkpoint}", restored.step)
     buffer.restore(restored.buffered)
     if restored.checkpoint is not None:
+        desk.restore(restored.extra, f"checkpoint {restored.checkpoint}", restored.step)
         log.info("resumed", checkpoint=str(restored.checkpoint), step=restored.step,
                  policy_version=restored.policy_version, buffered_groups=len(restored.buffered))
     engines = build_engines(cfg, run_dir)
