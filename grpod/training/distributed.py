@@ -419,7 +419,8 @@ class DistributedTrainer(Trainer):
                 self.finish(followed.plan)
                 followed.plan = followed.prepared = None
             elif name == "load_state_dict":
-                rest, whole_optimizer = args
+                # rank 0's [train] too: a resumed run's `ctl set` values (train.lr) are in it only.
+                rest, whole_optimizer, self.train_cfg = args
                 self._load_state(rest, None, whole_optimizer)
             else:
                 getattr(self, name)(*args)
@@ -544,7 +545,7 @@ class DistributedTrainer(Trainer):
         self._load_state(rest, state.get("optimizer"), "optimizer" in state)
 
     def _load_state(self, rest: dict[str, Any], whole: dict[str, Any] | None, whole_optimizer: bool) -> None:
-        with self._call("load_state_dict", rest, whole_optimizer):
+        with self._call("load_state_dict", rest, whole_optimizer, self.train_cfg):
             if whole_optimizer:
                 set_optimizer_state_dict(
                     self.model, self.optimizer, by_parameter_name(self.model, whole) if whole is not None else {},

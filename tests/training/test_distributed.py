@@ -96,6 +96,9 @@ class RecordingTrainer(DistributedTrainer):
         with self._call("score", token_ids, temperature):
             self.calls.append(("score", token_ids, temperature))
 
+    def _load_state(self, rest, whole, whole_optimizer):
+        self.calls.append(("load_state_dict", rest, whole_optimizer, self.train_cfg))
+
 
 def test_a_follower_makes_rank_0s_calls_in_order_with_its_own_plan():
     train = parse_config({}).train
@@ -115,6 +118,18 @@ def test_a_follower_makes_rank_0s_calls_in_order_with_its_own_plan():
         ("score", [5, 6, 7], 1.0),
     ]
     assert world.commands == []
+
+
+def test_a_follower_loads_a_checkpoint_under_rank_0s_train_config():
+    """A resumed run's `ctl set` values are in rank 0's config only (the followers read the file):
+    the schedule a follower loads is judged against rank 0's train.lr, as rank 0's is."""
+    operator = parse_config({"train": {"lr": 2e-5}}).train
+    world = ScriptedWorld([("load_state_dict", ({"step": 7}, False, operator)), ("stop", ())])
+    follower = RecordingTrainer(world)
+    follower.train_cfg = parse_config({"train": {"lr": 1e-4}}).train  # its own file's
+    follower.follow()
+    assert follower.calls == [("load_state_dict", {"step": 7}, False, operator)]
+    assert follower.train_cfg.lr == 2e-5
 
 
 def test_a_follower_refuses_a_command_it_does_not_know():
