@@ -99,11 +99,11 @@ def _from_scores(scores: list[float], cfg: AdvantageConfig, batch: tuple[float, 
     return [r - m for r in scores]
 
 
-def _flat_step(groups: list[RolloutGroup], shaped: list[list[float]], cfg: AdvantageConfig) -> bool:
+def _flat_step(groups: list[RolloutGroup], shaped: list[list[float]], sourced: list[bool], cfg: AdvantageConfig) -> bool:
     """Under the step-wide baseline (`reinforce_pp`): whether every completion scored from scores
-    (not from source advantages) scored the same, so that none of them gets an advantage."""
+    (`sourced` False: no source advantages) scored the same, so that none of them gets an advantage."""
     return cfg.estimator == "reinforce_pp" and all_equal(
-        [scores[i] for g, scores in zip(groups, shaped) if source_advantages(g, cfg) is None for i in scored_indices(g)]
+        [scores[i] for g, scores, s in zip(groups, shaped, sourced) if not s for i in scored_indices(g)]
     )
 
 
@@ -112,10 +112,11 @@ def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig, complet
     result = AdvantageResult()
     kept_scores: list[list[float]] = []
     shaped = [shaped_scores(group, cfg, completion_budget) for group in groups]
-    flat_step = _flat_step(groups, shaped, cfg)
-    for group, scores in zip(groups, shaped, strict=True):
+    sourced = [source_advantages(group, cfg) is not None for group in groups]
+    flat_step = _flat_step(groups, shaped, sourced, cfg)
+    for group, scores, from_source in zip(groups, shaped, sourced, strict=True):
         result.overlong_penalized += sum(1 for r, raw in zip(scores, group.scores) if r != float(raw))
-        no_signal = is_zero_variance(group, scores, cfg) or (flat_step and source_advantages(group, cfg) is None)
+        no_signal = is_zero_variance(group, scores, cfg) or (flat_step and not from_source)
         if cfg.drop_zero_variance and no_signal:
             result.dropped_zero_variance += 1
             continue
