@@ -3,8 +3,11 @@ updates train with the version of every token (issue #27).
 
 One daemon trains SmolLM2-135M-Instruct on an OpenEnv environment served by the server process
 grpod starts (the adapter `openenv`), multi-turn, a sync after every step. The environment is slow
-on purpose (its tool answers in 5 s, longer than a step and its sync, so episodes span syncs) and one task in five hangs in its
-tool. While it trains, the test SIGKILLs the environment server (found by its PID in `ctl status`).
+on purpose: one task in five hangs in its tool; two in five hold their tool's answer until the daemon
+writes its next `sync` record to metrics.jsonl (at most WAIT_S), so their second turn is generated
+after a weight update however long a step takes on a loaded machine; the rest answer in 1 s and
+keep the trainer fed. While it trains, the test SIGKILLs the environment server (found by its PID
+in `ctl status`).
 
   27.1  the environment server SIGKILLed mid-episode: the episodes on it are dropped
         (environment_crash), the server is restarted, training goes on and the run ends normally
@@ -31,13 +34,25 @@ from tests.harness import DaemonProcess, write_config
 pytestmark = pytest.mark.faults
 
 STEPS = 6
-TIMEOUT_S = 8.0
+TIMEOUT_S = 20.0
+WAIT_S = 15.0  # under TIMEOUT_S: a task held for a sync is never dropped as a hang
 ENVIRONMENT = '''
 import random
 import time
+from pathlib import Path
 
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
+
+METRICS = Path(__METRICS__)
+
+
+def syncs():
+    """The `sync` records the daemon has written so far (one per weight update of the engine)."""
+    try:
+        return METRICS.read_text().count('"kind": "sync"')
+    except FileNotFoundError:
+        return 0
 
 
 class Say(Action):
@@ -49,20 +64,22 @@ class Heard(Observation):
 
 
 class SlowTool(Environment[Say, Heard, State]):
-    """Two turns: the model asks, a slow tool answers (5 s; one task in five hangs), the model
-    answers again; reward: the second answer's length mod 3 (so groups carry a signal)."""
+    """Two turns: the model asks, the tool answers (one task in five hangs, two in five wait for the
+    daemon's next sync, the rest take 1 s), the model answers again; reward: the second answer's
+    length mod 3 (so groups carry a signal)."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
     def __init__(self):
         super().__init__()
         self._state = State()
-        self.hangs = False
+        self.hangs = self.waits = False
         self.turn = 0
 
     def reset(self, seed=None, episode_id=None, **kwargs):
         rng = random.Random(seed)
-        self.hangs = rng.random() < 0.2
+        draw = rng.random()
+        self.hangs, self.waits = draw < 0.2, 0.2 <= draw < 0.6
         self.turn = 0
         self._state = State(episode_id=episode_id, step_count=0)
         return Heard(prompt=f"Name a fruit that starts with the letter {rng.choice('abcmops')}.", done=False, reward=0.0)
@@ -70,7 +87,9 @@ class SlowTool(Environment[Say, Heard, State]):
     def step(self, action, timeout_s=None, **kwargs):
         self.turn += 1
         if self.turn == 1:
-            time.sleep(3600 if self.hangs else 5.0)
+            seen, deadline = syncs(), time.monotonic() + (3600 if self.hangs else __WAIT_S__ if self.waits else 1.0)
+            while time.monotonic() < deadline and (self.hangs or not self.waits or syncs() == seen):
+                time.sleep(0.2)
             return Heard(prompt="The tool says: try again with one word.", done=False, reward=0.0)
         return Heard(prompt="", done=True, reward=float(len(action.message) % 3))
 
@@ -101,8 +120,10 @@ def test_environment_faults_drop_groups_and_training_goes_on(tmp_path, smollm2_d
     killed_row = fault_case("27.1 environment server SIGKILLed mid-episode")
     hang_row = fault_case("27.2 a tool that hangs")
     spans_row = fault_case("27.3 episodes spanning weight updates train with per-token versions")
-    (tmp_path / "slow_tool.py").write_text(ENVIRONMENT)
     run_dir = tmp_path / "run"
+    (tmp_path / "slow_tool.py").write_text(
+        ENVIRONMENT.replace("__METRICS__", repr(str(run_dir / "metrics.jsonl"))).replace("__WAIT_S__", repr(WAIT_S))
+    )
     daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", _settings(tmp_path, smollm2_dir, run_dir)), run_dir)
     try:
         gone: set[int] = set()
