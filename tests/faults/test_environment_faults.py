@@ -87,9 +87,14 @@ class SlowTool(Environment[Say, Heard, State]):
     def step(self, action, timeout_s=None, **kwargs):
         self.turn += 1
         if self.turn == 1:
-            seen, deadline = syncs(), time.monotonic() + (3600 if self.hangs else __WAIT_S__ if self.waits else 1.0)
-            while time.monotonic() < deadline and (self.hangs or not self.waits or syncs() == seen):
-                time.sleep(0.2)
+            if self.hangs:
+                time.sleep(3600)
+            elif self.waits:
+                seen, deadline = syncs(), time.monotonic() + __WAIT_S__
+                while syncs() == seen and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            else:
+                time.sleep(1.0)
             return Heard(prompt="The tool says: try again with one word.", done=False, reward=0.0)
         return Heard(prompt="", done=True, reward=float(len(action.message) % 3))
 
