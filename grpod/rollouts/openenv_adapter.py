@@ -14,7 +14,8 @@ Where the environment runs:
   runs, a connection waits in that socket's backlog: an `open` racing a death times out rather than
   being refused). Entry returns once
   `/health` answers (within `start_timeout_s`); a server that died is relaunched by the next `open`
-  (which waits for it; `health()["restarts"]` counts relaunches); a call that timed out kills the
+  (which waits for it; `health()` gives its `state`, and `restarts` counts relaunches; a relaunch
+  serves every episode, so a cancelled caller does not stop it); a call that timed out kills the
   server (SIGKILL: its step is stuck, and a stuck step holds its session's slot for good), so the
   next `open` relaunches it; leaving the adapter stops the group (SIGTERM, `STOP_GRACE_S`, SIGKILL),
   also when cancelled. `cfg.path` directories go first on the child's import path. The class is
@@ -179,6 +180,8 @@ class EnvironmentServer:
         self._last_pid: int | None = None
         self._exit_code: int | None = None
         self._lock = anyio.Lock()
+        self._relaunch: anyio.CancelScope | None = None
+        self._starting = False
 
     @property
     def url(self) -> str:
@@ -192,6 +195,13 @@ class EnvironmentServer:
     @property
     def running(self) -> bool:
         return self._popen is not None and exit_code_of(self._popen) is None
+
+    @property
+    def state(self) -> str:
+        """"starting" (launched, /health not yet answered), "up" or "down"."""
+        if not self.running:
+            return "down"
+        return "starting" if self._starting else "up"
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", __name__, "serve", self.cfg.name, "--args", json.dumps(self.cfg.args)]
@@ -213,13 +223,24 @@ class EnvironmentServer:
             await self._launch()
 
     async def ensure_running(self) -> int:
-        """The generation of a running server: the current one, or a relaunch of a dead one."""
+        """The generation of a running server: the current one, or a relaunch of a dead one.
+
+        The relaunch serves every episode, not only the caller's, so it is shielded from the
+        caller's cancellation (a group is cancelled when a sibling episode lost the same server, and
+        its relaunch, killed half-started, cost the next group a launch of its own and the group
+        behind it a drop); `wait_healthy` bounds it, and `aclose` cancels it."""
         async with self._lock:
             if not self.running:
                 log.warning("openenv_server_restarting", why=self.death())
                 await self._stop(signal.SIGKILL)
                 self.restarts += 1
-                await self._launch()
+                try:
+                    with anyio.CancelScope(shield=True) as self._relaunch:
+                        await self._launch()
+                finally:
+                    self._relaunch = None
+                if not self.running:
+                    raise RuntimeError(f"the OpenEnv server for {self.cfg.name!r} was stopped while it started")
             return self.generation
 
     async def kill_stuck(self, generation: int, why: str) -> None:
@@ -248,7 +269,10 @@ class EnvironmentServer:
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
             try:
-                await self._stop(signal.SIGTERM)
+                if self._relaunch is not None:
+                    self._relaunch.cancel()  # it stops what it launched, then lets go of the lock
+                async with self._lock:
+                    await self._stop(signal.SIGTERM)
             finally:
                 if self._socket is not None:
                     self._socket.close()
@@ -272,6 +296,7 @@ class EnvironmentServer:
             code = exit_code_of(self._popen)
             return None if code is None else f"it exited with code {code}"
 
+        self._starting = True
         try:
             await wait_healthy(self.url, self.cfg.start_timeout_s, exited)
         except BaseException as exc:
@@ -282,6 +307,8 @@ class EnvironmentServer:
                     f"the OpenEnv server for {self.cfg.name!r} did not start: {exc}; {self.log.excerpt()}"
                 ) from None
             raise
+        finally:
+            self._starting = False
         log.info("openenv_server_healthy", pid=self.pid, elapsed_s=round(time.monotonic() - started, 2))
 
     async def _stop(self, first: signal.Signals) -> None:
@@ -443,7 +470,9 @@ class OpenEnvAdapter:
         # The PID of a server that is up only: a killed one is relaunched when the next episode
         # opens, and until then its old PID names nothing an operator could signal or watch.
         pid = server.pid if server.running else None
-        return {"server": self.url, "pid": pid, "restarts": server.restarts, "log": str(server.log.path)}
+        return {
+            "server": self.url, "state": server.state, "pid": pid, "restarts": server.restarts, "log": str(server.log.path),
+        }  # fmt: skip
 
 
 # ---- the server process (`python -m grpod.rollouts.openenv_adapter serve ...`) ----------------

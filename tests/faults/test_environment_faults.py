@@ -3,11 +3,18 @@ updates train with the version of every token (issue #27).
 
 One daemon trains SmolLM2-135M-Instruct on an OpenEnv environment served by the server process
 grpod starts (the adapter `openenv`), multi-turn, a sync after every step. The environment is slow
-on purpose: one task in five hangs in its tool; two in five hold their tool's answer until the daemon
-writes its next `sync` record to metrics.jsonl (at most WAIT_S), so their second turn is generated
-after a weight update however long a step takes on a loaded machine; the rest answer in 1 s and
-keep the trainer fed. While it trains, the test SIGKILLs the environment server (found by its PID
-in `ctl status`).
+on purpose: the first tool call of the run hangs; after it, half the tasks (by seed) hold their
+tool's answer until the daemon writes its next `sync` record to metrics.jsonl (at most WAIT_S), so
+their second turn is generated after a weight update however long a step takes on a loaded machine,
+and the rest answer in 1 s and keep the trainer fed. Once the hung call's group is dropped, a step
+is trained and the relaunched server is up, the test SIGKILLs that server (found by its PID in
+`ctl status`).
+
+One hang, and the kill after it: a timed-out call has its server killed, which drops every episode
+playing on it, the held ones too. With one task in five hanging all run long, CI twice trained no
+group that spanned a version; with the hang first and one kill after it, the rest of the run is
+undisturbed. The prefetch queue is short (2 groups) so that the groups generated before the first
+sync fill the first steps only, not most of the run's six.
 
   27.1  the environment server SIGKILLed mid-episode: the episodes on it are dropped
         (environment_crash), the server is restarted, training goes on and the run ends normally
@@ -37,6 +44,7 @@ STEPS = 6
 TIMEOUT_S = 20.0
 WAIT_S = 15.0  # under TIMEOUT_S: a task held for a sync is never dropped as a hang
 ENVIRONMENT = '''
+import os
 import random
 import time
 from pathlib import Path
@@ -45,6 +53,16 @@ from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
 METRICS = Path(__METRICS__)
+HUNG = Path(__HUNG__)
+
+
+def first_hang():
+    """True for the run's first tool call only (the flag file outlives a restarted server)."""
+    try:
+        os.close(os.open(HUNG, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def syncs():
@@ -64,22 +82,21 @@ class Heard(Observation):
 
 
 class SlowTool(Environment[Say, Heard, State]):
-    """Two turns: the model asks, the tool answers (one task in five hangs, two in five wait for the
-    daemon's next sync, the rest take 1 s), the model answers again; reward: the second answer's
-    length mod 3 (so groups carry a signal)."""
+    """Two turns: the model asks, the tool answers (the run's first call hangs; then half the tasks
+    wait for the daemon's next sync, the rest take 1 s), the model answers again; reward: the second
+    answer's length mod 3 (so groups carry a signal)."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
     def __init__(self):
         super().__init__()
         self._state = State()
-        self.hangs = self.waits = False
+        self.waits = False
         self.turn = 0
 
     def reset(self, seed=None, episode_id=None, **kwargs):
         rng = random.Random(seed)
-        draw = rng.random()
-        self.hangs, self.waits = draw < 0.2, 0.2 <= draw < 0.6
+        self.waits = rng.random() < 0.5
         self.turn = 0
         self._state = State(episode_id=episode_id, step_count=0)
         return Heard(prompt=f"Name a fruit that starts with the letter {rng.choice('abcmops')}.", done=False, reward=0.0)
@@ -87,7 +104,7 @@ class SlowTool(Environment[Say, Heard, State]):
     def step(self, action, timeout_s=None, **kwargs):
         self.turn += 1
         if self.turn == 1:
-            if self.hangs:
+            if first_hang():
                 time.sleep(3600)
             elif self.waits:
                 seen, deadline = syncs(), time.monotonic() + __WAIT_S__
@@ -110,7 +127,7 @@ def _settings(tmp: Path, model_dir: Path, run_dir: Path) -> dict:
         "model.path": str(model_dir), "model.init_if_missing": False, "model.max_seq_len": 256,
         "inference.start_timeout_s": 240.0, "inference.kv_cache_bytes": "256M",
         "source.kind": "environment", "source.group_size": 3, "source.max_tokens": 10,
-        "source.concurrency": 4, "source.prefetch_groups": 4, "source.error_alarm_s": 3600.0,
+        "source.concurrency": 3, "source.prefetch_groups": 2, "source.error_alarm_s": 3600.0,
         "source.environment.adapter": "openenv", "source.environment.name": f"{tmp / 'slow_tool.py'}:SlowTool",
         "source.environment.max_turns": 2, "source.environment.timeout_s": TIMEOUT_S,
         "train.steps": STEPS, "train.groups_per_step": 2, "train.lr": 1e-6, "train.threads": 1,
@@ -127,23 +144,27 @@ def test_environment_faults_drop_groups_and_training_goes_on(tmp_path, smollm2_d
     spans_row = fault_case("27.3 episodes spanning weight updates train with per-token versions")
     run_dir = tmp_path / "run"
     (tmp_path / "slow_tool.py").write_text(
-        ENVIRONMENT.replace("__METRICS__", repr(str(run_dir / "metrics.jsonl"))).replace("__WAIT_S__", repr(WAIT_S))
+        ENVIRONMENT.replace("__METRICS__", repr(str(run_dir / "metrics.jsonl")))
+        .replace("__HUNG__", repr(str(tmp_path / "hung")))
+        .replace("__WAIT_S__", repr(WAIT_S))
     )
     daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", _settings(tmp_path, smollm2_dir, run_dir)), run_dir)
     try:
         gone: set[int] = set()
         for _ in range(10):
             status = status_until(
-                daemon, lambda s: s["step"] >= 1 and (s.get("source") or {}).get("environment", {}).get("pid") not in {None, *gone},
-                400, "the first step and the environment server's pid",
+                daemon, lambda s: s["step"] >= 1 and (s.get("source") or {}).get("drop_reasons", {}).get("environment_timeout", 0) >= 1
+                and s["source"].get("environment", {}).get("state") == "up"
+                and s["source"]["environment"].get("pid") not in {None, *gone},
+                400, "the first step, the hung call's drop and the relaunched environment server up",
             )
             server = status["source"]["environment"]["pid"]
             try:
                 os.kill(server, signal.SIGKILL)
                 break
             except ProcessLookupError:
-                # grpod killed that server between the status read and the kill (a hung tool gets
-                # its server killed, 27.2): kill the one it launches next.
+                # that server died between the status read and the kill: kill the one grpod
+                # launches next.
                 gone.add(server)
         else:
             pytest.fail("the environment server's pid changed before each of 10 kills")
@@ -172,7 +193,7 @@ def test_environment_faults_drop_groups_and_training_goes_on(tmp_path, smollm2_d
     hang_row.data_lost = "that group (and the episodes on the restarted server)"
     hang_row.notes = f"{drops['environment_timeout']} groups dropped as environment_timeout at timeout_s {TIMEOUT_S:g}"
 
-    spanning = 0
+    spanning = trained = 0
     for line in (run_dir / "rollouts.jsonl").read_text().splitlines():
         group = json.loads(line)["group"]  # record_groups: {"step", "group"}
         versions = group.get("token_versions")
@@ -180,7 +201,8 @@ def test_environment_faults_drop_groups_and_training_goes_on(tmp_path, smollm2_d
             continue
         sampled = {v for row, mask in zip(versions, group["loss_mask"], strict=True) for v, m in zip(row, mask, strict=True) if m}
         spanning += len(sampled) > 1
-    assert spanning >= 1, "no trained group spanned a weight update"
+        trained += 1
+    assert spanning >= 1, f"none of {trained} trained groups spanned a weight update; drops {drops}"
     spans_row.recovery_s = 0.0
     spans_row.data_lost = "none"
     spans_row.notes = f"{spanning} trained groups carried tokens of several versions (rollouts.jsonl)"

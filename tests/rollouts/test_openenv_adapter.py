@@ -91,7 +91,7 @@ async def _play_binary_search(episode, opening: str) -> int:
 async def test_guess_episodes_through_a_server_grpod_starts(tmp_path):
     async with OpenEnvAdapter(_cfg(name=GUESS), run_dir=tmp_path) as adapter:
         health = adapter.health()
-        assert health["restarts"] == 0 and health["server"].startswith("http://127.0.0.1:")
+        assert health["restarts"] == 0 and health["server"].startswith("http://127.0.0.1:") and health["state"] == "up"
         first, won = await adapter.open(3, "train")
         again, lost = await adapter.open(3, "train")
         other, third = await adapter.open(4, "train")
@@ -214,3 +214,57 @@ async def test_url_mode_without_a_server_fails_at_entry(tmp_path):
     with pytest.raises(RuntimeError, match="no answer from .*/health within"):
         async with OpenEnvAdapter(cfg, run_dir=tmp_path):
             pass
+
+
+async def _until_dead(adapter) -> None:
+    """Until the adapter sees its SIGKILLed server dead (a leader shows as a zombie before its
+    threads are gone and it can be waited for), so the next `open` relaunches it."""
+    with anyio.fail_after(10):
+        while adapter.health()["pid"] is not None:
+            await anyio.sleep(0.05)
+
+
+async def test_a_relaunch_outlives_the_cancelled_open_that_began_it(tmp_path):
+    """A group is cancelled when one of its episodes lost the server; its sibling may be relaunching
+    that server for everyone, and the relaunch must survive the cancellation."""
+    async with OpenEnvAdapter(_cfg(name=GUESS), run_dir=tmp_path) as adapter:
+        pid = adapter.health()["pid"]
+        os.kill(pid, signal.SIGKILL)
+        await _until_dead(adapter)
+        with anyio.move_on_after(0.5) as opening:  # well inside the relaunch's start-up
+            await adapter.open(0, "train")
+        assert opening.cancelled_caught
+        relaunched = adapter.health()
+        assert relaunched["restarts"] == 1 and relaunched["pid"] not in {None, pid} and relaunched["state"] == "up"
+        assert psutil.pid_exists(relaunched["pid"])
+        _, episode = await adapter.open(0, "train")
+        assert adapter.health() == relaunched
+        await episode.aclose()
+    assert not psutil.pid_exists(relaunched["pid"])
+
+
+async def test_leaving_the_adapter_stops_a_relaunch_under_way(tmp_path):
+    failures: list[BaseException] = []
+
+    async def open_during_close(adapter) -> None:
+        try:
+            await adapter.open(0, "train")
+        except EnvironmentFailure as exc:
+            failures.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        async with OpenEnvAdapter(_cfg(name=GUESS), run_dir=tmp_path) as adapter:
+            pid = adapter.health()["pid"]
+            os.kill(pid, signal.SIGKILL)
+            await _until_dead(adapter)
+            tg.start_soon(open_during_close, adapter)
+            with anyio.fail_after(10):
+                while adapter.health()["pid"] in {None, pid}:
+                    await anyio.sleep(0.02)
+            assert adapter.health()["state"] == "starting"
+            relaunched = adapter.health()["pid"]
+            started = anyio.current_time()
+        closed_after = anyio.current_time() - started
+    assert not psutil.pid_exists(relaunched)
+    assert closed_after < START_TIMEOUT_S / 4, closed_after  # the start-up was cut short, not waited out
+    assert [f.reason for f in failures] == ["environment_crash"] and "stopped while it started" in str(failures[0])
