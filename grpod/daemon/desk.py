@@ -44,6 +44,11 @@ from grpod.service.race import first_of
 
 log = structlog.get_logger(__name__)
 
+# The newest live changes the run's status and checkpoints keep (each is also in the event log, as
+# `config_changed`): a resumed run applies its operator values again, so the list would otherwise
+# grow with every restart.
+CONFIG_HISTORY = 100
+
 T = TypeVar("T")
 BOUNDARY_KINDS = ("sync", "checkpoint")
 
@@ -142,8 +147,10 @@ class OperatorDesk:
         for part in sections:
             node = getattr(node, part)
         setattr(node, leaf, change.new)
-        record = {"version": len(self.config_changes) + 1, "step": step, "origin": origin, **vars(change)}
+        version = self.config_changes[-1]["version"] + 1 if self.config_changes else 1
+        record = {"version": version, "step": step, "origin": origin, **vars(change)}
         self.config_changes.append(record)
+        del self.config_changes[:-CONFIG_HISTORY]
         log.info("config_changed", **record)
         return record
 
@@ -151,8 +158,9 @@ class OperatorDesk:
         """A resumed run, before anything reads the config: the values the stopped run had from
         `ctl set` (its checkpoint's `operator_values`) go over the file and `--set` again, as a
         reload keeps them, so a restart does not undo an operator's change; the numbered changes
-        go on from the checkpoint's. A value the config refuses now is logged and left out."""
-        self.config_changes = list(extra.get("config_changes", []))
+        go on from the checkpoint's (the newest CONFIG_HISTORY kept). A value the config refuses now
+        is logged and left out."""
+        self.config_changes = list(extra.get("config_changes", []))[-CONFIG_HISTORY:]
         applied = []
         for key, value in extra.get("operator_values", {}).items():
             try:

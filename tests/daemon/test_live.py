@@ -9,7 +9,7 @@ import structlog.testing
 
 from grpod.config import ConfigError, load_config
 from grpod.daemon.control import ControlError
-from grpod.daemon.desk import OperatorDesk
+from grpod.daemon.desk import CONFIG_HISTORY, OperatorDesk
 from grpod.daemon.live import RefusedChange, diff_file, plan_changes
 from grpod.daemon.progress import RunProgress
 from grpod.models.tiny import build_model, save_model
@@ -217,3 +217,17 @@ def test_a_resumed_run_applies_the_stopped_runs_ctl_set_values_again(tmp_path):
 
     desk.reload_file()
     assert not desk.pending() and resumed.train.lr == 2e-5, "a reload keeps them, as it keeps a ctl set"
+
+
+def test_the_change_history_keeps_its_newest_records_however_often_the_run_restarts(tmp_path):
+    config = write_config(
+        tmp_path / "grpod.toml", {"run.dir": str(tmp_path / "run"), "model.path": str(tmp_path / "model")}
+    )
+    extra = {"config_changes": [], "operator_values": {"train.lr": 3e-6, "source.temperature": 0.8}}
+    for restart in range(1, 61):  # each resume applies both operator values again: 120 changes
+        cfg = load_config(config)
+        desk = OperatorDesk(cfg, RunProgress(cfg.train.steps), config_path=config)
+        desk.restore(extra, f"checkpoint step-{restart}", restart)
+        extra = json.loads(json.dumps({"config_changes": desk.config_changes, "operator_values": desk.operator_values}))
+    assert [c["version"] for c in extra["config_changes"]] == list(range(121 - CONFIG_HISTORY, 121))
+    assert extra["config_changes"][-1]["origin"] == "checkpoint step-60" and cfg.train.lr == 3e-6

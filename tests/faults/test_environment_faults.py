@@ -14,7 +14,7 @@ One hang, and the kill after it: a timed-out call has its server killed, which d
 playing on it, the held ones too. With one task in five hanging all run long, CI twice trained no
 group that spanned a version; with the hang first and one kill after it, the rest of the run is
 undisturbed. The prefetch queue is short (2 groups) so that the groups generated before the first
-sync fill the first steps only, not most of the run's six.
+sync fill the first steps only, not most of the run's eight.
 
   27.1  the environment server SIGKILLed mid-episode: the episodes on it are dropped
         (environment_crash), the server is restarted, training goes on and the run ends normally
@@ -40,7 +40,7 @@ from tests.harness import DaemonProcess, write_config
 
 pytestmark = pytest.mark.faults
 
-STEPS = 6
+STEPS = 8  # the groups generated before the first sync and the kill fill about four steps
 TIMEOUT_S = 20.0
 WAIT_S = 15.0  # under TIMEOUT_S: a task held for a sync is never dropped as a hang
 ENVIRONMENT = '''
