@@ -100,9 +100,9 @@ async def prepare_environment(src: EnvironmentSourceConfig, run_dir: Path, resou
 
 def _failure(exc: BaseException) -> BaseException:
     """What failed in a group's task group: an episode's timeout if one timed out, else its first
-    `EnvironmentFailure`, else its first error. A call that times out has the server killed, and
-    the group's other episodes, on that server, then lose their connections: those losses follow
-    from the timeout and often end first, so the timeout names the group's drop."""
+    `EnvironmentFailure`, else its first error. A call that times out may have the server killed,
+    and the group's other episodes, on that server, then lose their connections: those losses
+    follow from the timeout and often end first, so the timeout names the group's drop."""
     return (
         first_error(exc, EnvironmentTimeout) or first_error(exc, EnvironmentFailure) or first_error(exc) or exc
     )

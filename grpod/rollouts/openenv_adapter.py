@@ -15,9 +15,12 @@ Where the environment runs:
   being refused). Entry returns once
   `/health` answers (within `start_timeout_s`); a server that died is relaunched by the next `open`
   (which waits for it; `health()` gives its `state`, and `restarts` counts relaunches; a relaunch
-  serves every episode, so a cancelled caller does not stop it); a call that timed out kills the
-  server (SIGKILL: its step is stuck, and a stuck step holds its session's slot for good), so the
-  next `open` relaunches it; leaving the adapter stops the group (SIGTERM, `STOP_GRACE_S`, SIGKILL),
+  serves every episode, so a cancelled caller does not stop it). A call that timed out is
+  abandoned: its group drops, its connection is closed, and the other episodes on the server play
+  on, while the stuck step keeps a session and a thread of the server until it returns. The server
+  is killed (SIGKILL; the next `open` relaunches it) at the `STUCK_LIMIT`-th stuck call of a launch,
+  or at the first when it serves one session at a time (that one stuck step would block every
+  episode); `health()["stuck"]` counts them. Leaving the adapter stops the group (SIGTERM, `STOP_GRACE_S`, SIGKILL),
   also when cancelled. `cfg.path` directories go first on the child's import path. The class is
   served with up to `MAX_SESSIONS` concurrent episodes when it declares
   `SUPPORTS_CONCURRENT_SESSIONS = True` (OpenEnv refuses more than one otherwise: mark your class
@@ -87,6 +90,13 @@ KILL_WAIT_S = 10.0
 DYING_WAIT_S = 1.0
 # Concurrent sessions a server grpod starts allows, for a class that supports several.
 MAX_SESSIONS = 1024
+# Calls left stuck on one launch of a server that serves several sessions before it is killed: each
+# holds a session and a thread of the server (a spinning one, a core) until its step returns.
+STUCK_LIMIT = 4
+# How long the client of an abandoned (stuck) session is given to close its connection.
+ABANDON_CLOSE_S = 2.0
+# grpod's own route on a server it starts: the sessions it serves at once.
+SESSIONS_ROUTE = "/grpod/sessions"
 REPLY_ROLES = ("user", "tool")
 
 
@@ -182,6 +192,8 @@ class EnvironmentServer:
         self._lock = anyio.Lock()
         self._relaunch: anyio.CancelScope | None = None
         self._starting = False
+        self.sessions = 1  # what the running launch serves at once (SESSIONS_ROUTE)
+        self.stuck = 0  # calls that timed out on the running launch
 
     @property
     def url(self) -> str:
@@ -243,14 +255,20 @@ class EnvironmentServer:
                     raise RuntimeError(f"the OpenEnv server for {self.cfg.name!r} was stopped while it started")
             return self.generation
 
-    async def kill_stuck(self, generation: int, why: str) -> None:
-        """Kill launch `generation` (a call to it timed out) unless it is already replaced."""
+    async def after_stuck(self, generation: int, why: str) -> None:
+        """A call to launch `generation` timed out: count it, and kill that launch (unless already
+        replaced) when it serves one session at a time or holds STUCK_LIMIT stuck calls."""
         if generation != self.generation:  # without waiting for the lock a relaunch holds
             return
         async with self._lock:
-            if generation == self.generation and self.running:
-                log.warning("openenv_server_killed", pid=self.pid, why=why)
-                await self._stop(signal.SIGKILL)
+            if generation != self.generation or not self.running:
+                return
+            self.stuck += 1
+            if self.sessions > 1 and self.stuck < STUCK_LIMIT:
+                log.warning("openenv_call_abandoned", pid=self.pid, why=why, stuck=self.stuck, limit=STUCK_LIMIT)
+                return
+            log.warning("openenv_server_killed", pid=self.pid, why=why, stuck=self.stuck, sessions=self.sessions)
+            await self._stop(signal.SIGKILL)
 
     async def wait_dying(self, generation: int) -> None:
         """After launch `generation` dropped a connection: wait (at most DYING_WAIT_S) until it has
@@ -309,7 +327,14 @@ class EnvironmentServer:
             raise
         finally:
             self._starting = False
-        log.info("openenv_server_healthy", pid=self.pid, elapsed_s=round(time.monotonic() - started, 2))
+        self.stuck = 0
+        try:
+            self.sessions = int((await _get_json(self.url + SESSIONS_ROUTE, HEALTH_PROBE_TIMEOUT_S))["sessions"])
+        except (aiohttp.ClientError, OSError, TimeoutError, KeyError, TypeError, ValueError) as exc:
+            self.sessions = 1  # killed at its first stuck call, the safe side
+            log.warning("openenv_sessions_unknown", pid=self.pid, error=repr(exc))
+        log.info("openenv_server_healthy", pid=self.pid, sessions=self.sessions,
+                 elapsed_s=round(time.monotonic() - started, 2))  # fmt: skip
 
     async def _stop(self, first: signal.Signals) -> None:
         """Signal the group (`first`, then SIGKILL after STOP_GRACE_S), wait until it is gone, and
@@ -343,6 +368,7 @@ class OpenEnvEpisode:
         self.generation = generation
         self.turn = 0
         self.total = 0.0
+        self.abandoned = False  # a call timed out: its session is stuck on the server
 
     async def call(self, what: str, request: Callable[[], Awaitable[Any]]) -> Any:
         """`request()` bounded by timeout_s, its failures as `EnvironmentFailure` (module docstring)."""
@@ -351,8 +377,9 @@ class OpenEnvEpisode:
             with anyio.fail_after(self.adapter.cfg.timeout_s):
                 return await request()
         except TimeoutError:
-            # Shielded: a sibling episode that loses its connection to the server this kills must
-            # not cancel the kill, or this timeout, the cause of the group's drop, before it is raised.
+            self.abandoned = True
+            # Shielded: a sibling episode that loses its connection to a server this kills must not
+            # cancel the kill, or this timeout, the cause of the group's drop, before it is raised.
             with anyio.CancelScope(shield=True):
                 await self.adapter.after_timeout(self.generation, where)
             raise EnvironmentTimeout(
@@ -386,6 +413,11 @@ class OpenEnvEpisode:
         """End the session: ask the server to close it and wait until it has. (`client.close()`
         alone closes the socket right after asking, and OpenEnv's server, closing its side,
         logged a WebSocketDisconnect traceback for nearly every episode.)"""
+        if self.abandoned:  # the server reads nothing of a session whose step is stuck
+            with anyio.CancelScope(shield=True), anyio.move_on_after(ABANDON_CLOSE_S):
+                with contextlib.suppress(Exception):
+                    await self.client.close()
+            return
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.adapter.cfg.timeout_s):
             with contextlib.suppress(Exception):
                 if self.client._ws is not None:
@@ -454,7 +486,7 @@ class OpenEnvAdapter:
 
     async def after_timeout(self, generation: int, where: str) -> None:
         if self.server is not None:
-            await self.server.kill_stuck(generation, f"{where} timed out")
+            await self.server.after_stuck(generation, f"{where} timed out")
 
     async def after_connection_lost(self, generation: int) -> None:
         if self.server is not None:
@@ -471,7 +503,8 @@ class OpenEnvAdapter:
         # opens, and until then its old PID names nothing an operator could signal or watch.
         pid = server.pid if server.running else None
         return {
-            "server": self.url, "state": server.state, "pid": pid, "restarts": server.restarts, "log": str(server.log.path),
+            "server": self.url, "state": server.state, "pid": pid, "restarts": server.restarts, "stuck": server.stuck,
+            "log": str(server.log.path),
         }  # fmt: skip
 
 
@@ -524,6 +557,7 @@ def serve(name: str, args: dict[str, Any], path: list[str], *, fd: int | None, h
         print(f"{name}: SUPPORTS_CONCURRENT_SESSIONS is not set: one episode at a time", file=sys.stderr)
     factory = functools.partial(env_cls, **args)
     app = create_fastapi_app(factory, action_cls, observation_cls, max_concurrent_envs=sessions)
+    app.get(SESSIONS_ROUTE)(lambda: {"sessions": sessions})
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=UVICORN_GRACE_S)
     sockets = [socket.socket(fileno=fd)] if fd is not None else None
     print(f"serving {name} ({action_cls.__name__} -> {observation_cls.__name__}, {sessions} sessions)", file=sys.stderr)

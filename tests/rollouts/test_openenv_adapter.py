@@ -18,7 +18,13 @@ import pytest
 from grpod.config import EnvironmentConfig
 from grpod.rollouts.environment_source import _failure
 from grpod.rollouts.environments import EnvironmentFailure
-from grpod.rollouts.openenv_adapter import OpenEnvAdapter, action_observation_classes
+from grpod.rollouts.openenv_adapter import (
+    ABANDON_CLOSE_S,
+    STUCK_LIMIT,
+    OpenEnvAdapter,
+    action_observation_classes,
+    task_seed,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -139,32 +145,63 @@ async def test_a_killed_server_fails_its_episode_and_is_restarted_for_the_next(t
     assert not psutil.pid_exists(pid)
 
 
-async def test_a_step_that_hangs_times_out_and_its_server_is_killed(tmp_path):
-    (tmp_path / "stuck_env.py").write_text(textwrap.dedent(STUCK_ENV))
-    cfg = EnvironmentConfig(adapter="openenv", name="stuck_env:StuckEnvironment", path=[tmp_path], timeout_s=1.0,
-                            start_timeout_s=START_TIMEOUT_S)
-    async with OpenEnvAdapter(cfg, run_dir=tmp_path / "run") as adapter:
-        opening, episode = await adapter.open(7, "train")
-        assert opening[0]["content"].startswith("task ")
-        pid = adapter.health()["pid"]
-        with anyio.fail_after(15), pytest.raises(EnvironmentFailure) as failure:
-            await episode.respond("hello")
-        assert failure.value.reason == "environment_timeout"
-        assert "stuck_env:StuckEnvironment (task 7 of train), turn 1: step" in str(failure.value)
-        assert not psutil.pid_exists(pid)  # its step held a session for good: the server was killed
-        assert adapter.health()["pid"] is None  # and status names no PID until the next episode relaunches it
+def _stuck_cfg(tmp_path: Path, *, concurrent: bool = True) -> EnvironmentConfig:
+    text = textwrap.dedent(STUCK_ENV)
+    if not concurrent:
+        text = text.replace("    SUPPORTS_CONCURRENT_SESSIONS = True\n", "")
+    (tmp_path / "stuck_env.py").write_text(text)
+    return EnvironmentConfig(adapter="openenv", name="stuck_env:StuckEnvironment", path=[tmp_path], timeout_s=1.0,
+                             start_timeout_s=START_TIMEOUT_S)
+
+
+async def _time_out(episode, index: int) -> None:
+    with anyio.fail_after(15), pytest.raises(EnvironmentFailure) as failure:
+        await episode.respond("hello")
+    assert failure.value.reason == "environment_timeout"
+    assert f"stuck_env:StuckEnvironment (task {index} of train), turn 1: step" in str(failure.value)
+    with anyio.fail_after(ABANDON_CLOSE_S + 1):  # no polite close: the server reads nothing of that session
         await episode.aclose()
+
+
+async def test_a_step_that_hangs_is_abandoned_and_the_server_killed_at_the_stuck_limit(tmp_path):
+    async with OpenEnvAdapter(_stuck_cfg(tmp_path), run_dir=tmp_path / "run") as adapter:
+        pid = adapter.health()["pid"]
+        _, bystander = await adapter.open(99, "train")  # an episode that plays on through the stuck calls
+        for stuck in range(1, STUCK_LIMIT):
+            opening, episode = await adapter.open(stuck, "train")
+            assert opening[0]["content"] == f"task {task_seed(adapter.cfg.task_seed, 'train', stuck)}"
+            await _time_out(episode, stuck)
+            health = adapter.health()
+            assert (health["pid"], health["stuck"], health["restarts"]) == (pid, stuck, 0), "abandoned, not killed"
+        assert (await bystander.call("reset", lambda: bystander.client.reset(seed=5))).observation["prompt"] == "task 5"
+        await bystander.aclose()
+
+        _, episode = await adapter.open(STUCK_LIMIT, "train")
+        await _time_out(episode, STUCK_LIMIT)
+        assert not psutil.pid_exists(pid), "the STUCK_LIMIT-th stuck call has the server killed"
+        assert adapter.health()["pid"] is None  # and status names no PID until the next episode relaunches it
+        await adapter.open(0, "train")
+        assert (adapter.health()["restarts"], adapter.health()["stuck"]) == (1, 0)
+        pid = adapter.health()["pid"]
+    assert not psutil.pid_exists(pid)
+
+
+async def test_a_step_that_hangs_on_a_one_session_server_has_it_killed_at_once(tmp_path):
+    async with OpenEnvAdapter(_stuck_cfg(tmp_path, concurrent=False), run_dir=tmp_path / "run") as adapter:
+        pid = adapter.health()["pid"]
+        _, episode = await adapter.open(7, "train")
+        await _time_out(episode, 7)
+        assert not psutil.pid_exists(pid)  # that one stuck step would hold every episode's session
+        assert adapter.health()["pid"] is None and adapter.health()["stuck"] == 1
     assert not psutil.pid_exists(pid)
 
 
 async def test_a_group_whose_step_hangs_is_dropped_as_a_timeout_though_its_siblings_lose_their_connection(tmp_path):
     """Two episodes of a group on one server, the second asking a moment after the first: the first
-    call times out and has the server killed, which cuts the second's connection (a crash, often
-    ended before the timeout is raised). The group's drop is the timeout, its cause."""
-    (tmp_path / "stuck_env.py").write_text(textwrap.dedent(STUCK_ENV))
-    cfg = EnvironmentConfig(adapter="openenv", name="stuck_env:StuckEnvironment", path=[tmp_path], timeout_s=1.0,
-                            start_timeout_s=START_TIMEOUT_S)
-    async with OpenEnvAdapter(cfg, run_dir=tmp_path / "run") as adapter:
+    call times out at the stuck limit and has the server killed, which cuts the second's connection
+    (a crash, often ended before the timeout is raised). The group's drop is the timeout, its cause."""
+    async with OpenEnvAdapter(_stuck_cfg(tmp_path), run_dir=tmp_path / "run") as adapter:
+        adapter.server.stuck = STUCK_LIMIT - 1  # as if earlier groups had left calls stuck on it
         episodes = [(await adapter.open(3, "train"))[1] for _ in range(2)]
 
         async def play(i: int) -> None:
