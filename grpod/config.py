@@ -562,8 +562,8 @@ class EnvironmentConfig(_Section):
         gt=0,
         description="One environment call (a reply to a model turn, a reward) taking longer than this drops its "
         "group (`environment_timeout`). The call is abandoned (a verifiers worker cancels it); an OpenEnv server "
-        "grpod started is killed and restarted at its fourth stuck call, or its first if it serves one session "
-        "at a time.",
+        "grpod started is killed and restarted at its fourth stuck call, or its first if it runs one session's "
+        "step at a time.",
     )
     start_timeout_s: float = Field(
         120.0, gt=0, description="How long an environment process grpod starts may take to answer its health check."

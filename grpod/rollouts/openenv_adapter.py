@@ -19,8 +19,9 @@ Where the environment runs:
   abandoned: its group drops, its connection is closed, and the other episodes on the server play
   on, while the stuck step keeps a session and a thread of the server until it returns. The server
   is killed (SIGKILL; the next `open` relaunches it) at the `STUCK_LIMIT`-th stuck call of a launch,
-  or at the first when it serves one session at a time (that one stuck step would block every
-  episode); `health()["stuck"]` counts them. Leaving the adapter stops the group (SIGTERM, `STOP_GRACE_S`, SIGKILL),
+  or at the first when it runs one session's step at a time (one session, or OpenEnv's
+  `REQUIRES_SINGLE_THREAD_EXECUTOR`: that one stuck step would block every episode);
+  `health()["stuck"]` counts them. Leaving the adapter stops the group (SIGTERM, `STOP_GRACE_S`, SIGKILL),
   also when cancelled. `cfg.path` directories go first on the child's import path. The class is
   served with up to `MAX_SESSIONS` concurrent episodes when it declares
   `SUPPORTS_CONCURRENT_SESSIONS = True` (OpenEnv refuses more than one otherwise: mark your class
@@ -95,7 +96,8 @@ MAX_SESSIONS = 1024
 STUCK_LIMIT = 4
 # How long the client of an abandoned (stuck) session is given to close its connection.
 ABANDON_CLOSE_S = 2.0
-# grpod's own route on a server it starts: the sessions it serves at once.
+# grpod's own route on a server it starts: how many sessions' steps it runs at once (1 for a class
+# that serves one session, or that has OpenEnv run every session on one thread).
 SESSIONS_ROUTE = "/grpod/sessions"
 REPLY_ROLES = ("user", "tool")
 
@@ -192,7 +194,7 @@ class EnvironmentServer:
         self._lock = anyio.Lock()
         self._relaunch: anyio.CancelScope | None = None
         self._starting = False
-        self.sessions = 1  # what the running launch serves at once (SESSIONS_ROUTE)
+        self.sessions = 1  # the steps the running launch runs at once (SESSIONS_ROUTE)
         self.stuck = 0  # calls that timed out on the running launch
 
     @property
@@ -557,7 +559,8 @@ def serve(name: str, args: dict[str, Any], path: list[str], *, fd: int | None, h
         print(f"{name}: SUPPORTS_CONCURRENT_SESSIONS is not set: one episode at a time", file=sys.stderr)
     factory = functools.partial(env_cls, **args)
     app = create_fastapi_app(factory, action_cls, observation_cls, max_concurrent_envs=sessions)
-    app.get(SESSIONS_ROUTE)(lambda: {"sessions": sessions})
+    parallel = 1 if getattr(env_cls, "REQUIRES_SINGLE_THREAD_EXECUTOR", False) else sessions
+    app.get(SESSIONS_ROUTE)(lambda: {"sessions": parallel})
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=UVICORN_GRACE_S)
     sockets = [socket.socket(fileno=fd)] if fd is not None else None
     print(f"serving {name} ({action_cls.__name__} -> {observation_cls.__name__}, {sessions} sessions)", file=sys.stderr)

@@ -7,8 +7,9 @@ on purpose: the first tool call of the run hangs; after it, half the tasks (by s
 tool's answer until the daemon writes its next `sync` record to metrics.jsonl (at most WAIT_S), so
 their second turn is generated after a weight update however long a step takes on a loaded machine,
 and the rest answer in 1 s and keep the trainer fed. Once the hung call's group is dropped, a step
-is trained and the server is up, the test SIGKILLs that server (found by its PID in
-`ctl status`).
+is trained and a call is held on the server (the tool marks it in a file), the test SIGKILLs that
+server (found by its PID in `ctl status`). Without the held call the kill could find no episode
+in flight (the workers all waiting for room in the queue) and drop nothing.
 
 One hang, and the kill after it, so the rest of the run is undisturbed: a kill drops every episode
 playing on the server, the held ones too (with one task in five hanging all run long, and every
@@ -55,6 +56,7 @@ from openenv.core.env_server.types import Action, Observation, State
 
 METRICS = Path(__METRICS__)
 HUNG = Path(__HUNG__)
+HOLDING = Path(__HOLDING__)  # one file per call held for a sync, named "<server pid>-<n>"
 
 
 def first_hang():
@@ -108,9 +110,14 @@ class SlowTool(Environment[Say, Heard, State]):
             if first_hang():
                 time.sleep(3600)
             elif self.waits:
-                seen, deadline = syncs(), time.monotonic() + __WAIT_S__
-                while syncs() == seen and time.monotonic() < deadline:
-                    time.sleep(0.2)
+                marker = HOLDING / f"{os.getpid()}-{id(self)}"
+                marker.touch()
+                try:
+                    seen, deadline = syncs(), time.monotonic() + __WAIT_S__
+                    while syncs() == seen and time.monotonic() < deadline:
+                        time.sleep(0.2)
+                finally:
+                    marker.unlink(missing_ok=True)
             else:
                 time.sleep(1.0)
             return Heard(prompt="The tool says: try again with one word.", done=False, reward=0.0)
@@ -143,10 +150,17 @@ def test_environment_faults_drop_groups_and_training_goes_on(tmp_path, smollm2_d
     killed_row = fault_case("27.1 environment server SIGKILLed mid-episode")
     hang_row = fault_case("27.2 a tool that hangs")
     spans_row = fault_case("27.3 episodes spanning weight updates train with per-token versions")
-    run_dir = tmp_path / "run"
+    run_dir, holding = tmp_path / "run", tmp_path / "holding"
+    holding.mkdir()
+
+    def held_on(pid: int | None) -> bool:
+        """A call is held on server `pid` right now (so the kill lands mid-episode)."""
+        return any(marker.name.startswith(f"{pid}-") for marker in holding.iterdir())
+
     (tmp_path / "slow_tool.py").write_text(
         ENVIRONMENT.replace("__METRICS__", repr(str(run_dir / "metrics.jsonl")))
         .replace("__HUNG__", repr(str(tmp_path / "hung")))
+        .replace("__HOLDING__", repr(str(holding)))
         .replace("__WAIT_S__", repr(WAIT_S))
     )
     daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", _settings(tmp_path, smollm2_dir, run_dir)), run_dir)
@@ -156,8 +170,9 @@ def test_environment_faults_drop_groups_and_training_goes_on(tmp_path, smollm2_d
             status = status_until(
                 daemon, lambda s: s["step"] >= 1 and (s.get("source") or {}).get("drop_reasons", {}).get("environment_timeout", 0) >= 1
                 and s["source"].get("environment", {}).get("state") == "up"
-                and s["source"]["environment"].get("pid") not in {None, *gone},
-                400, "the first step, the hung call's drop and the environment server up",
+                and s["source"]["environment"].get("pid") not in {None, *gone}
+                and held_on(s["source"]["environment"]["pid"]),
+                400, "the first step, the hung call's drop, and a call held on the environment server",
             )
             server = status["source"]["environment"]["pid"]
             try:

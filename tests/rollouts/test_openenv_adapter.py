@@ -145,10 +145,15 @@ async def test_a_killed_server_fails_its_episode_and_is_restarted_for_the_next(t
     assert not psutil.pid_exists(pid)
 
 
-def _stuck_cfg(tmp_path: Path, *, concurrent: bool = True) -> EnvironmentConfig:
+def _stuck_cfg(tmp_path: Path, *, serving: str = "concurrent") -> EnvironmentConfig:
+    """STUCK_ENV served `concurrent`ly, as `one session` at a time, or with concurrent sessions whose
+    steps OpenEnv runs on `one thread`."""
     text = textwrap.dedent(STUCK_ENV)
-    if not concurrent:
+    if serving == "one session":
         text = text.replace("    SUPPORTS_CONCURRENT_SESSIONS = True\n", "")
+    elif serving == "one thread":
+        text = text.replace("    SUPPORTS_CONCURRENT_SESSIONS = True\n",
+                            "    SUPPORTS_CONCURRENT_SESSIONS = True\n    REQUIRES_SINGLE_THREAD_EXECUTOR = True\n")
     (tmp_path / "stuck_env.py").write_text(text)
     return EnvironmentConfig(adapter="openenv", name="stuck_env:StuckEnvironment", path=[tmp_path], timeout_s=1.0,
                              start_timeout_s=START_TIMEOUT_S)
@@ -186,8 +191,9 @@ async def test_a_step_that_hangs_is_abandoned_and_the_server_killed_at_the_stuck
     assert not psutil.pid_exists(pid)
 
 
-async def test_a_step_that_hangs_on_a_one_session_server_has_it_killed_at_once(tmp_path):
-    async with OpenEnvAdapter(_stuck_cfg(tmp_path, concurrent=False), run_dir=tmp_path / "run") as adapter:
+@pytest.mark.parametrize("serving", ["one session", "one thread"])
+async def test_a_step_that_hangs_on_a_server_of_one_step_at_a_time_has_it_killed_at_once(tmp_path, serving):
+    async with OpenEnvAdapter(_stuck_cfg(tmp_path, serving=serving), run_dir=tmp_path / "run") as adapter:
         pid = adapter.health()["pid"]
         _, episode = await adapter.open(7, "train")
         await _time_out(episode, 7)
