@@ -20,7 +20,8 @@ Where the environment runs:
   on, while the stuck step keeps a session and a thread of the server until it returns. The server
   is killed (SIGKILL; the next `open` relaunches it) at the `STUCK_LIMIT`-th stuck call of a launch,
   or at the first when it runs one session's step at a time (one session, or OpenEnv's
-  `REQUIRES_SINGLE_THREAD_EXECUTOR`: that one stuck step would block every episode);
+  `REQUIRES_SINGLE_THREAD_EXECUTOR`: that one stuck step would block every episode; the server
+  says which on grpod's own route, `SESSIONS_ROUTE`, the one its start-up waits for);
   `health()["stuck"]` counts them. Leaving the adapter stops the group (SIGTERM, `STOP_GRACE_S`, SIGKILL),
   also when cancelled. `cfg.path` directories go first on the child's import path. The class is
   served with up to `MAX_SESSIONS` concurrent episodes when it declares
@@ -162,19 +163,18 @@ async def _get_json(url: str, timeout_s: float) -> Any:
             return await response.json()
 
 
-async def wait_healthy(url: str, timeout_s: float, exited: Callable[[], str | None]) -> None:
-    """Return once `url/health` answers; RuntimeError after `timeout_s` or once `exited()` says
-    why the server is gone."""
+async def wait_healthy(url: str, timeout_s: float, exited: Callable[[], str | None], route: str = "/health") -> Any:
+    """The answer of `url + route` once it answers; RuntimeError after `timeout_s` or once
+    `exited()` says why the server is gone."""
     with anyio.move_on_after(timeout_s):
         while True:
             gone = exited()
             if gone is not None:
                 raise RuntimeError(gone)
             with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-                await _get_json(f"{url}/health", min(HEALTH_PROBE_TIMEOUT_S, timeout_s))
-                return
+                return await _get_json(url + route, min(HEALTH_PROBE_TIMEOUT_S, timeout_s))
             await anyio.sleep(STARTUP_POLL_S)
-    raise RuntimeError(f"no answer from {url}/health within source.environment.start_timeout_s = {timeout_s:g} s")
+    raise RuntimeError(f"no answer from {url}{route} within source.environment.start_timeout_s = {timeout_s:g} s")
 
 
 class EnvironmentServer:
@@ -318,7 +318,8 @@ class EnvironmentServer:
 
         self._starting = True
         try:
-            await wait_healthy(self.url, self.cfg.start_timeout_s, exited)
+            # grpod's own route answers once the app serves, with what its stuck calls cost.
+            answer = await wait_healthy(self.url, self.cfg.start_timeout_s, exited, route=SESSIONS_ROUTE)
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._stop(signal.SIGKILL)
@@ -329,12 +330,7 @@ class EnvironmentServer:
             raise
         finally:
             self._starting = False
-        self.stuck = 0
-        try:
-            self.sessions = int((await _get_json(self.url + SESSIONS_ROUTE, HEALTH_PROBE_TIMEOUT_S))["sessions"])
-        except (aiohttp.ClientError, OSError, TimeoutError, KeyError, TypeError, ValueError) as exc:
-            self.sessions = 1  # killed at its first stuck call, the safe side
-            log.warning("openenv_sessions_unknown", pid=self.pid, error=repr(exc))
+        self.stuck, self.sessions = 0, int(answer["sessions"])
         log.info("openenv_server_healthy", pid=self.pid, sessions=self.sessions,
                  elapsed_s=round(time.monotonic() - started, 2))  # fmt: skip
 
