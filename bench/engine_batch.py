@@ -37,7 +37,7 @@ from grpod.inference.sampling import with_neutral_sampling
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.vllm_metrics import counter_totals  # noqa: E402
+from grpod.inference.client import metric_totals  # noqa: E402
 
 
 def prompts(model: Path, count: int) -> list[list[int]]:
@@ -74,7 +74,7 @@ async def prefix_cache_counters(url: str) -> tuple[float, float]:
     """(queries, hits) of the engine's prefix cache, in tokens, from its Prometheus counters."""
     async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as r:
         text = await r.text()
-    totals = counter_totals(text, ["vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"])
+    totals = metric_totals(text, ["vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"])
     return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
 
 

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.sync_latency import synthetic_groups, trainer_and_bridge  # noqa: E402
-from bench.vllm_metrics import counter_totals  # noqa: E402
+from grpod.inference.client import metric_totals  # noqa: E402
 from grpod.daemon.step_loop import train_batch  # noqa: E402
 
 PROMPT_TOKENS = 24
@@ -44,7 +44,7 @@ PROMPT_TOKENS = 24
 
 async def generated_tokens(client) -> float:
     text = await client._request("GET", "/metrics")
-    return counter_totals(text, ["vllm:generation_tokens_total"])["vllm:generation_tokens_total"]
+    return metric_totals(text, ["vllm:generation_tokens_total"])["vllm:generation_tokens_total"]
 
 
 async def trial(bridge, trainer, variant: str, generations: int, tokens: int, step: int, rng) -> dict:

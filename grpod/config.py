@@ -154,7 +154,22 @@ class InferenceConfig(_Section):
     release_timeout_s: float = Field(
         60.0, gt=0, description="Wait for a stopped vLLM's processes, port and GPU memory to be gone."
     )
-    request_timeout_s: float = Field(120.0, gt=0, description="Any one HTTP request to vLLM.")
+    request_timeout_s: float = Field(120.0, gt=0, description="Any HTTP request to vLLM but a generation's.")
+    generation_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="One generation request (a group's completions, an evaluated row): a healthy generation "
+        "takes as long as its tokens do, and an engine that stops generating is found sooner, by the stall "
+        "watch (stall_timeout_s). This bounds a request that an engine generating for others never finishes.",
+    )
+    stall_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="An engine with requests in flight whose token counters (vLLM's /metrics) do not move for "
+        "this long is stalled: it still answers /health (a frozen engine core does), and it is relaunched like "
+        "one that stopped answering. After a failed sync request, an engine core that does not answer a "
+        "question of its own for this long is stalled too. Raise it above the longest prefill of one prompt.",
+    )
     health_interval_s: float = Field(0.5, gt=0, description="/health probe period while serving.")
     health_failures: int = Field(
         3, ge=1, description="Consecutive failed /health probes before the engine is declared dead and relaunched."

@@ -81,7 +81,7 @@ class HostedEngine:
         """Launch the engine as asked (stopping the current launch first), or hand over the
         agent's own relaunch when it runs on the same weights and arguments."""
         async with self._lock:
-            if self._adoptable(request) and await self.engine.healthy():
+            if self._adoptable(request) and not await self.engine.lost():
                 self.request, self.handed = request, True
                 log.info("engine_handed_over", engine=self.name, launch=self.launch_id, pid=self.engine.process.pid)
                 return self._answer(request_host, adopted=True, phases={})
@@ -147,7 +147,7 @@ class HostedEngine:
         it was last launched with; once the budget is spent, stop it and report why in /status."""
         async with self._lock:
             request = self.request
-            if request is None or self.engine.client is None or await self.engine.healthy():
+            if request is None or self.engine.client is None or not await self.engine.lost():
                 return  # stopped, or replaced by a launch meanwhile
             try:
                 self.engine.spend_restart(reason)

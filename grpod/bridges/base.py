@@ -450,7 +450,8 @@ class Bridge(ModeSteps):
         """The only engine died while a sync was applied: relaunch it on the weights it served
         before the sync (the caller then applies the sync again). No probe here: the trainer is
         already at `version`, the engine is not yet."""
-        reason = f"vLLM died during the sync to version {version} ({type(cause).__name__}: {cause})"
+        how = "stalled" if engine.stalled else "died"
+        reason = f"vLLM {how} during the sync to version {version} ({type(cause).__name__}: {cause})"
         with timed(phases, "recover"):
             await self._relaunch_lost(engine, reason, during="sync")
             self._fire("RETRY")

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import aiohttp
 import structlog
+from prometheus_client.parser import text_string_to_metric_families
 
 from grpod.http import RequestError, SessionClient
 from grpod.inference.routes import (
@@ -34,6 +35,43 @@ log = structlog.get_logger(__name__)
 
 BODY_EXCERPT_CHARS = 500
 PauseMode = Literal["keep", "wait", "abort"]
+# vLLM's counters of the tokens its engine computed, and its gauges of the requests it holds.
+TOKEN_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+REQUEST_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def metric_totals(text: str, names: list[str] | tuple[str, ...]) -> dict[str, float]:
+    """Each named sample of a Prometheus text summed over its label sets (vLLM labels a metric per
+    engine and model); 0.0 for a name the text lacks."""
+    totals = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals
+
+
+@dataclass(frozen=True)
+class EngineProgress:
+    """What the engine says of its work (`/metrics`): the prompt and generated tokens it computed
+    since launch, and the requests it runs or queues (as of its last engine step)."""
+
+    tokens: float
+    in_flight: int
+
+
+def engine_progress(text: Any) -> EngineProgress:
+    """`EngineProgress` from the text of vLLM's `/metrics`; ValueError when it is no Prometheus
+    text or has no token counter (a server run with `--disable-log-stats` keeps none)."""
+    if not isinstance(text, str):
+        raise ValueError(f"not a Prometheus text: {str(text)[:200]}")
+    if not any(name in text for name in TOKEN_COUNTERS):
+        raise ValueError(f"no token counter ({', '.join(TOKEN_COUNTERS)})")
+    totals = metric_totals(text, TOKEN_COUNTERS + REQUEST_GAUGES)
+    return EngineProgress(
+        tokens=sum(totals[name] for name in TOKEN_COUNTERS),
+        in_flight=round(sum(totals[name] for name in REQUEST_GAUGES)),
+    )
 
 
 class InferenceRequestError(RequestError):
@@ -88,13 +126,21 @@ class InferenceClient(SessionClient):
     """Async client over one aiohttp session; use as `async with InferenceClient(...) as client`."""
 
     def __init__(
-        self, base_url: str, timeout_s: float, api_key: str | None = None, *, launch_token: str | None = None
+        self,
+        base_url: str,
+        timeout_s: float,
+        api_key: str | None = None,
+        *,
+        launch_token: str | None = None,
+        generation_timeout_s: float | None = None,
     ) -> None:
         """`launch_token`: the token the launched server echoes (`x-grpod-launch`); when given,
-        every answer without it raises `ForeignServerError`."""
+        every answer without it raises `ForeignServerError`. `generation_timeout_s` bounds a
+        generation request (`timeout_s` when not given), `timeout_s` every other."""
         super().__init__(api_key)
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.generation_timeout_s = generation_timeout_s or timeout_s
         self.launch_token = launch_token
 
     async def _request(
@@ -105,6 +151,7 @@ class InferenceClient(SessionClient):
         json_body: dict[str, Any] | None = None,
         params: dict[str, str] | None = None,
         timeout_s: float | None = None,
+        setting: str = "inference.request_timeout_s",
     ) -> Any:
         """Send one request; return the decoded JSON body (the text when it is not JSON, None when
         empty).
@@ -133,7 +180,7 @@ class InferenceClient(SessionClient):
                 break
             except TimeoutError:
                 raise InferenceRequestError(
-                    route, None, f"timed out after {timeout:g} s (inference.request_timeout_s)"
+                    route, None, f"timed out after {timeout:g} s ({setting})"
                 ) from None
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if attempt == 2 or isinstance(exc, aiohttp.ClientConnectorError):
@@ -220,7 +267,7 @@ class InferenceClient(SessionClient):
             body["stop_token_ids"] = stop_token_ids
         if min_tokens:
             body["min_tokens"] = min_tokens
-        answer = await self._request("POST", route, json_body=body)
+        answer = await self._generation(route, body)
         try:
             choices = sorted(answer["choices"], key=lambda c: c["index"])
             completions = [
@@ -249,7 +296,7 @@ class InferenceClient(SessionClient):
         }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        answer = await self._request("POST", route, json_body=body)
+        answer = await self._generation(route, body)
         try:
             completions = []
             for c in sorted(answer["choices"], key=lambda c: c["index"]):
@@ -264,6 +311,21 @@ class InferenceClient(SessionClient):
         except (KeyError, TypeError, ValueError) as exc:
             raise InferenceRequestError(route, 200, f"unexpected answer shape ({exc!r}): {str(answer)[:200]}") from None
         return _checked(route, completions, n)
+
+    async def _generation(self, route: str, body: dict[str, Any]) -> Any:
+        """A generation request: bounded by `generation_timeout_s`, not by the request timeout (a
+        healthy generation takes as long as its tokens do; the engine's stall watch finds one that
+        stopped generating)."""
+        return await self._request("POST", route, json_body=body, timeout_s=self.generation_timeout_s,
+                                   setting="inference.generation_timeout_s")
+
+    async def progress(self) -> EngineProgress:
+        """The engine's token counters and requests in flight, from its `/metrics`."""
+        text = await self._request("GET", "/metrics")
+        try:
+            return engine_progress(text)
+        except ValueError as exc:
+            raise InferenceRequestError("/metrics", 200, str(exc)) from None
 
     async def score(self, token_ids: list[int], *, model: str = SERVED_MODEL_NAME, cache_salt: str | None = None) -> list[float]:
         """Logprob of `token_ids[t]` given `token_ids[:t]` for t = 1..n-1, at temperature 1."""
@@ -311,8 +373,10 @@ class InferenceClient(SessionClient):
         resume — one request to grpod's `/grpod/resume`."""
         await self._request("POST", RESUME_ROUTE, json_body={"version": version})
 
-    async def is_paused(self) -> bool:
-        answer = await self._request("GET", "/is_paused")
+    async def is_paused(self, *, timeout_s: float | None = None) -> bool:
+        """Whether the engine's scheduler is paused: answered by the engine core itself (the API
+        server answers /health alone)."""
+        answer = await self._request("GET", "/is_paused", timeout_s=timeout_s)
         return bool(answer["is_paused"])
 
     async def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:

@@ -13,9 +13,13 @@ process runs and how its loss is seen:
 
 Both find a hung engine the same way: `/health` polled every `inference.health_interval_s` while
 the gate is open, `inference.health_failures` failures in a row. A closed gate means the engine is
-being changed by its owner, who meets failures itself. Relaunches after a loss spend the restart
-budget (`inference.max_restarts`), with a back-off that doubles from 1 s up to 30 s between
-relaunches of the same engine.
+being changed by its owner, who meets failures itself. And both find a stalled engine the same way:
+one that answers `/health` (a frozen engine core does: the API server answers for it) but, with
+requests in flight, computes no token for `inference.stall_timeout_s`, read from vLLM's own
+counters (`/metrics`) while the gate is open. With the gate shut, whoever changes the engine asks
+`lost()` after a failure, which also puts a question to the engine core itself (`/is_paused`).
+Relaunches after a loss spend the restart budget (`inference.max_restarts`), with a back-off that
+doubles from 1 s up to 30 s between relaunches of the same engine.
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ import anyio
 import structlog
 
 from grpod.config import InferenceConfig
-from grpod.inference.client import InferenceClient
+from grpod.inference.client import InferenceClient, InferenceRequestError
 from grpod.service.race import first_of
 
 log = structlog.get_logger(__name__)
 
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
+# The stall watch reads the engine's counters this many times per inference.stall_timeout_s.
+STALL_READS = 4
 
 
 class RestartBudgetSpent(RuntimeError):
@@ -91,6 +97,8 @@ class InferenceEngine:
         self.recovering = False
         self.restarts = 0
         self.launches = 0
+        # This launch is stalled: it answers /health but computes nothing (its watch or `lost` found it).
+        self.stalled = False
         self._stack: AsyncExitStack | None = None
         self._gate = anyio.Event()
         self._next_launch = anyio.Event()
@@ -132,6 +140,7 @@ class InferenceEngine:
         self._stack = stack
         self.version, self.weights = version, Path(weights)
         self.threads = None
+        self.stalled = False
         self.launches += 1
         event, self._next_launch = self._next_launch, anyio.Event()
         event.set()
@@ -169,6 +178,30 @@ class InferenceEngine:
                 return await self.client.health()
         except Exception:  # noqa: BLE001 — any failure to answer is an unhealthy engine
             return False
+
+    async def lost(self) -> bool:
+        """True while this launch is lost: it does not answer `/health`, or it is stalled — its
+        watch found it so, or its engine core does not answer within `inference.stall_timeout_s`
+        (vLLM's API server answers /health for a frozen core). A new launch is not, until found so."""
+        if self.stalled or not await self.healthy():
+            return True
+        if not await self._core_answers():
+            self.stalled = True
+            log.warning("engine_core_silent", engine=self.name, pid=self.process.pid,
+                        waited_s=self.cfg.stall_timeout_s)
+        return self.stalled
+
+    async def _core_answers(self) -> bool:
+        """Whether the engine core answers a question of its own (is its scheduler paused?)
+        within `inference.stall_timeout_s`: between two engine steps, paused or not. An answer
+        that is an error is an answer: the route may be missing; /health covers a dead core."""
+        if self.client is None:
+            return False
+        try:
+            await self.client.is_paused(timeout_s=self.cfg.stall_timeout_s)
+        except InferenceRequestError as exc:
+            return exc.status is not None
+        return True
 
     # ---- the availability gate -------------------------------------------------------------
     def open(self) -> None:
@@ -220,8 +253,9 @@ class InferenceEngine:
                 await self._next_launch.wait()
 
     async def _until_lost(self) -> str:
-        """Return why the engine is lost: its process exited, or it stopped answering /health."""
-        _, reason = await first_of(self._until_exited, self._until_hung)
+        """Return why the engine is lost: its process exited, it stopped answering /health, or it
+        stopped computing tokens with requests in flight."""
+        _, reason = await first_of(self._until_exited, self._until_hung, self._until_stalled)
         return reason
 
     async def _until_exited(self) -> str:
@@ -240,6 +274,38 @@ class InferenceEngine:
             else:
                 failures += 1
         return f"vLLM did not answer /health {failures} times in a row"
+
+    async def _until_stalled(self) -> str:
+        """Return once the engine's token counters stood still for `inference.stall_timeout_s`
+        while it had requests in flight (its own gauges, or grpod's leases) and its gate was open.
+        A counter that cannot be read proves nothing either way: the /health watch covers an
+        engine that does not answer."""
+        limit = self.cfg.stall_timeout_s
+        tokens: float | None = None
+        since = anyio.current_time()
+        blind_launch = None
+        while True:
+            await anyio.sleep(limit / STALL_READS)
+            progress = None
+            if self._gate.is_set() and self.client is not None:
+                try:
+                    progress = await self.client.progress()
+                except InferenceRequestError as exc:  # unread: neither progress nor a stall
+                    if exc.status == 200 and blind_launch != self.launches:  # answered, without counters
+                        blind_launch = self.launches
+                        log.warning("stall_watch_blind", engine=self.name, error=str(exc)[:300])
+                except Exception:  # noqa: BLE001 — unread: neither progress nor a stall
+                    progress = None
+            now = anyio.current_time()
+            busy = progress is not None and (progress.in_flight > 0 or self.outstanding > 0)
+            if not busy or progress.tokens != tokens:
+                tokens, since = (progress.tokens if progress else None), now
+                continue
+            if now - since >= limit:
+                self.stalled = True
+                in_flight = max(progress.in_flight, self.outstanding)
+                return (f"vLLM computed no token for {now - since:.0f} s with {in_flight} requests in flight "
+                        f"(inference.stall_timeout_s = {limit:g}), though it answers /health")
 
     @property
     def state(self) -> str:
@@ -264,6 +330,7 @@ class InferenceEngine:
             "weights": str(self.weights) if self.weights else None,
             "restarts": self.restarts,
             "launches": self.launches,
+            "stalled": self.stalled,
             "outstanding": self.outstanding,
             "recovering": self.recovering,
             "threads": self.threads,

@@ -109,10 +109,10 @@ class EnginePool:
 
     async def drop_dead(self, engines: list[InferenceEngine], cause: BaseException, version: int) -> Casualties:
         """A change to (or probe of) `engines` failed with `cause`: those that do not answer
-        `/health` died, and those of a pool leave it."""
+        `/health` died (or stalled, as their watch found), and those of a pool leave it."""
         while isinstance(cause, BaseExceptionGroup) and len(cause.exceptions) == 1:
             cause = cause.exceptions[0]  # a task group's wrapper: say what failed in it
-        dead = [engine for engine in engines if not await engine.healthy()]
+        dead = [engine for engine in engines if await engine.lost()]
         left = [engine for engine in dead if self.leave(engine, cause, version)]
         return Casualties(cause, dead, left, [engine for engine in engines if engine not in left])
 
@@ -130,9 +130,9 @@ class EnginePool:
     async def recover(self, engine: InferenceEngine, reason: str) -> None:
         """A lost engine (`reason`: how its watch found it): relaunched, caught up and probed by
         the bridge's `bring_up`, holding the turn. Nothing is done while the bridge does not
-        serve, or when the engine answers again (a sync that met the loss first relaunched it)."""
+        serve, or when the engine is no longer lost (a sync that met the loss first relaunched it)."""
         async with self.turn:
-            if not self.serving or await engine.healthy():
+            if not self.serving or not await engine.lost():
                 return
             if not self.single:
                 self._take_out(engine)  # the others sync on without it

@@ -6,13 +6,15 @@ gate, the version it serves, its outstanding requests, the health watch and its 
 A pool of engines is a list of these; nothing here knows about the others, the trainer or the
 bridge.
 
-The health watch (`watch`) finds a lost engine two ways and hands it to the caller's `on_lost`
+The health watch (`watch`) finds a lost engine three ways and hands it to the caller's `on_lost`
 (the bridge relaunches and probes it):
 - process death, event-driven: `InferenceProcess.wait_exit` waits on a pidfd, so a crash is seen
   at once and a long watch costs nothing;
 - a hung engine: `/health` polled every `inference.health_interval_s` while the gate is open, and
   `inference.health_failures` failures in a row. A closed gate means the engine is being changed
-  by its owner, who meets failures itself.
+  by its owner, who meets failures itself;
+- a stalled engine, which answers `/health` but computes nothing: vLLM's token counters
+  (`/metrics`) stand still for `inference.stall_timeout_s` with requests in flight, gate open.
 
 Relaunches after a loss spend the restart budget (`inference.max_restarts`), with a back-off that
 doubles from 1 s up to 30 s between relaunches of the same engine.

@@ -74,6 +74,9 @@ class Client:
     async def health(self, timeout_s=None):
         return self.vllm.alive
 
+    async def is_paused(self, timeout_s=None):
+        return False  # a scripted vLLM's core always answers; /health says whether it lives
+
     async def pause(self, mode):
         self.vllm._call("pause")
 

@@ -13,8 +13,9 @@ import socket
 import aiohttp
 import anyio
 import pytest
+import structlog.testing
 
-from bench.vllm_metrics import counter_totals
+from grpod.inference.client import metric_totals
 from grpod.config import InferenceConfig, ModelConfig
 from grpod.inference.client import (
     ForeignServerError,
@@ -27,6 +28,9 @@ from grpod.inference.process import (
     PortInUseError,
 )
 from grpod.inference.release import group_members, port_is_free
+from grpod.inference.routes import SERVED_MODEL_NAME
+from grpod.inference.supervised import SupervisedInference
+from tests.faults.injection import vllm_weights_holder
 from tests.harness import start_decoy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
@@ -52,9 +56,131 @@ async def test_generate_gives_n_completions_with_one_logprob_per_token(vllm_serv
     assert again == completions, "a seeded request must repeat exactly"
 
 
+# A generation long enough to outlast short timeouts: 64 completions of exactly 240 tokens
+# (2.4 s on an idle 2-core machine with the tiny model; the model's context is 256).
+LONG = {"n": 64, "max_tokens": 240, "min_tokens": 240, "temperature": 1.0}
+
+
+async def test_a_generation_outlasting_the_request_timeout_is_not_cut(vllm_server):
+    """A generation is bounded by inference.generation_timeout_s, not by the request timeout
+    that bounds every other call: a healthy one takes as long as its tokens do."""
+    request_timeout_s = 0.3
+    async with vllm_server.client(request_timeout_s) as client:
+        assert client.generation_timeout_s == vllm_server.cfg.generation_timeout_s > request_timeout_s
+        before = await client.progress()
+        started = anyio.current_time()
+        completions = await client.generate(PROMPT, **LONG)
+        took = anyio.current_time() - started
+        after = await client.progress()
+    assert took > request_timeout_s, f"the generation took {took:.2f} s: too short to show anything"
+    assert [len(c.token_ids) for c in completions] == [LONG["max_tokens"]] * LONG["n"]
+    assert after.tokens - before.tokens >= LONG["n"] * LONG["max_tokens"], (before, after)
+    assert after.in_flight == 0
+
+
+async def test_progress_counts_the_requests_a_generation_holds_in_flight(vllm_server):
+    async with vllm_server.client() as client:
+        seen = []
+
+        async def read_while_generating(done: anyio.Event) -> None:
+            while not done.is_set():
+                seen.append(await client.progress())
+                await anyio.sleep(0.05)
+
+        done = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_while_generating, done)
+            await client.generate(PROMPT, **LONG)
+            done.set()
+    assert max(p.in_flight for p in seen) == LONG["n"], seen
+    assert len({p.tokens for p in seen if p.in_flight}) > 1, "the counters move while it generates"
+
+
+STALL_S = 2.0
+
+
+async def test_the_stall_watch_passes_long_generations_and_finds_a_frozen_engine_core(tmp_path, tiny_model_dir):
+    """The engine's watch with inference.stall_timeout_s = 2: generations back to back for three
+    times that are no stall; an engine core frozen (SIGSTOP) with a generation in flight is
+    found by its token counters standing still, though /health answers all the while."""
+    cfg = InferenceConfig(start_timeout_s=300.0, stall_timeout_s=STALL_S, stop_grace_s=2.0)
+    engine = SupervisedInference(InferenceProcess(cfg, ModelConfig(path=tiny_model_dir), tmp_path / "run"), cfg)
+    reasons: list[str] = []
+
+    async def on_lost(lost, reason: str) -> None:
+        reasons.append(reason)
+
+    async def generate() -> None:
+        async with engine.lease(SERVED_MODEL_NAME) as lease:
+            await lease.client.generate(PROMPT, **LONG)
+
+    await engine.launch(tiny_model_dir, version=0)
+    try:
+        engine.open()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.watch, on_lost)
+            started = anyio.current_time()
+            while anyio.current_time() - started < 3 * STALL_S:
+                await generate()
+            assert reasons == [] and not engine.stalled, "a healthy generation was taken for a stall"
+
+            core = vllm_weights_holder(engine.process.pgid)
+            tg.start_soon(generate)
+            with anyio.fail_after(60):
+                while (await engine.client.progress()).in_flight == 0:
+                    await anyio.sleep(0.02)
+            core.suspend()  # a process of the group this test's engine launched
+            frozen_at = anyio.current_time()
+            try:
+                with anyio.fail_after(4 * STALL_S + 30):
+                    while not reasons:
+                        await anyio.sleep(0.1)
+                found_after = anyio.current_time() - frozen_at
+                assert await engine.healthy(), "a frozen engine core still answers /health"
+                assert engine.stalled and await engine.lost()
+                assert engine.describe()["stalled"] is True
+            finally:
+                core.resume()
+            tg.cancel_scope.cancel()
+    finally:
+        await engine.shutdown()
+    assert len(reasons) == 1 and "computed no token" in reasons[0] and "stall_timeout_s = 2" in reasons[0], reasons
+    assert found_after >= STALL_S, f"found after {found_after:.1f} s, before the limit"
+
+
+async def test_an_engine_that_keeps_no_token_counters_is_never_taken_for_stalled(tmp_path, tiny_model_dir):
+    """vLLM run with --disable-log-stats publishes no counters: the stall watch says once that it
+    cannot see, and long generations under a 1 s limit are no stall."""
+    cfg = InferenceConfig(start_timeout_s=300.0, stall_timeout_s=1.0, extra_args=["--disable-log-stats"])
+    engine = SupervisedInference(InferenceProcess(cfg, ModelConfig(path=tiny_model_dir), tmp_path / "run"), cfg)
+    reasons: list[str] = []
+
+    async def on_lost(lost, reason: str) -> None:
+        reasons.append(reason)
+
+    await engine.launch(tiny_model_dir, version=0)
+    try:
+        engine.open()
+        with structlog.testing.capture_logs() as logs:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.watch, on_lost)
+                started = anyio.current_time()
+                while anyio.current_time() - started < 3.0:
+                    async with engine.lease(SERVED_MODEL_NAME) as lease:
+                        await lease.client.generate(PROMPT, **LONG)
+                tg.cancel_scope.cancel()
+        with pytest.raises(InferenceRequestError, match="no token counter"):
+            await engine.client.progress()
+    finally:
+        await engine.shutdown()
+    assert reasons == [] and not engine.stalled
+    blind = [e for e in logs if e["event"] == "stall_watch_blind"]
+    assert len(blind) == 1 and "no token counter" in blind[0]["error"], blind
+
+
 async def prefix_cache_tokens(client) -> dict[str, float]:
     """vLLM's prefix-cache counters: prompt tokens looked up ("queries") and found ("hits")."""
-    totals = counter_totals(await client._request("GET", "/metrics"),
+    totals = metric_totals(await client._request("GET", "/metrics"),
                             [f"vllm:prefix_cache_{name}_total" for name in ("queries", "hits")])
     return {name: totals[f"vllm:prefix_cache_{name}_total"] for name in ("queries", "hits")}
 

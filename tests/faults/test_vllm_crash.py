@@ -1,14 +1,21 @@
-"""Cases 1 and 2: vLLM dies under a running daemon, which relaunches it and finishes the run.
+"""Cases 1, 2, 18 and 19: vLLM dies or freezes under a running daemon, which relaunches it and
+finishes the run.
 
 One daemon run (builtin source, `none` bridge reloading in place every `SYNC_EVERY` steps)
-takes both faults, one after the other, in one test (three rows of the fault table). The two
-kills are timed so that each of the bridge's two ways of meeting a dead vLLM is exercised:
+takes the four faults, one after the other, in one test (five rows of the fault table). They are
+timed so that each of the bridge's ways of meeting a lost vLLM is exercised:
 
 1. SIGKILL of the vLLM process that holds the weights (EngineCore with grpod's default one-engine
    CPU executor, its Worker child otherwise) while vLLM generates, just
    after a sync (the next one is steps away): the bridge's health watch finds it.
 2. SIGKILL of vLLM's API server (the process group leader) while the step before a sync trains:
    the sync that follows the step meets the dead server.
+18. SIGSTOP of the process that holds the weights while vLLM generates, just after a sync: the
+   API server still answers /health, so only the stall watch can find it (its token counters
+   stand still for `inference.stall_timeout_s` with requests in flight).
+19. The same freeze while the step before a sync trains: the sync's pause runs past
+   `inference.request_timeout_s`, and the engine core, asked whether it is paused, does not answer
+   within `inference.stall_timeout_s`: the sync relaunches it and applies itself again.
 
 After each: vLLM is relaunched on the current (newest synced) weights, the alignment probe
 passes, training goes on; each fault costs exactly one restart; groups whose generation failed
@@ -18,12 +25,14 @@ trained exactly once from whole groups, and no process of any vLLM group remains
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.faults.injection import (
@@ -39,16 +48,20 @@ from tests.faults.injection import (
     step_records,
     vllm_api_server,
     vllm_weights_holder,
+    wait_until,
 )
 from tests.harness import DaemonProcess, base_settings, metrics, write_config
 
 pytestmark = pytest.mark.faults
 
-STEPS = 24
+STEPS = 40
 SYNC_EVERY = 4
 GROUP_SIZE = 4
 GROUPS_PER_STEP = 2
 CONCURRENCY = 2
+# Case 18's limit: well above an engine step under load, well below a test's patience.
+STALL_S = 10.0
+FAULTS = 4
 
 
 def _settings(run_dir, model_dir):
@@ -66,6 +79,10 @@ def _settings(run_dir, model_dir):
         "inference.start_timeout_s": 300.0,
         # A vLLM whose engine died ignores SIGTERM; do not wait the default 5 s before SIGKILL.
         "inference.stop_grace_s": 2.0,
+        "inference.stall_timeout_s": STALL_S,
+        # Case 19's sync waits this long on the frozen engine (a generation is not bound by it).
+        "inference.request_timeout_s": 20.0,
+        "inference.max_restarts": FAULTS,
         "checkpoint.every": 0,
     }
 
@@ -163,15 +180,21 @@ def worker_sigkill_while_generating(crash_run, fault_case) -> None:
     base_url = status["bridge"]["vllm"]["base_url"]
     worker = vllm_weights_holder(crash_run.pgids[0])
     drops_before = len(log_events(crash_run.run_dir, "generation_failed"))
-
-    def generating_after_sync(s) -> bool:
-        just_synced = s["step"] % SYNC_EVERY == 0 and s["policy_version"] == s["step"] // SYNC_EVERY
-        return just_synced and s["bridge"]["state"] == "SERVING" and generations_running(base_url) > 0
-
-    status_until(daemon, generating_after_sync, 120, "vLLM generating just after a sync", poll_s=0.005)
+    status_until(daemon, generating_after_sync(base_url), 120, "vLLM generating just after a sync", poll_s=0.005)
     killed_at = sigkill(worker)
     drops = _check_recovery(crash_run, 1, row, killed_at, drops_before)
     assert drops, "the generation running at the kill is dropped and counted"
+
+
+def generating_after_sync(base_url: str):
+    """A status condition: the policy was synced at this step (the next sync is steps away) and
+    vLLM at `base_url` is generating."""
+
+    def condition(s) -> bool:
+        just_synced = s["step"] % SYNC_EVERY == 0 and s["policy_version"] == s["step"] // SYNC_EVERY
+        return just_synced and s["bridge"]["state"] == "SERVING" and generations_running(base_url) > 0
+
+    return condition
 
 
 def api_server_sigkill_mid_step(crash_run, fault_case) -> None:
@@ -179,19 +202,67 @@ def api_server_sigkill_mid_step(crash_run, fault_case) -> None:
     daemon = crash_run.daemon
     assert len(crash_run.pgids) == 2, "case 1 ran first on this daemon"
     drops_before = len(log_events(crash_run.run_dir, "generation_failed"))
-
-    def training_before_sync(s) -> bool:
-        busy = s["heartbeat"]["busy_for_s"] is not None and s["bridge"]["state"] == "SERVING"
-        return busy and (s["step"] + 1) % SYNC_EVERY == 0
-
     busy = status_until(daemon, training_before_sync, 120, "the step before a sync in training", poll_s=0.005)
     assert busy["bridge"]["vllm"]["pid"] == crash_run.pgids[-1]
     killed_at = sigkill(vllm_api_server(crash_run.pgids[-1]))
     _check_recovery(crash_run, 2, row, killed_at, drops_before)
 
 
-def run_completes_after_both_crashes(crash_run, fault_case) -> None:
-    row = fault_case("1+2 the crashed-into run completes")
+def training_before_sync(s) -> bool:
+    """A status condition: the step that a sync follows is training."""
+    busy = s["heartbeat"]["busy_for_s"] is not None and s["bridge"]["state"] == "SERVING"
+    return busy and (s["step"] + 1) % SYNC_EVERY == 0
+
+
+def weights_holder_frozen_while_generating(crash_run, fault_case) -> None:
+    row = fault_case("18 SIGSTOP vLLM engine (holds the weights) while generating: /health still answers")
+    daemon = crash_run.daemon
+    assert len(crash_run.pgids) == 3, "cases 1 and 2 ran first on this daemon"
+    status = status_until(daemon, lambda s: _serving(s, 2), 60, "serving after case 2")
+    base_url = status["bridge"]["vllm"]["base_url"]
+    frozen = vllm_weights_holder(crash_run.pgids[-1])
+    drops_before = len(log_events(crash_run.run_dir, "generation_failed"))
+    status_until(daemon, generating_after_sync(base_url), 180, "vLLM generating just after a sync", poll_s=0.005)
+    frozen.suspend()  # a process of the vLLM group this daemon launched (by PID)
+    frozen_at = time.monotonic()
+    try:
+        lost = wait_until(lambda: log_events(crash_run.run_dir, "inference_lost")[2:], 4 * STALL_S + 60,
+                          "the frozen engine found lost")[0]
+        found_s = time.monotonic() - frozen_at
+        drops = _check_recovery(crash_run, 3, row, frozen_at, drops_before)
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            frozen.resume()
+    row.notes = f"found by the stall watch after {found_s:.1f} s ({lost['error']}); " + row.notes.split("; ", 1)[1]
+    assert "computed no token" in lost["error"], lost
+    assert found_s >= STALL_S, "found before the stall limit: not by the stall watch"
+    assert drops, "the generation frozen in flight is dropped and counted"
+
+
+def weights_holder_frozen_before_a_sync(crash_run, fault_case) -> None:
+    row = fault_case("19 SIGSTOP vLLM engine (holds the weights) while the step before a sync trains")
+    daemon = crash_run.daemon
+    assert len(crash_run.pgids) == 4, "cases 1, 2 and 18 ran first on this daemon"
+    status_until(daemon, lambda s: _serving(s, 3), 60, "serving after case 18")
+    drops_before = len(log_events(crash_run.run_dir, "generation_failed"))
+    status_until(daemon, training_before_sync, 180, "the step before a sync in training", poll_s=0.005)
+    frozen = vllm_weights_holder(crash_run.pgids[-1])
+    frozen.suspend()  # a process of the vLLM group this daemon launched (by PID)
+    frozen_at = time.monotonic()
+    try:
+        _check_recovery(crash_run, 4, row, frozen_at, drops_before)
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            frozen.resume()
+    lost = log_events(crash_run.run_dir, "inference_lost")[3]
+    assert lost["during"] == "sync" and "stalled during the sync" in lost["error"], lost
+    assert "timed out after 20 s (inference.request_timeout_s)" in lost["error"], lost
+    assert log_events(crash_run.run_dir, "engine_core_silent"), "the core was asked and did not answer"
+    row.notes = f"the sync's pause timed out, the core did not answer: relaunched mid-sync; " + row.notes.split("; ", 1)[1]
+
+
+def run_completes_after_the_faults(crash_run, fault_case) -> None:
+    row = fault_case("1+2+18+19 the run that lost vLLM four times completes")
     run_dir = crash_run.run_dir
     code, last = follow_to_exit(crash_run.daemon, 300)
     crash_run.daemon.close()
@@ -219,8 +290,8 @@ def run_completes_after_both_crashes(crash_run, fault_case) -> None:
 
     assert code == 0, f"exit {code}: {failure_reason(run_dir)}\n{crash_run.daemon.tail()}"
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "every step trained exactly once"
-    assert (last.get("bridge") or {}).get("restarts") == 2, "one restart per fault, two in all"
-    assert len(log_events(run_dir, "inference_recovered")) == 2
+    assert (last.get("bridge") or {}).get("restarts") == FAULTS, "one restart per fault"
+    assert len(log_events(run_dir, "inference_recovered")) == FAULTS
     syncs = [r for r in metrics(run_dir) if r["kind"] == "sync"]
     assert [r["weights_step"] for r in syncs] == list(range(SYNC_EVERY, STEPS + 1, SYNC_EVERY)), "every sync done, once"
     assert all(r["probe"]["max_abs_diff"] <= 0.02 for r in syncs), "every sync probed and aligned"
@@ -233,7 +304,9 @@ def run_completes_after_both_crashes(crash_run, fault_case) -> None:
 
 
 @pytest.mark.timeout(1200)
-def test_vllm_killed_twice_mid_run_is_relaunched_and_the_run_completes(crash_run, fault_case):
+def test_vllm_killed_twice_and_frozen_twice_mid_run_is_relaunched_and_the_run_completes(crash_run, fault_case):
     worker_sigkill_while_generating(crash_run, fault_case)
     api_server_sigkill_mid_step(crash_run, fault_case)
-    run_completes_after_both_crashes(crash_run, fault_case)
+    weights_holder_frozen_while_generating(crash_run, fault_case)
+    weights_holder_frozen_before_a_sync(crash_run, fault_case)
+    run_completes_after_the_faults(crash_run, fault_case)

@@ -97,6 +97,9 @@ class IpcConsumerClient:
     async def health(self, timeout_s=None) -> bool:
         return self.consumer.running
 
+    async def is_paused(self, timeout_s=None) -> bool:
+        return False  # the consumer's core is the consumer: /health says whether it lives
+
     async def update_weight_version(self, version: int) -> None:
         self.consumer.calls.append(("version", version))
 

@@ -12,6 +12,7 @@ import anyio
 import pytest
 
 from grpod.config import InferenceConfig
+from grpod.inference.client import InferenceRequestError
 from grpod.inference.pool import EnginePool
 from grpod.inference.supervised import SupervisedInference
 
@@ -26,9 +27,15 @@ def anyio_backend():
 class Client:
     def __init__(self) -> None:
         self.alive = True
+        self.core_answers = True
 
     async def health(self, timeout_s=None):
         return self.alive
+
+    async def is_paused(self, timeout_s=None):
+        if not self.core_answers:
+            raise InferenceRequestError("/is_paused", None, f"timed out after {timeout_s:g} s")
+        return False
 
 
 def engine(name: str, version: int = 0) -> SupervisedInference:
@@ -84,14 +91,15 @@ async def test_nothing_dead_is_no_casualty():
 
 
 @pytest.mark.parametrize(
-    ("serving", "healthy", "brought_up"),
+    ("serving", "healthy", "stalled", "brought_up"),
     [
-        (True, False, True),  # lost while the bridge serves: brought back
-        (False, False, False),  # the bridge starts, failed or stops: left as it is
-        (True, True, False),  # answers again: a sync met the loss first and relaunched it
+        (True, False, False, True),  # lost while the bridge serves: brought back
+        (False, False, False, False),  # the bridge starts, failed or stops: left as it is
+        (True, True, False, False),  # answers again: a sync met the loss first and relaunched it
+        (True, True, True, True),  # answers /health but its watch found it stalled: brought back
     ],
 )
-async def test_recover_brings_a_lost_engine_back_only_while_the_bridge_serves(serving, healthy, brought_up):
+async def test_recover_brings_a_lost_engine_back_only_while_the_bridge_serves(serving, healthy, stalled, brought_up):
     a, b = engine("a"), engine("b")
     calls = []
 
@@ -100,9 +108,21 @@ async def test_recover_brings_a_lost_engine_back_only_while_the_bridge_serves(se
 
     pool = pool_of(a, b, bring_up=bring_up)
     pool.serving = serving
-    b.client.alive = healthy
+    b.client.alive, b.stalled = healthy, stalled
     await pool.recover(b, "vLLM exited with code -9")
     assert calls == ([("b", "vLLM exited with code -9", True, False)] if brought_up else [])
+
+
+@pytest.mark.parametrize("how", ["found stalled by its watch", "its core does not answer"])
+async def test_a_stalled_engine_that_answers_health_is_a_casualty_of_a_failed_change(how):
+    a, b = engine("a"), engine("b")
+    if how == "found stalled by its watch":
+        b.stalled = True
+    else:
+        b.client.core_answers = False
+    lost = await pool_of(a, b).drop_dead([a, b], TimeoutError("pause"), version=1)
+    assert lost.dead == [b] and lost.left == [b] and lost.remaining == [a]
+    assert b.stalled and not a.stalled
 
 
 async def test_a_pool_syncs_on_while_one_engine_relaunches_and_the_only_engine_holds_the_turn():
