@@ -41,10 +41,15 @@ async def failing_server():
     async def lora(request: web.Request) -> web.Response:
         return web.Response(text="Success: LoRA adapter 'a' added successfully.")
 
+    async def is_paused(request: web.Request) -> web.Response:
+        await asyncio.sleep(1)
+        return web.json_response({"is_paused": False})
+
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/load_lora_adapter", lora)
+    app.router.add_get("/is_paused", is_paused)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port("127.0.0.1")
@@ -70,12 +75,15 @@ async def test_http_error_names_route_status_and_body(failing_server):
     assert (seen[0]["presence_penalty"], seen[0]["frequency_penalty"]) == (0.0, 0.0)
 
 
-async def test_timeout_is_an_error_with_the_timeout(failing_server):
+async def test_timeout_is_an_error_with_the_timeout_and_the_setting_that_bounds_it(failing_server):
     url, _ = failing_server
-    async with InferenceClient(url, 0.3) as client:
-        with pytest.raises(InferenceRequestError, match=r"timed out after 0\.3 s") as err:
+    async with InferenceClient(url, 5.0, generation_timeout_s=0.3) as client:
+        with pytest.raises(InferenceRequestError, match=r"timed out after 0\.3 s \(inference\.generation_timeout_s\)") as err:
             await client.generate([1], n=1, max_tokens=7, temperature=1.0)
     assert err.value.status is None
+    async with InferenceClient(url, 0.3, generation_timeout_s=60.0) as client:
+        with pytest.raises(InferenceRequestError, match=r"timed out after 0\.3 s \(inference\.request_timeout_s\)"):
+            await client.is_paused()
 
 
 async def test_misaligned_tokens_and_logprobs_are_refused(failing_server):
