@@ -144,7 +144,8 @@ async def test_the_stall_watch_passes_long_generations_and_finds_a_frozen_engine
             tg.cancel_scope.cancel()
     finally:
         await engine.shutdown()
-    assert len(reasons) == 1 and "computed no token" in reasons[0] and "stall_timeout_s = 2" in reasons[0], reasons
+    # (The watch reports the loss again while nobody relaunches the engine: the first one is the stall.)
+    assert "computed no token" in reasons[0] and "stall_timeout_s = 2" in reasons[0], reasons
     assert found_after >= STALL_S, f"found after {found_after:.1f} s, before the limit"
 
 
