@@ -62,12 +62,15 @@ class EngineProgress:
 
 def engine_progress(text: Any) -> EngineProgress:
     """`EngineProgress` from the text of vLLM's `/metrics`; ValueError when it is no Prometheus
-    text or has no token counter (a server run with `--disable-log-stats` keeps none)."""
+    text or has no token counter (a server run with `--disable-log-stats` keeps none). Only the
+    samples of these four metrics are parsed: the whole text (48 KB, 576 lines for one CPU engine)
+    took 17-22 ms to parse, on the daemon's event loop."""
     if not isinstance(text, str):
         raise ValueError(f"not a Prometheus text: {str(text)[:200]}")
-    if not any(name in text for name in TOKEN_COUNTERS):
+    samples = [line for line in text.splitlines() if line.startswith(TOKEN_COUNTERS + REQUEST_GAUGES)]
+    if not any(line.startswith(TOKEN_COUNTERS) for line in samples):
         raise ValueError(f"no token counter ({', '.join(TOKEN_COUNTERS)})")
-    totals = metric_totals(text, TOKEN_COUNTERS + REQUEST_GAUGES)
+    totals = metric_totals("\n".join(samples) + "\n", TOKEN_COUNTERS + REQUEST_GAUGES)
     return EngineProgress(
         tokens=sum(totals[name] for name in TOKEN_COUNTERS),
         in_flight=round(sum(totals[name] for name in REQUEST_GAUGES)),

@@ -172,3 +172,25 @@ async def test_stopping_the_agent_answers_the_watches_and_releases_the_engines(t
                 outside.start_soon(watch)
                 await anyio.wait_all_tasks_blocked()
     assert answer["ended"] and not engine.process.running and group_members(pgid) == []
+
+
+async def test_a_stalled_engine_is_relaunched_by_the_agent_and_not_handed_over_though_it_answers_health(
+    tmp_path, weights
+):
+    """An engine its watch found stalled still answers /health (vLLM's API server answers for a
+    frozen core; tests/e2e/test_inference_process.py finds one on real vLLM): the agent's relaunch
+    of a lost engine goes ahead, and the leader's launch does not adopt a stalled launch."""
+    [engine] = stub_engines(tmp_path, max_restarts=2)
+    request = LaunchRequest(weights=str(weights), version=3)
+    async with serving([engine]) as (hosting, url), AgentClient(url, TOKEN, 30) as agent:
+        [hosted] = hosting.engines
+        await agent.launch("engine-0", request, timeout_s=60)
+        engine.stalled = True  # what its watch sets on finding the stall
+        assert await engine.healthy()
+        await hosted.relaunch_lost(engine, "vLLM computed no token for 60 s with 8 requests in flight")
+        relaunched = (await agent.status())["engines"][0]
+        assert relaunched["launches"] == 2 and relaunched["restarts"] == 1 and not engine.stalled
+
+        engine.stalled = True  # the agent's own relaunch stalls in turn
+        answer = await agent.launch("engine-0", request, timeout_s=60)
+        assert not answer.adopted and answer.launches == 3, "a stalled launch is not handed over"
