@@ -194,9 +194,9 @@ class InferenceEngine:
     async def _core_answers(self) -> bool:
         """Whether the engine core answers a question of its own (is its scheduler paused?)
         within `inference.stall_timeout_s`: between two engine steps, paused or not. An answer
-        that is an error is an answer: the route may be missing; /health covers a dead core."""
-        if self.client is None:
-            return False
+        that is an error is an answer: the route may be missing; /health covers a dead core.
+        Asked only of an engine that answers /health, so with a client."""
+        assert self.client is not None
         try:
             await self.client.is_paused(timeout_s=self.cfg.stall_timeout_s)
         except InferenceRequestError as exc:
@@ -294,8 +294,8 @@ class InferenceEngine:
                     if exc.status == 200 and blind_launch != self.launches:  # answered, without counters
                         blind_launch = self.launches
                         log.warning("stall_watch_blind", engine=self.name, error=str(exc)[:300])
-                except Exception:  # noqa: BLE001 — unread: neither progress nor a stall
-                    progress = None
+                except Exception:  # noqa: BLE001, S110 — unread: neither progress nor a stall, never the watch's end
+                    pass
             now = anyio.current_time()
             busy = progress is not None and (progress.in_flight > 0 or self.outstanding > 0)
             if not busy or progress.tokens != tokens:

@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 
+from grpod.inference.client import metric_totals
 from tests.harness import ROOT, base_settings, group_processes, metrics
 
 
@@ -80,11 +81,7 @@ def generations_running(base_url: str) -> float:
             text = reply.read().decode()
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return 0.0
-    running = 0.0
-    for line in text.splitlines():
-        if line.startswith("vllm:num_requests_running"):
-            running += float(line.rsplit(" ", 1)[1])
-    return running
+    return metric_totals(text, ["vllm:num_requests_running"])["vllm:num_requests_running"]
 
 
 # ---- waiting ------------------------------------------------------------------------------
