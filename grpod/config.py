@@ -154,7 +154,10 @@ class InferenceConfig(_Section):
     release_timeout_s: float = Field(
         60.0, gt=0, description="Wait for a stopped vLLM's processes, port and GPU memory to be gone."
     )
-    request_timeout_s: float = Field(120.0, gt=0, description="Any HTTP request to vLLM but a generation's.")
+    request_timeout_s: float = Field(
+        120.0, gt=0, description="Any HTTP request to vLLM but a generation's and the engine core's own answers "
+        "(stall_timeout_s)."
+    )
     generation_timeout_s: float = Field(
         1800.0,
         gt=0,
@@ -167,8 +170,9 @@ class InferenceConfig(_Section):
         gt=0,
         description="An engine with requests in flight whose token counters (vLLM's /metrics) do not move for "
         "this long is stalled: it still answers /health (a frozen engine core does), and it is relaunched like "
-        "one that stopped answering. After a failed sync request, an engine core that does not answer a "
-        "question of its own for this long is stalled too. Raise it above the longest prefill of one prompt.",
+        "one that stopped answering. It also bounds what the engine core answers between two of its steps "
+        "(a sync's pause; after a failed sync request, whether it is paused): a core silent for this long is "
+        "stalled too. Raise it above the longest prefill of one prompt.",
     )
     health_interval_s: float = Field(0.5, gt=0, description="/health probe period while serving.")
     health_failures: int = Field(

@@ -69,7 +69,8 @@ class RemoteProcess:
     def client(self, timeout_s: float | None = None) -> InferenceClient:
         """A client of this launch (use it as `async with`): it accepts only answers with its token."""
         return InferenceClient(self.base_url, timeout_s or self.cfg.request_timeout_s, self.cfg.api_key,
-                               launch_token=self.launch_token, generation_timeout_s=self.cfg.generation_timeout_s)
+                               launch_token=self.launch_token, generation_timeout_s=self.cfg.generation_timeout_s,
+                               core_timeout_s=self.cfg.stall_timeout_s)
 
     def served_model_names(self, *, lora: bool = False) -> list[str]:
         return self._model_names.get("lora" if lora else "full") or [SERVED_MODEL_NAME]

@@ -172,9 +172,7 @@ class BroadcastBridge(Bridge):
             group = await self._weight_group(engines) if epoch_group else None
         with timed(phases, "pause"):
             for engine in engines:
-                engine.close()
-                assert engine.client is not None
-                await engine.client.pause(mode="keep")
+                await engine.pause()
         with timed(phases, "broadcast"):
             if group is not None:
                 await group.sync(staged, weight_version=str(version))

@@ -75,10 +75,9 @@ class NoneBridge(Bridge):
             await self._relaunch(engine, staged, phases)
             await self._bump_version_and_reset_cache(engine, version)
             return
-        assert engine.client is not None
-        engine.close()
         with timed(phases, "reload"):
-            await engine.client.pause(mode="keep")
+            await engine.pause()
+            assert engine.client is not None
             # A reload that fails leaves vLLM paused: half-loaded weights are never served.
             # grpod's reload: vLLM's, then the (possibly tied) output head re-packed (reload_ext).
             await engine.client.collective_rpc("grpod_reload_weights", args=[str(staged)])

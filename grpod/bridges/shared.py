@@ -186,10 +186,8 @@ class SharedBridge(Bridge):
         return self.shm_dir
 
     async def _apply(self, engine: SupervisedInference, staged: Path, version: int, phases: dict[str, float]) -> None:
-        assert engine.client is not None
-        engine.close()
         t = time.perf_counter()
-        await engine.client.pause(mode="keep")
+        await engine.pause()
         phases["pause"] = time.perf_counter() - t
         # Taken only once vLLM is paused: a sync retried after vLLM died before the pause still
         # has its optimizer step to run; one retried after the step ran has none.
@@ -199,6 +197,7 @@ class SharedBridge(Bridge):
             await update()
             phases["optimizer_step"] = time.perf_counter() - t
         t = time.perf_counter()
+        assert engine.client is not None
         await engine.client.end_fence(version)
         phases["reset_resume"] = time.perf_counter() - t
 

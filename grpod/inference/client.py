@@ -99,18 +99,6 @@ class Completion:
     versions: list[int] | None = None
 
 
-def _checked(route: str, completions: list[Completion], n: int) -> list[Completion]:
-    """`completions` if they are `n`, each with one logprob per id; else the answer's error."""
-    for c in completions:
-        if len(c.token_ids) != len(c.logprobs):
-            raise InferenceRequestError(
-                route, 200, f"{len(c.token_ids)} token ids but {len(c.logprobs)} logprobs in one completion"
-            )
-    if len(completions) != n:
-        raise InferenceRequestError(route, 200, f"asked for {n} completions, got {len(completions)}")
-    return completions
-
-
 def token_versions(spans: list[dict[str, Any]] | None, count: int) -> list[int] | None:
     """One version per sampled id from vLLM's `weight_versions` spans (`{version, start, end}` over
     output-token indexes); None when the engine labelled none or the spans do not cover every id
@@ -125,6 +113,35 @@ def token_versions(spans: list[dict[str, Any]] | None, count: int) -> list[int] 
     return versions if len(versions) == count else None
 
 
+def _completion(choice: dict[str, Any], versioned: bool) -> Completion:
+    ids = [int(t) for t in choice["token_ids"]]
+    if versioned:  # the token-in/token-out route: chat-style logprob entries, and version spans
+        logprobs = [float(entry["logprob"]) for entry in (choice["logprobs"] or {}).get("content") or []]
+        versions = token_versions(choice.get("weight_versions"), len(ids))
+    else:
+        logprobs, versions = [float(lp) for lp in choice["logprobs"]["token_logprobs"]], None
+    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=choice.get("finish_reason"),
+                      text=choice.get("text") or "", versions=versions)
+
+
+def completions_of(route: str, answer: Any, n: int) -> list[Completion]:
+    """The `n` completions of a generation's answer from `route`, in their order, each with one
+    logprob per id; else the answer's error."""
+    try:
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        completions = [_completion(c, route == TOKENS_GENERATE_ROUTE) for c in choices]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InferenceRequestError(route, 200, f"unexpected answer shape ({exc!r}): {str(answer)[:200]}") from None
+    for c in completions:
+        if len(c.token_ids) != len(c.logprobs):
+            raise InferenceRequestError(
+                route, 200, f"{len(c.token_ids)} token ids but {len(c.logprobs)} logprobs in one completion"
+            )
+    if len(completions) != n:
+        raise InferenceRequestError(route, 200, f"asked for {n} completions, got {len(completions)}")
+    return completions
+
+
 class InferenceClient(SessionClient):
     """Async client over one aiohttp session; use as `async with InferenceClient(...) as client`."""
 
@@ -136,14 +153,18 @@ class InferenceClient(SessionClient):
         *,
         launch_token: str | None = None,
         generation_timeout_s: float | None = None,
+        core_timeout_s: float | None = None,
     ) -> None:
         """`launch_token`: the token the launched server echoes (`x-grpod-launch`); when given,
         every answer without it raises `ForeignServerError`. `generation_timeout_s` bounds a
-        generation request (`timeout_s` when not given), `timeout_s` every other."""
+        generation request, `core_timeout_s` a question the engine core answers between two of its
+        steps (a pause that keeps or aborts, `/is_paused`), `timeout_s` every other (and these two
+        when not given)."""
         super().__init__(api_key)
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.generation_timeout_s = generation_timeout_s or timeout_s
+        self.core_timeout_s = core_timeout_s or timeout_s
         self.launch_token = launch_token
 
     async def _request(
@@ -270,21 +291,7 @@ class InferenceClient(SessionClient):
             body["stop_token_ids"] = stop_token_ids
         if min_tokens:
             body["min_tokens"] = min_tokens
-        answer = await self._generation(route, body)
-        try:
-            choices = sorted(answer["choices"], key=lambda c: c["index"])
-            completions = [
-                Completion(
-                    token_ids=list(c["token_ids"]),
-                    logprobs=[float(lp) for lp in c["logprobs"]["token_logprobs"]],
-                    finish_reason=c.get("finish_reason"),
-                    text=c.get("text") or "",
-                )
-                for c in choices
-            ]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InferenceRequestError(route, 200, f"unexpected answer shape ({exc!r}): {str(answer)[:200]}") from None
-        return _checked(route, completions, n)
+        return await self._generation(route, body, n)
 
     async def _generate_versioned(
         self, prompt_ids: list[int], *, n: int, cache_salt: str | None, model: str, **sampling: Any
@@ -299,28 +306,15 @@ class InferenceClient(SessionClient):
         }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        answer = await self._generation(route, body)
-        try:
-            completions = []
-            for c in sorted(answer["choices"], key=lambda c: c["index"]):
-                ids = [int(t) for t in c["token_ids"]]
-                completions.append(Completion(
-                    token_ids=ids,
-                    logprobs=[float(entry["logprob"]) for entry in (c["logprobs"] or {}).get("content") or []],
-                    finish_reason=c.get("finish_reason"),
-                    text=c.get("text") or "",
-                    versions=token_versions(c.get("weight_versions"), len(ids)),
-                ))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InferenceRequestError(route, 200, f"unexpected answer shape ({exc!r}): {str(answer)[:200]}") from None
-        return _checked(route, completions, n)
+        return await self._generation(route, body, n)
 
-    async def _generation(self, route: str, body: dict[str, Any]) -> Any:
+    async def _generation(self, route: str, body: dict[str, Any], n: int) -> list[Completion]:
         """A generation request: bounded by `generation_timeout_s`, not by the request timeout (a
         healthy generation takes as long as its tokens do; the engine's stall watch finds one that
         stopped generating)."""
-        return await self._request("POST", route, json_body=body, timeout_s=self.generation_timeout_s,
-                                   setting="inference.generation_timeout_s")
+        answer = await self._request("POST", route, json_body=body, timeout_s=self.generation_timeout_s,
+                                     setting="inference.generation_timeout_s")
+        return completions_of(route, answer, n)
 
     async def progress(self) -> EngineProgress:
         """The engine's token counters and requests in flight, from its `/metrics`."""
@@ -364,9 +358,12 @@ class InferenceClient(SessionClient):
     async def pause(self, mode: PauseMode = "keep") -> None:
         """Stop scheduling: `keep` freezes in-flight requests until `resume`, `wait` drains them,
         `abort` cancels them. `keep` and `abort` go to grpod's `/grpod/pause` (the same engine
-        pause as vLLM's `/pause` without its fixed 20 ms sleep), `wait` to vLLM's."""
-        route = "/pause" if mode == "wait" else PAUSE_ROUTE
-        await self._request("POST", route, params={"mode": mode})
+        pause as vLLM's `/pause` without its fixed 20 ms sleep), answered by the core between two
+        steps (bounded by `core_timeout_s`); `wait` to vLLM's."""
+        if mode == "wait":
+            await self._request("POST", "/pause", params={"mode": mode})
+        else:
+            await self._core_question("POST", PAUSE_ROUTE, params={"mode": mode})
 
     async def resume(self) -> None:
         await self._request("POST", "/resume")
@@ -376,11 +373,15 @@ class InferenceClient(SessionClient):
         resume — one request to grpod's `/grpod/resume`."""
         await self._request("POST", RESUME_ROUTE, json_body={"version": version})
 
-    async def is_paused(self, *, timeout_s: float | None = None) -> bool:
+    async def is_paused(self) -> bool:
         """Whether the engine's scheduler is paused: answered by the engine core itself (the API
         server answers /health alone)."""
-        answer = await self._request("GET", "/is_paused", timeout_s=timeout_s)
+        answer = await self._core_question("GET", "/is_paused")
         return bool(answer["is_paused"])
+
+    async def _core_question(self, method: str, route: str, **kwargs: Any) -> Any:
+        return await self._request(method, route, timeout_s=self.core_timeout_s,
+                                   setting="inference.stall_timeout_s", **kwargs)
 
     async def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
         """Drop cached prefixes (needed after every weight change). False while blocks are still

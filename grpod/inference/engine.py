@@ -16,8 +16,10 @@ the gate is open, `inference.health_failures` failures in a row. A closed gate m
 being changed by its owner, who meets failures itself. And both find a stalled engine the same way:
 one that answers `/health` (a frozen engine core does: the API server answers for it) but, with
 requests in flight, computes no token for `inference.stall_timeout_s`, read from vLLM's own
-counters (`/metrics`) while the gate is open. With the gate shut, whoever changes the engine asks
-`lost()` after a failure, which also puts a question to the engine core itself (`/is_paused`).
+counters (`/metrics`) while the gate is open. With the gate shut, whoever changes the engine
+pauses it through `pause()`, bounded by `inference.stall_timeout_s` like every question the engine
+core itself answers, and asks `lost()` after a failure, which also puts such a question to the
+core (`/is_paused`) unless a pause already went unanswered.
 Relaunches after a loss spend the restart budget (`inference.max_restarts`), with a back-off that
 doubles from 1 s up to 30 s between relaunches of the same engine.
 """
@@ -182,26 +184,36 @@ class InferenceEngine:
     async def lost(self) -> bool:
         """True while this launch is lost: it does not answer `/health`, or it is stalled — its
         watch found it so, or its engine core does not answer within `inference.stall_timeout_s`
-        (vLLM's API server answers /health for a frozen core). A new launch is not, until found so."""
+        (vLLM's API server answers /health for a frozen core) a pause or the question asked here.
+        A new launch is not, until found so."""
         if self.stalled or not await self.healthy():
             return True
-        if not await self._core_answers():
-            self.stalled = True
-            log.warning("engine_core_silent", engine=self.name, pid=self.process.pid,
-                        waited_s=self.cfg.stall_timeout_s)
+        assert self.client is not None  # it answered /health
+        try:
+            await self.client.is_paused()
+        except InferenceRequestError as exc:
+            if exc.status is None:  # an error answer is an answer (the route may be missing)
+                self._core_silent("/is_paused")
         return self.stalled
 
-    async def _core_answers(self) -> bool:
-        """Whether the engine core answers a question of its own (is its scheduler paused?)
-        within `inference.stall_timeout_s`: between two engine steps, paused or not. An answer
-        that is an error is an answer: the route may be missing; /health covers a dead core.
-        Asked only of an engine that answers /health, so with a client."""
-        assert self.client is not None
+    async def pause(self) -> None:
+        """Shut the gate and pause the engine's scheduler, its requests in flight kept, for a
+        change of weights. The engine core answers a pause between two of its steps, so a pause
+        unanswered within `inference.stall_timeout_s` by an engine that still answers `/health`
+        marks this launch stalled: `lost()` then asks nothing more."""
+        self.close()
+        assert self.client is not None, f"{self.name}: pause while down"
         try:
-            await self.client.is_paused(timeout_s=self.cfg.stall_timeout_s)
+            await self.client.pause(mode="keep")
         except InferenceRequestError as exc:
-            return exc.status is not None
-        return True
+            if exc.status is None and await self.healthy():
+                self._core_silent(exc.route)
+            raise
+
+    def _core_silent(self, route: str) -> None:
+        self.stalled = True
+        log.warning("engine_core_silent", engine=self.name, pid=self.process.pid, route=route,
+                    waited_s=self.cfg.stall_timeout_s)
 
     # ---- the availability gate -------------------------------------------------------------
     def open(self) -> None:

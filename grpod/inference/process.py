@@ -443,7 +443,7 @@ class InferenceProcess:
         answers that carry this launch's token."""
         return InferenceClient(
             self.base_url, timeout_s or self.cfg.request_timeout_s, self.cfg.api_key, launch_token=self._launch_token,
-            generation_timeout_s=self.cfg.generation_timeout_s,
+            generation_timeout_s=self.cfg.generation_timeout_s, core_timeout_s=self.cfg.stall_timeout_s,
         )
 
     def build_args(self, model_path: Path | str, **launch_kw) -> list[str]:

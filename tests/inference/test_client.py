@@ -45,11 +45,21 @@ async def failing_server():
         await asyncio.sleep(1)
         return web.json_response({"is_paused": False})
 
+    async def pause(request: web.Request) -> web.Response:
+        await asyncio.sleep(1)
+        return web.json_response({})
+
+    async def weight_info(request: web.Request) -> web.Response:
+        await asyncio.sleep(1)
+        return web.json_response({"weight_version": "1"})
+
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/load_lora_adapter", lora)
     app.router.add_get("/is_paused", is_paused)
+    app.router.add_post("/grpod/pause", pause)
+    app.router.add_get("/weight_info", weight_info)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port("127.0.0.1")
@@ -81,9 +91,14 @@ async def test_timeout_is_an_error_with_the_timeout_and_the_setting_that_bounds_
         with pytest.raises(InferenceRequestError, match=r"timed out after 0\.3 s \(inference\.generation_timeout_s\)") as err:
             await client.generate([1], n=1, max_tokens=7, temperature=1.0)
     assert err.value.status is None
-    async with InferenceClient(url, 0.3, generation_timeout_s=60.0) as client:
+    async with InferenceClient(url, 5.0, core_timeout_s=0.3) as client:
+        # the questions the engine core answers between two steps
+        for question in (client.is_paused(), client.pause("keep"), client.pause("abort")):
+            with pytest.raises(InferenceRequestError, match=r"timed out after 0\.3 s \(inference\.stall_timeout_s\)"):
+                await question
+    async with InferenceClient(url, 0.3, generation_timeout_s=60.0, core_timeout_s=60.0) as client:
         with pytest.raises(InferenceRequestError, match=r"timed out after 0\.3 s \(inference\.request_timeout_s\)"):
-            await client.is_paused()
+            await client.weight_version()
 
 
 async def test_misaligned_tokens_and_logprobs_are_refused(failing_server):

@@ -28,14 +28,23 @@ class Client:
     def __init__(self) -> None:
         self.alive = True
         self.core_answers = True
+        self.pause_status: int | None = 200  # None: the pause goes unanswered
+        self.asked: list[str] = []
 
     async def health(self, timeout_s=None):
         return self.alive
 
-    async def is_paused(self, timeout_s=None):
+    async def is_paused(self):
+        self.asked.append("/is_paused")
         if not self.core_answers:
-            raise InferenceRequestError("/is_paused", None, f"timed out after {timeout_s:g} s")
+            raise InferenceRequestError("/is_paused", None, "timed out after 60 s (inference.stall_timeout_s)")
         return False
+
+    async def pause(self, mode):
+        assert mode == "keep", "a weight change keeps the requests in flight"
+        self.asked.append("/grpod/pause")
+        if self.pause_status != 200:
+            raise InferenceRequestError("/grpod/pause", self.pause_status, "timed out after 60 s" if self.pause_status is None else "no")
 
 
 def engine(name: str, version: int = 0) -> SupervisedInference:
@@ -123,6 +132,27 @@ async def test_a_stalled_engine_that_answers_health_is_a_casualty_of_a_failed_ch
     lost = await pool_of(a, b).drop_dead([a, b], TimeoutError("pause"), version=1)
     assert lost.dead == [b] and lost.left == [b] and lost.remaining == [a]
     assert b.stalled and not a.stalled
+
+
+@pytest.mark.parametrize(
+    ("alive", "pause_status", "stalled", "lost", "asked"),
+    [
+        (True, None, True, True, ["/grpod/pause"]),  # answers /health, its core not the pause: stalled, asked no more
+        (False, None, False, True, ["/grpod/pause"]),  # the server is gone: lost by /health
+        (True, 500, False, False, ["/grpod/pause", "/is_paused"]),  # an error answer is an answer
+    ],
+)
+async def test_a_pause_its_core_leaves_unanswered_marks_an_engine_that_answers_health_stalled(
+    alive, pause_status, stalled, lost, asked
+):
+    a = engine("a")
+    a.client.alive, a.client.pause_status = alive, pause_status
+    with pytest.raises(InferenceRequestError):
+        await a.pause()
+    assert not a.available, "the gate is shut before the pause is asked"
+    assert a.stalled == stalled
+    assert await a.lost() == lost
+    assert a.client.asked == asked
 
 
 async def test_a_pool_syncs_on_while_one_engine_relaunches_and_the_only_engine_holds_the_turn():
