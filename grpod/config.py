@@ -1127,6 +1127,11 @@ class MetricsConfig(_Section):
     wandb_mode: Literal["online", "offline"] = Field(
         "online", description='"online", or "offline" (written under <run.dir>/wandb for a later `wandb sync`).'
     )
+    memory_every_s: float = Field(
+        30.0, gt=0, description="Read the resident memory of the daemon, of each engine on this node (its whole "
+        "process group, and its GPU memory where NVML sees it) and of the daemon's other child processes this "
+        "often: a `memory` record in metrics.jsonl, and `ctl status` with the change since the first reading.",
+    )
 
 
 # A token shorter than this is refused: it guards an API that starts processes on a node.

@@ -104,6 +104,19 @@ class DaemonCollector:
             "grpod_source_consecutive_errors", "Source requests failed in a row",
             value=source_alarm.get("consecutive_errors") or 0,
         )
+        memory = status.get("memory")
+        if memory:
+            rss = GaugeMetricFamily("grpod_memory_rss_bytes", "Resident bytes of this node's run processes, last reading",
+                                    labels=["process"])
+            rss.add_metric(["daemon"], memory["daemon_rss"])
+            rss.add_metric(["children"], memory["children_rss"])
+            gpu = GaugeMetricFamily("grpod_engine_gpu_memory_bytes", "GPU bytes each engine holds (NVML)", labels=["engine"])
+            for name, held in memory["engines"].items():
+                rss.add_metric([name], held["rss"])
+                if held.get("gpu") is not None:
+                    gpu.add_metric([name], held["gpu"])
+            yield rss
+            yield gpu
         if status.get("last_eval"):
             yield GaugeMetricFamily("grpod_eval_accuracy", "Last held-out accuracy", value=status["last_eval"]["eval_accuracy"])
 

@@ -66,12 +66,14 @@ class Reporter:
         self.world = None  # grpod.training.distributed.TrainerWorld under torchrun
         self.evaluations = None  # grpod.daemon.evaluation.Evaluations, the step loop's
         self.cores = None  # grpod.inference.cores.CoreLoan, the step loop's
+        self.memory = None  # grpod.daemon.memory.MemoryWatch, the supervisor's
 
     def attach(
         self, *, desk: OperatorDesk | None = None, bridge=None, source=None, admission=None, world=None,
-        evaluations=None, cores=None,
+        evaluations=None, cores=None, memory=None,
     ) -> None:
         self.desk = desk or self.desk
+        self.memory = memory or self.memory
         self.evaluations = evaluations or self.evaluations
         self.cores = cores or self.cores
         self.world = world or self.world

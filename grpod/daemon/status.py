@@ -177,6 +177,26 @@ def _trainer_loan(loan: dict | None) -> str | None:
             f"({trainer.get('micro_batches')} micro-batches)")
 
 
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 20):.0f} MiB"
+
+
+def _change(n: int | None) -> str:
+    return "" if n is None else f" ({'+' if n >= 0 else '-'}{abs(n) / (1 << 20):.0f})"
+
+
+def _memory_rows(memory: dict | None, status: dict) -> Rows:
+    """"daemon 1210 MiB (+12), engine-0 2900 MiB (+3), children 310 MiB; over 3600 s"."""
+    if not memory:
+        return [("memory (RSS)", None)]
+    parts = [f"daemon {_mib(memory['daemon_rss'])}{_change(memory['daemon_rss_change'])}"]
+    for name, held in memory["engines"].items():
+        gpu = f", GPU {_mib(held['gpu'])}" if held.get("gpu") is not None else ""
+        parts.append(f"{name} {_mib(held['rss'])}{_change(held['rss_change'])}{gpu}")
+    parts.append(f"children {_mib(memory['children_rss'])}")
+    return [("memory (RSS)", ", ".join(parts) + f"; change over {memory['since_s']:.0f} s")]
+
+
 # The last step's metrics shown, in this order; a dataset's reward/<function> follow.
 METRIC_ROWS = ("reward_mean", "loss", "grad_norm", "entropy", "clipped_fraction", "mismatch_kl", "tis_weight_mean",
                "tis_masked_fraction", "sync_s")
@@ -263,6 +283,8 @@ STATUS_FIELDS: tuple[StatusField, ...] = (
     # The trainer's cores lent to a CPU engine while the loop waits for rollouts.
     StatusField("core_loan", lambda r: r.cores.describe() if r.cores is not None else None,
                 _core_loan_rows),
+    # This node's processes: the last reading of the MemoryWatch, and the change since its first.
+    StatusField("memory", lambda r: r.memory.describe() if r.memory is not None else None, _memory_rows),
     StatusField("last_metrics", lambda r: r.progress.last_metrics, _metric_rows),
     StatusField("config_changes", lambda r: r.desk.config_changes[-10:] if r.desk else []),
     StatusField("run_dir", lambda r: str(r.run_dir)),

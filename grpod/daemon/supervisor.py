@@ -36,6 +36,7 @@ from grpod.errors import first_error
 from grpod.daemon.alarms import LogprobGapAlarm, SourceErrorAlarm
 from grpod.daemon.control import ControlServer
 from grpod.daemon.desk import OperatorDesk
+from grpod.daemon.memory import MemoryWatch
 from grpod.service.logs import MetricsLog, WandbSink, configure_logging
 from grpod.service.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
 from grpod.daemon.progress import RunPhase, RunProgress
@@ -79,6 +80,7 @@ class Supervisor:
         self.logprob_gap = LogprobGapAlarm(cfg.train.logprob_gap_alarm)
         self.source_alarm = SourceErrorAlarm(cfg.source.error_alarm_s, cfg.source.fail_after_s)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.memory = MemoryWatch(cfg.metrics.memory_every_s, self.metrics, lambda: self.progress.step, self._local_engines)
         self.reporter = Reporter(
             cfg, progress=self.progress, buffer=self.buffer, rejections=self.rejections,
             heartbeat=self.heartbeat, notifier=self.notifier, metrics=self.metrics,
@@ -86,11 +88,17 @@ class Supervisor:
         )
         self.desk = OperatorDesk(cfg, self.progress, config_path=config_path, overrides=overrides,
                                  status=self.reporter.status)
-        self.reporter.attach(desk=self.desk)
+        self.reporter.attach(desk=self.desk, memory=self.memory)
         self.parts = None  # grpod.daemon.components.RunParts once started
 
     def status(self) -> dict:
         return self.reporter.status()
+
+    def _local_engines(self) -> dict[str, int]:
+        """The process group of each engine this node runs (what `MemoryWatch` reads)."""
+        bridge = self.parts.bridge if self.parts is not None else None
+        engines = bridge.engines if bridge is not None else []
+        return {e.name: e.process.pgid for e in engines if e.node == "local" and e.process.running}
 
     # ---- the run ----------------------------------------------------------------------------
     async def run(self) -> int:
@@ -174,6 +182,7 @@ class Supervisor:
         tg.start_soon(self._watchdog)
         tg.start_soon(self._watch_bridge)
         tg.start_soon(self._watch_source)
+        tg.start_soon(self.memory.run)
         self.reporter.announce_inference()
         self.notifier.ready(f"step {self.progress.step}/{self.cfg.train.steps}, vLLM ready")
         self.progress.phase = RunPhase.RUNNING

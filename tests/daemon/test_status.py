@@ -95,6 +95,7 @@ class _Run:
         self.heartbeat, self.run_dir = Heartbeat(60.0), tmp_path
         self.logprob_gap, self.source_alarm, self.checkpoint_alarm = LogprobGapAlarm(0.05), SourceErrorAlarm(60, None), CheckpointAlarm()
         self.desk = self.bridge = self.source = self.admission = self.world = self.evaluations = self.cores = None
+        self.memory = None
 
     def inference_endpoint(self):
         return None

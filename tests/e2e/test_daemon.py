@@ -65,6 +65,7 @@ def first_run(tmp_path, warm_model_dir, run_dir) -> tuple[DaemonProcess, int]:
         "eval.every": 2,
         "inference.borrow_trainer_cores": True,
         "train.borrow_engine_cores": True,
+        "metrics.memory_every_s": 1.0,
     }
     config = write_config(tmp_path / "grpod.toml", settings)
     daemon = DaemonProcess(config, run_dir)
@@ -106,6 +107,14 @@ def first_run(tmp_path, warm_model_dir, run_dir) -> tuple[DaemonProcess, int]:
         assert loan["trainer"]["enabled"] and loan["trainer"]["borrowed_threads"] == 1 + loan["engine_threads"], loan
         steps = [r for r in metrics(run_dir) if r.get("kind") == "step"]
         assert all("borrowed_core_micro_batches" in r for r in steps), "each step says how many it ran on borrowed cores"
+        # What this node's processes hold: vLLM's whole process group (its API server and engine
+        # core) as the engine, the trainer in the daemon.
+        status = daemon.wait_for(lambda s: (s["memory"] or {}).get("since_s", 0) > 0, 60, "a second memory reading")
+        memory, (engine,) = status["memory"], status["bridge"]["engines"]
+        held = memory["engines"][engine["name"]]
+        assert held["rss"] > 200 * 2**20 and memory["daemon_rss"] > 200 * 2**20, memory
+        readings = [r for r in metrics(run_dir) if r.get("kind") == "memory"]
+        assert sum(r["engines"].get(engine["name"], {}).get("rss", 0) > 200 * 2**20 for r in readings) >= 2, readings[:3]
         stop = subprocess.run(
             [sys.executable, "-m", "grpod", "ctl", "stop", "--config", str(config)],
             cwd=ROOT, capture_output=True, text=True, timeout=120,

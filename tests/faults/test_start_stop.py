@@ -93,11 +93,14 @@ def test_sigterm_after_the_consoles_reader_exited_still_stops_vllm(tmp_path, fau
     daemon = DaemonProcess(config, run_dir, piped=True)
     proc = daemon.proc
     try:
-        wait_until(lambda: len(metrics(run_dir)) >= 2, 240, "two records in metrics.jsonl")
+        def steps() -> int:
+            return sum(r["kind"] == "step" for r in metrics(run_dir))
+
+        wait_until(lambda: steps() >= 2, 240, "two steps in metrics.jsonl")
         proc.stdout.close()
         proc.stderr.close()  # the reader is gone: the next console line hits a dead pipe
-        step = len(metrics(run_dir))
-        wait_until(lambda: len(metrics(run_dir)) > step, 120, "a step after the reader exited")
+        step = steps()
+        wait_until(lambda: steps() > step, 120, "a step after the reader exited")
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = daemon.wait_exit(120)

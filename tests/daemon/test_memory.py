@@ -1,0 +1,126 @@
+"""The memory watch on real processes: an engine's whole process group counted as the engine, the
+daemon's other children apart, one `memory` record per reading, and `ctl status` / Prometheus
+showing the last reading with its change since the first."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import anyio
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from grpod.config import load_config
+from grpod.daemon.exporter import DaemonCollector
+from grpod.daemon.memory import MIB, MemoryWatch, read_memory
+from grpod.daemon.supervisor import Supervisor
+from grpod.service.logs import MetricsLog, read_metrics
+
+# A process that holds `mib` MiB resident and, with `children` = 1, starts a child holding as much:
+# a stand-in for vLLM's API server and its engine core, in a process group of its own when
+# started in a new session.
+HOLDER = textwrap.dedent("""
+    import subprocess, sys, time
+    mib, children, source = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    held = bytearray(mib << 20)
+    for i in range(0, len(held), 4096):
+        held[i] = 1
+    if children:
+        kid = subprocess.Popen([sys.executable, "-c", source, str(mib), "0", source], stdout=subprocess.PIPE, text=True)
+        assert kid.stdout.readline().strip() == "ready"
+    print("ready", flush=True)
+    time.sleep(120)
+""")
+
+
+def holder(mib: int, *, children: int, own_group: bool) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(mib), str(children), HOLDER],
+                            stdout=subprocess.PIPE, text=True, start_new_session=own_group)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.fixture
+def processes():
+    """What a test started, stopped after it: a process group it created by that group."""
+    started: list[tuple[subprocess.Popen, bool]] = []
+    yield started
+    for proc, own_group in started:
+        if own_group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_an_engines_process_group_is_the_engine_and_other_children_are_apart(processes):
+    engine = holder(150, children=1, own_group=True)  # leader + child, 150 MiB each
+    worker = holder(60, children=0, own_group=False)  # a reward worker's stand-in, in our group
+    processes += [(engine, True), (worker, False)]
+    reading = read_memory({"engine-0": engine.pid}, gpu=False)
+    held = reading.engines["engine-0"]
+    assert 290 * MIB < held["rss"] < 400 * MIB, "both processes of the group, nothing else"
+    assert held["gpu"] is None
+    assert 55 * MIB < reading.children_rss < 120 * MIB, "the worker alone"
+    assert reading.daemon_rss > 20 * MIB
+
+
+def test_each_reading_is_a_record_and_status_shows_the_change_since_the_first(tmp_path, processes):
+    engine = holder(40, children=0, own_group=True)
+    processes.append((engine, True))
+    metrics = MetricsLog(tmp_path / "metrics.jsonl")
+    step = iter(range(100))
+    groups = [{"engine-0": engine.pid}]
+    watch = MemoryWatch(0.05, metrics, lambda: next(step), lambda: groups[0])
+
+    async def readings(n: int) -> None:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch.run)
+                while not metrics.path.exists() or len(read_metrics(tmp_path)) < n:
+                    await anyio.sleep(0.02)
+                tg.cancel_scope.cancel()
+
+    anyio.run(readings, 2)
+    growing = holder(80, children=0, own_group=True)  # the engine relaunched, larger
+    processes.append((growing, True))
+    groups[0] = {"engine-0": growing.pid}
+    anyio.run(readings, 4)
+    records = read_metrics(tmp_path)
+    assert [r["kind"] for r in records] == ["memory"] * len(records) and len(records) >= 4
+    assert [r["step"] for r in records] == list(range(len(records)))
+    assert records[0]["engines"]["engine-0"]["rss"] < 60 * MIB < records[-1]["engines"]["engine-0"]["rss"]
+    described = watch.describe()
+    assert 30 * MIB < described["engines"]["engine-0"]["rss_change"] < 60 * MIB
+    assert described["since_s"] >= 0.05 and described["age_s"] >= 0
+
+    cfg = load_config(None, [f"run.dir={str(tmp_path / 'run')!r}"])
+    daemon = Supervisor(cfg)
+    daemon.reporter.attach(memory=watch)
+    status = daemon.status()
+    assert status["memory"] == watch.describe() | {"age_s": status["memory"]["age_s"]}
+    (row,) = [text for label, text in status["table"] if label == "memory (RSS)"]
+    assert "engine-0 " in row and "MiB (+" in row and "children" in row, row
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(daemon.status))
+    exported = {
+        sample.labels["process"]: sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        if family.name == "grpod_memory_rss_bytes"
+        for sample in family.samples
+    }
+    memory = status["memory"]
+    assert exported == {"daemon": memory["daemon_rss"], "children": memory["children_rss"],
+                        "engine-0": memory["engines"]["engine-0"]["rss"]}
+
+
+def test_a_run_that_has_read_nothing_yet_says_so(tmp_path):
+    daemon = Supervisor(load_config(None, [f"run.dir={str(tmp_path)!r}"]))
+    status = daemon.status()
+    assert status["memory"] is None
+    assert ["memory (RSS)", None] in status["table"]
