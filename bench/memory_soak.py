@@ -27,29 +27,26 @@ sys.path.insert(0, str(ROOT))
 
 from grpod.service.logs import read_metrics  # noqa: E402
 
-MIB = 1 << 20
-
-
-def slope_per_100_steps(points: list[tuple[int, int]]) -> float | None:
-    """Least-squares slope of bytes over steps, in MiB per 100 steps (None under 3 points)."""
+def slope_per_100_steps(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares slope of MiB over steps, per 100 steps (None under 3 points)."""
     if len(points) < 3 or len({s for s, _ in points}) < 2:
         return None
     n = len(points)
     mean_s = sum(s for s, _ in points) / n
-    mean_b = sum(b for _, b in points) / n
-    cov = sum((s - mean_s) * (b - mean_b) for s, b in points)
+    mean_m = sum(m for _, m in points) / n
+    cov = sum((s - mean_s) * (m - mean_m) for s, m in points)
     var = sum((s - mean_s) ** 2 for s, _ in points)
-    return round(cov / var * 100 / MIB, 2)
+    return round(cov / var * 100, 2)
 
 
-def series(readings: list[dict]) -> dict[str, list[tuple[int, int]]]:
-    """Each figure's (step, bytes) over the readings: daemon, children and every engine's RSS."""
-    out: dict[str, list[tuple[int, int]]] = {"daemon": [], "children": []}
+def series(readings: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Each figure's (step, MiB) over the readings: the daemon's, its other children's and each
+    engine's resident memory."""
+    out: dict[str, list[tuple[int, float]]] = {}
     for r in readings:
-        out["daemon"].append((r["step"], r["daemon_rss"]))
-        out["children"].append((r["step"], r["children_rss"]))
-        for name, held in r["engines"].items():
-            out.setdefault(name, []).append((r["step"], held["rss"]))
+        for key, value in r.items():
+            if key.endswith("_mib") or "_mib/" in key:
+                out.setdefault(key.replace("_rss_mib", "").replace("engine/", ""), []).append((r["step"], value))
     return out
 
 
@@ -58,22 +55,38 @@ def summarise(readings: list[dict], warmup: int) -> dict:
     figures = {}
     for name, points in series(after).items():
         figures[name] = {
-            "first_mib": round(points[0][1] / MIB, 1) if points else None,
-            "last_mib": round(points[-1][1] / MIB, 1) if points else None,
+            "first_mib": points[0][1] if points else None,
+            "last_mib": points[-1][1] if points else None,
             "slope_mib_per_100_steps": slope_per_100_steps(points),
         }
     return {"readings": len(readings), "readings_after_warmup": len(after),
             "steps": [after[0]["step"], after[-1]["step"]] if after else None, "figures": figures}
 
 
+def mode_config(mode: str, work: Path) -> Path:
+    """etc/grpod.toml for `mode`: its `bridge.reload` belongs to the `none` mode alone."""
+    text = (ROOT / "etc" / "grpod.toml").read_text()
+    if mode != "none":
+        line = '\nreload = "in_place"\n'
+        assert text.count(line) == 1, "etc/grpod.toml's bridge.reload moved"
+        text = text.replace(line, "\n")
+    path = work / f"grpod-{mode}.toml"
+    path.write_text(text)
+    return path
+
+
 def one_mode(mode: str, args, work: Path) -> dict:
     run_dir = work / f"run-{mode}"
     began = time.monotonic()
-    subprocess.run([
-        sys.executable, "-m", "grpod", "start", "--config", str(ROOT / "etc" / "grpod.toml"),
-        "--set", f"run.dir={json.dumps(str(run_dir))}", "--set", f"bridge.mode={json.dumps(mode)}",
-        "--set", f"train.steps={args.steps}", "--set", f"metrics.memory_every_s={args.every}",
-    ], cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=7200)  # fmt: skip
+    with open(work / f"console-{mode}.txt", "w") as console:
+        code = subprocess.run([
+            sys.executable, "-m", "grpod", "start", "--config", str(mode_config(mode, work)),
+            "--set", f"run.dir={json.dumps(str(run_dir))}", "--set", f"bridge.mode={json.dumps(mode)}",
+            "--set", f"train.steps={args.steps}", "--set", f"metrics.memory_every_s={args.every}",
+        ], cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, timeout=7200).returncode  # fmt: skip
+    if code != 0:
+        tail = (work / f"console-{mode}.txt").read_text()[-2000:]
+        raise SystemExit(f"grpod start ({mode}) exited {code}:\n{tail}")
     records = read_metrics(run_dir)
     readings = [r for r in records if r["kind"] == "memory"]
     trained = sum(1 for r in records if r["kind"] == "step" and not r.get("skipped"))
@@ -90,11 +103,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "memory_soak.json")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="grpod-soak-") as tmp:
-        runs = [one_mode(mode, args, Path(tmp)) for mode in args.modes.split(",")]
     result = {"steps": args.steps, "every_s": args.every, "warmup_steps": args.warmup, "cpu_count": os.cpu_count(),
-              "load_before": load_before, "load_after": os.getloadavg(), "runs": runs}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+              "load_before": load_before, "runs": []}
+    runs = result["runs"]
+    with tempfile.TemporaryDirectory(prefix="grpod-soak-") as tmp:
+        for mode in args.modes.split(","):
+            runs.append(one_mode(mode, args, Path(tmp)))
+            result["load_after"] = os.getloadavg()
+            args.out.write_text(json.dumps(result, indent=1) + "\n")  # each mode kept as it ends
     print(f"| mode | trained steps | wall s | figure | MiB after warm-up → last | slope, MiB per 100 steps |")
     print("|---|---|---|---|---|---|")
     for run in runs:

@@ -3,7 +3,8 @@
 Reads `<run>/metrics.jsonl` (step, eval and sync records) and draws reward, held-out accuracy
 (pass@1, and mean@k when a dataset evaluation measured it), loss,
 KL, entropy, importance ratio, clipped fraction, the trainer/vLLM mismatch (mismatch KL and the
-share of IS weights truncated or masked), staleness and sync latency against the step. A panel
+share of IS weights truncated or masked), staleness, sync latency and the resident memory of the
+daemon, its engines and its other children against the step. A panel
 whose metric the run never recorded says so instead of disappearing.
 """
 
@@ -25,6 +26,7 @@ PANELS = (
     ("trainer/vLLM mismatch", "step", ("mismatch_kl", "tis_capped_fraction", "tis_masked_fraction")),
     ("staleness (versions)", "step", ("staleness_mean", "staleness_max")),
     ("sync latency (s)", "sync", ("total_s",)),
+    ("resident memory (MiB)", "memory", ("daemon_rss_mib", "children_rss_mib", "engine_rss_mib/*", "engine_gpu_mib/*")),
 )
 
 
@@ -68,8 +70,11 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
 
     records = run_metrics(run_dir)
     out = Path(out) if out else Path(run_dir) / "metrics.png"
-    fig, axes = plt.subplots(5, 2, figsize=(12, 16))
-    for ax, (title, kind, keys) in zip(axes.flat, PANELS, strict=True):
+    rows = (len(PANELS) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 3.2 * rows))
+    for ax in axes.flat[len(PANELS):]:
+        ax.set_visible(False)
+    for ax, (title, kind, keys) in zip(axes.flat, PANELS):
         lines = panel_series(records, kind, keys)
         for key, points in lines.items():
             xs, ys = zip(*points, strict=True)

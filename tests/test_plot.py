@@ -14,6 +14,7 @@ def test_plot_writes_a_png_with_every_panel(tmp_path):
         lines.append({"kind": "sync", "step": step, "total_s": 0.05, "weights_step": step})
     lines.append({"kind": "eval", "step": 0, "eval_accuracy": 0.2})
     lines.append({"kind": "eval", "step": 5, "eval_accuracy": 0.4})
+    lines.append({"kind": "memory", "step": 5, "daemon_rss_mib": 500.0, "engine_rss_mib/engine-0": 1200.0})
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     out = plot_run(tmp_path)
     data = out.read_bytes()
@@ -63,3 +64,16 @@ def test_status_shows_the_sources_drops_and_each_reward_function():
     }))
     assert "dataset: 40 generated, 3 dropped {'reward_error': 2, 'reward_timeout': 1}" in table
     assert "reward/correct" in table and "0.25" in table
+
+
+def test_memory_readings_are_a_panel_each_engine_a_line():
+    from grpod.daemon.memory import MemoryReading
+    from grpod.plot import PANELS, panel_series
+
+    reading = MemoryReading(0.0, 500 << 20, 30 << 20, {"engine-0": {"rss": 1200 << 20, "gpu": None},
+                                                       "engine-1": {"rss": 1100 << 20, "gpu": 700 << 20}})
+    records = [{"kind": "memory", "step": 4, **reading.record()}]
+    memory = panel_series(records, *{title: (kind, keys) for title, kind, keys in PANELS}["resident memory (MiB)"])
+    assert memory == {"daemon_rss_mib": [(4, 500.0)], "children_rss_mib": [(4, 30.0)],
+                      "engine_rss_mib/engine-0": [(4, 1200.0)], "engine_rss_mib/engine-1": [(4, 1100.0)],
+                      "engine_gpu_mib/engine-1": [(4, 700.0)]}

@@ -10,8 +10,8 @@ A daemon that runs for days must show whether it, or an engine it supervises, gr
 Resident bytes count a shared page in every process that maps it (the `shared` bridge's weights
 are in the daemon's and in vLLM's). Remote engines are their agents' to read.
 
-Each reading is a `memory` record in metrics.jsonl (`bench/memory_soak.py` fits the growth per
-step from them) and `ctl status`'s `memory` (the last reading, and its change since the first
+Each reading is a `memory` record in metrics.jsonl, in MiB (`grpod plot` draws them;
+`bench/memory_soak.py` fits the growth per step from them) and `ctl status`'s `memory` (the last reading, and its change since the first
 one of this process), which Prometheus exports.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -41,6 +41,20 @@ class MemoryReading:
     daemon_rss: int
     children_rss: int
     engines: dict[str, dict[str, int | None]]  # name -> {"rss": bytes, "gpu": bytes or None}
+
+    def record(self) -> dict[str, float]:
+        """Its metrics.jsonl record: flat numbers in MiB (what `grpod plot` draws and W&B logs),
+        `engine_rss_mib/<engine>` and, where NVML reads it, `engine_gpu_mib/<engine>`."""
+        out = {"daemon_rss_mib": _mib(self.daemon_rss), "children_rss_mib": _mib(self.children_rss)}
+        for name, held in self.engines.items():
+            out[f"engine_rss_mib/{name}"] = _mib(held["rss"])
+            if held["gpu"] is not None:
+                out[f"engine_gpu_mib/{name}"] = _mib(held["gpu"])
+        return out
+
+
+def _mib(n: int | None) -> float:
+    return round((n or 0) / MIB, 1)
 
 
 def read_memory(engine_groups: dict[str, int], *, gpu: bool) -> MemoryReading:
@@ -89,9 +103,7 @@ class MemoryWatch:
             else:
                 self.first = self.first or reading
                 self.last = reading
-                values = asdict(reading)
-                del values["time"]
-                self.metrics.write("memory", self.step(), values)
+                self.metrics.write("memory", self.step(), reading.record())
             await anyio.sleep(self.every_s)
 
     def describe(self) -> dict[str, Any] | None:

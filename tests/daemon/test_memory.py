@@ -94,7 +94,9 @@ def test_each_reading_is_a_record_and_status_shows_the_change_since_the_first(tm
     records = read_metrics(tmp_path)
     assert [r["kind"] for r in records] == ["memory"] * len(records) and len(records) >= 4
     assert [r["step"] for r in records] == list(range(len(records)))
-    assert records[0]["engines"]["engine-0"]["rss"] < 60 * MIB < records[-1]["engines"]["engine-0"]["rss"]
+    assert records[0]["engine_rss_mib/engine-0"] < 60 < records[-1]["engine_rss_mib/engine-0"]
+    assert "engine_gpu_mib/engine-0" not in records[0], "no GPU figure where NVML reads none"
+    assert records[-1]["daemon_rss_mib"] > 20, records[-1]
     described = watch.describe()
     assert 30 * MIB < described["engines"]["engine-0"]["rss_change"] < 60 * MIB
     assert described["since_s"] >= 0.05 and described["age_s"] >= 0

@@ -53,82 +53,84 @@ def first_run(tmp_path, warm_model_dir, run_dir) -> tuple[DaemonProcess, int]:
     """A daemon operated over its socket, then stopped as the unit's ExecStop does; returns it and
     the step of its final checkpoint."""
     decoy = start_decoy(tmp_path)
-    settings = base_settings(run_dir, warm_model_dir) | {
-        "train.steps": 100,
-        "bridge.mode": "none",
-        "bridge.reload": "in_place",
-        "bridge.sync_every": 3,
-        # Evaluations beside training (issue #14), the trainer's core lent to the engine while the
-        # loop waits, and the engine's to the trainer while the engine idles (both on for this
-        # tiny model only because they are forced).
-        "eval.size": 8,
-        "eval.every": 2,
-        "inference.borrow_trainer_cores": True,
-        "train.borrow_engine_cores": True,
-        "metrics.memory_every_s": 1.0,
-    }
-    config = write_config(tmp_path / "grpod.toml", settings)
-    daemon = DaemonProcess(config, run_dir)
     try:
-        status = daemon.wait_for(lambda s: s["state"] == "running", 300, "vLLM ready and running")
-        first_vllm = status["bridge"]["vllm"]["pid"]
-        assert status["bridge"]["mode"] == "none"
-        # Where environments reach the policy (issue #16 item 8): status and the console say it.
-        endpoint = status["inference"]
-        assert endpoint["base_url"] == status["bridge"]["vllm"]["base_url"] + "/v1"
-        assert endpoint["model_names"][:2] == ["policy", str(warm_model_dir)]
-        assert f"grpod: vLLM serves the policy at {endpoint['base_url']}" in daemon.tail(200)
-        assert any("SYNC" in t for t in status["bridge"]["transitions"])
+        settings = base_settings(run_dir, warm_model_dir) | {
+            "train.steps": 100,
+            "bridge.mode": "none",
+            "bridge.reload": "in_place",
+            "bridge.sync_every": 3,
+            # Evaluations beside training (issue #14), the trainer's core lent to the engine while the
+            # loop waits, and the engine's to the trainer while the engine idles (both on for this
+            # tiny model only because they are forced).
+            "eval.size": 8,
+            "eval.every": 2,
+            "inference.borrow_trainer_cores": True,
+            "train.borrow_engine_cores": True,
+            "metrics.memory_every_s": 1.0,
+        }
+        config = write_config(tmp_path / "grpod.toml", settings)
+        daemon = DaemonProcess(config, run_dir)
+        try:
+            status = daemon.wait_for(lambda s: s["state"] == "running", 300, "vLLM ready and running")
+            first_vllm = status["bridge"]["vllm"]["pid"]
+            assert status["bridge"]["mode"] == "none"
+            # Where environments reach the policy (issue #16 item 8): status and the console say it.
+            endpoint = status["inference"]
+            assert endpoint["base_url"] == status["bridge"]["vllm"]["base_url"] + "/v1"
+            assert endpoint["model_names"][:2] == ["policy", str(warm_model_dir)]
+            assert f"grpod: vLLM serves the policy at {endpoint['base_url']}" in daemon.tail(200)
+            assert any("SYNC" in t for t in status["bridge"]["transitions"])
 
-        # Pause and resume over the socket (that a paused loop trains nothing is proven without a
-        # clock in tests/daemon/test_step_loop.py).
-        paused = daemon.ctl("pause")
-        assert paused["ok"] and paused["result"]["paused"]
-        daemon.wait_for(lambda s: s["paused"], 60, "pause acknowledged")
-        resumed = daemon.ctl("resume")
-        assert resumed["ok"] and resumed["result"]["was_paused"]
+            # Pause and resume over the socket (that a paused loop trains nothing is proven without a
+            # clock in tests/daemon/test_step_loop.py).
+            paused = daemon.ctl("pause")
+            assert paused["ok"] and paused["result"]["paused"]
+            daemon.wait_for(lambda s: s["paused"], 60, "pause acknowledged")
+            resumed = daemon.ctl("resume")
+            assert resumed["ok"] and resumed["result"]["was_paused"]
 
-        sync = daemon.ctl("sync")
-        assert sync["ok"], sync
-        assert sync["result"]["probe"]["ok"] is True
-        assert sync["result"]["forced"] and "reload" in sync["result"]["phases"], "an in-place reload, forced"
+            sync = daemon.ctl("sync")
+            assert sync["ok"], sync
+            assert sync["result"]["probe"]["ok"] is True
+            assert sync["result"]["forced"] and "reload" in sync["result"]["phases"], "an in-place reload, forced"
 
-        ckpt = daemon.ctl("checkpoint")
-        assert ckpt["ok"], ckpt
-        assert (run_dir / "checkpoints").exists() and ckpt["result"]["path"].startswith(str(run_dir))
+            ckpt = daemon.ctl("checkpoint")
+            assert ckpt["ok"], ckpt
+            assert (run_dir / "checkpoints").exists() and ckpt["result"]["path"].startswith(str(run_dir))
 
-        bad = daemon.ctl("frobnicate")
-        assert not bad["ok"] and "unknown command" in bad["error"]
+            bad = daemon.ctl("frobnicate")
+            assert not bad["ok"] and "unknown command" in bad["error"]
 
-        # The unit's ExecStop: finish the step, final checkpoint, stop vLLM, exit 0.
-        status = daemon.wait_for(lambda s: s["step"] >= 4, 300, "step 4")
-        loan = status["core_loan"]
-        assert loan["enabled"] and loan["borrowed_threads"] == loan["engine_threads"] + 1 and loan["loans"] >= 1, loan
-        assert loan["trainer"]["enabled"] and loan["trainer"]["borrowed_threads"] == 1 + loan["engine_threads"], loan
-        steps = [r for r in metrics(run_dir) if r.get("kind") == "step"]
-        assert all("borrowed_core_micro_batches" in r for r in steps), "each step says how many it ran on borrowed cores"
-        # What this node's processes hold: vLLM's whole process group (its API server and engine
-        # core) as the engine, the trainer in the daemon.
-        status = daemon.wait_for(lambda s: (s["memory"] or {}).get("since_s", 0) > 0, 60, "a second memory reading")
-        memory, (engine,) = status["memory"], status["bridge"]["engines"]
-        held = memory["engines"][engine["name"]]
-        assert held["rss"] > 200 * 2**20 and memory["daemon_rss"] > 200 * 2**20, memory
-        readings = [r for r in metrics(run_dir) if r.get("kind") == "memory"]
-        assert sum(r["engines"].get(engine["name"], {}).get("rss", 0) > 200 * 2**20 for r in readings) >= 2, readings[:3]
-        stop = subprocess.run(
-            [sys.executable, "-m", "grpod", "ctl", "stop", "--config", str(config)],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
-        )
-        assert stop.returncode == 0, stop.stderr
-        code = daemon.wait_exit(600)
-        assert code == 0, daemon.tail()
-    finally:
-        daemon.close()
-    for pgid in daemon.vllm_pgids | {first_vllm}:
-        assert group_processes(pgid) == [], f"vLLM process group {pgid} left behind"
-    assert decoy.poll() is None, "grpod must not touch a process it did not start"
-    decoy.kill()
-    decoy.wait()
+            # The unit's ExecStop: finish the step, final checkpoint, stop vLLM, exit 0.
+            status = daemon.wait_for(lambda s: s["step"] >= 4, 300, "step 4")
+            loan = status["core_loan"]
+            assert loan["enabled"] and loan["borrowed_threads"] == loan["engine_threads"] + 1 and loan["loans"] >= 1, loan
+            assert loan["trainer"]["enabled"] and loan["trainer"]["borrowed_threads"] == 1 + loan["engine_threads"], loan
+            steps = [r for r in metrics(run_dir) if r.get("kind") == "step"]
+            assert all("borrowed_core_micro_batches" in r for r in steps), "each step says how many it ran on borrowed cores"
+            # What this node's processes hold: vLLM's whole process group (its API server and engine
+            # core) as the engine, the trainer in the daemon.
+            status = daemon.wait_for(lambda s: (s["memory"] or {}).get("since_s", 0) > 0, 60, "a second memory reading")
+            memory, (engine,) = status["memory"], status["bridge"]["engines"]
+            held = memory["engines"][engine["name"]]
+            assert held["rss"] > 200 * 2**20 and memory["daemon_rss"] > 200 * 2**20, memory
+            readings = [r for r in metrics(run_dir) if r.get("kind") == "memory"]
+            assert sum(r.get(f"engine_rss_mib/{engine['name']}", 0) > 200 for r in readings) >= 2, readings[:3]
+            stop = subprocess.run(
+                [sys.executable, "-m", "grpod", "ctl", "stop", "--config", str(config)],
+                cwd=ROOT, capture_output=True, text=True, timeout=120,
+            )
+            assert stop.returncode == 0, stop.stderr
+            code = daemon.wait_exit(600)
+            assert code == 0, daemon.tail()
+        finally:
+            daemon.close()
+        for pgid in daemon.vllm_pgids | {first_vllm}:
+            assert group_processes(pgid) == [], f"vLLM process group {pgid} left behind"
+        assert decoy.poll() is None, "grpod must not touch a process it did not start"
+    finally:  # a failed assertion above must not leave it running
+        decoy.kill()
+        decoy.wait(timeout=30)
 
     records = [r for r in metrics(run_dir) if r["kind"] == "step"]
     trained = [r["step"] for r in records]
