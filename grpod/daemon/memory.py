@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
@@ -97,7 +98,8 @@ class MemoryWatch:
         gpu = await anyio.to_thread.run_sync(nvidia_gpu_count) > 0
         while True:
             try:
-                reading = await anyio.to_thread.run_sync(lambda: read_memory(self.engines(), gpu=gpu))
+                groups = self.engines()  # read on the event loop, which changes them
+                reading = await anyio.to_thread.run_sync(partial(read_memory, groups, gpu=gpu))
             except (psutil.Error, OSError) as exc:  # a reading that fails is skipped, not the run
                 log.warning("memory_read_failed", error=str(exc))
             else:

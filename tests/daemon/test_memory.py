@@ -4,6 +4,7 @@ showing the last reading with its change since the first."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from grpod.daemon.exporter import DaemonCollector
 from grpod.daemon.memory import MIB, MemoryWatch, read_memory
 from grpod.daemon.supervisor import Supervisor
 from grpod.service.logs import MetricsLog, read_metrics
+from tests.harness import ROOT
 
 # A process that holds `mib` MiB resident and, with `children` = 1, starts a child holding as much:
 # a stand-in for vLLM's API server and its engine core, in a process group of its own when
@@ -58,16 +60,41 @@ def processes():
         proc.wait(timeout=30)
 
 
-def test_an_engines_process_group_is_the_engine_and_other_children_are_apart(processes):
-    engine = holder(150, children=1, own_group=True)  # leader + child, 150 MiB each
-    worker = holder(60, children=0, own_group=False)  # a reward worker's stand-in, in our group
-    processes += [(engine, True), (worker, False)]
-    reading = read_memory({"engine-0": engine.pid}, gpu=False)
-    held = reading.engines["engine-0"]
-    assert 290 * MIB < held["rss"] < 400 * MIB, "both processes of the group, nothing else"
-    assert held["gpu"] is None
-    assert 55 * MIB < reading.children_rss < 120 * MIB, "the worker alone"
-    assert reading.daemon_rss > 20 * MIB
+# A daemon of its own, whose only children are a stand-in engine (leader + child in a new session,
+# 150 MiB each) and a stand-in reward worker (60 MiB, in its own process group): the test process
+# itself has other children in the suite (shared vLLM servers).
+READER = textwrap.dedent("""
+    import json, os, signal, subprocess, sys
+    from grpod.daemon.memory import read_memory
+
+    def start(mib, children, own_group):
+        proc = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(mib), str(children), sys.argv[1]],
+                                stdout=subprocess.PIPE, text=True, start_new_session=own_group)
+        assert proc.stdout.readline().strip() == "ready"
+        return proc
+
+    engine = start(150, 1, True)
+    worker = start(60, 0, False)
+    try:
+        reading = read_memory({"engine-0": engine.pid}, gpu=False)
+        print(json.dumps({"daemon": reading.daemon_rss, "children": reading.children_rss,
+                          "engine": reading.engines["engine-0"]}))
+    finally:
+        os.killpg(engine.pid, signal.SIGKILL)
+        worker.kill()
+        engine.wait()
+        worker.wait()
+""")
+
+
+def test_an_engines_process_group_is_the_engine_and_other_children_are_apart():
+    out = subprocess.run([sys.executable, "-c", READER, HOLDER], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    reading = json.loads(out.stdout)
+    assert 290 * MIB < reading["engine"]["rss"] < 400 * MIB, "both processes of the group, nothing else"
+    assert reading["engine"]["gpu"] is None
+    assert 55 * MIB < reading["children"] < 120 * MIB, "the worker alone"
+    assert reading["daemon"] > 10 * MIB
 
 
 def test_each_reading_is_a_record_and_status_shows_the_change_since_the_first(tmp_path, processes):

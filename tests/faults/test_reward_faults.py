@@ -70,9 +70,11 @@ KINDS = {
 }
 FAULTY_CALLS = 50
 WORKERS = 2
-# A reward call frozen in the event loop would hold it for reward_timeout_s (0.5 s) or more; the
-# slowest read must stay under that, and 99 % of them under 100 ms.
-STATUS_BOUND_S = 0.4
+# A reward call run in the event loop would hold it for the whole call (a hang never returns, the
+# regex and the busy loop run for seconds), on each of the 50 faulty calls: 99 % of the reads must
+# take under 100 ms, and the slowest under 1 s. (Under the whole suite's load one read alone took
+# 401 ms, another time 541 ms, with the 99th percentile at 74 and 102 ms.)
+STATUS_BOUND_S = 1.0
 STATUS_P99_S = 0.1
 
 
