@@ -42,11 +42,14 @@ def slope_per_100_steps(points: list[tuple[int, float]]) -> float | None:
 def series(readings: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """Each figure's (step, MiB) over the readings: the daemon's, its other children's and each
     engine's resident memory."""
+    names = {"daemon_rss_mib": "daemon", "children_rss_mib": "children"}
     out: dict[str, list[tuple[int, float]]] = {}
     for r in readings:
         for key, value in r.items():
-            if key.endswith("_mib") or "_mib/" in key:
-                out.setdefault(key.replace("_rss_mib", "").replace("engine/", ""), []).append((r["step"], value))
+            kind, _, engine = key.partition("/")
+            name = names.get(key) or {"engine_rss_mib": engine, "engine_gpu_mib": f"{engine} GPU"}.get(kind)
+            if name:
+                out.setdefault(name, []).append((r["step"], value))
     return out
 
 

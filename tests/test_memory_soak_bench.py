@@ -5,7 +5,7 @@ from bench.memory_soak import slope_per_100_steps, summarise
 
 def reading(step, daemon_mib, engine_mib):
     return {"kind": "memory", "step": step, "time": 0.0, "daemon_rss_mib": daemon_mib, "children_rss_mib": 10.0,
-            "engine_rss_mib/engine-0": engine_mib}
+            "engine_rss_mib/engine-0": engine_mib, "engine_gpu_mib/engine-0": 700.0}
 
 
 def test_a_steady_growth_is_its_slope_and_warmup_is_left_out():
@@ -13,7 +13,7 @@ def test_a_steady_growth_is_its_slope_and_warmup_is_left_out():
     readings = [reading(s, 500 + 2 * min(s, 50) + 0.05 * max(s - 50, 0), 900) for s in range(0, 400, 10)]
     summary = summarise(readings, warmup=50)
     assert summary["steps"] == [50, 390] and summary["readings_after_warmup"] == 35
-    assert set(summary["figures"]) == {"daemon", "children", "engine-0"}
+    assert set(summary["figures"]) == {"daemon", "children", "engine-0", "engine-0 GPU"}
     assert summary["figures"]["daemon"]["slope_mib_per_100_steps"] == 5.0
     assert summary["figures"]["engine-0"]["slope_mib_per_100_steps"] == 0.0
     assert summary["figures"]["children"]["first_mib"] == 10.0

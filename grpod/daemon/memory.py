@@ -28,7 +28,7 @@ import anyio
 import psutil
 import structlog
 
-from grpod.inference.release import gpu_memory_held, nvidia_gpu_count
+from grpod.inference.release import gpu_memory_by_pid, nvidia_gpu_count
 from grpod.service.logs import MetricsLog
 
 log = structlog.get_logger(__name__)
@@ -75,8 +75,10 @@ def read_memory(engine_groups: dict[str, int], *, gpu: bool) -> MemoryReading:
             engines[names[group]]["pids"].append(child.pid)
         else:
             children += rss
+    by_pid = gpu_memory_by_pid() if gpu else None  # one NVML pass for every engine
     held = {
-        name: {"rss": e["rss"], "gpu": gpu_memory_held(e["pids"]) if gpu else None} for name, e in engines.items()
+        name: {"rss": e["rss"], "gpu": None if by_pid is None else sum(by_pid.get(pid, 0) for pid in e["pids"])}
+        for name, e in engines.items()
     }
     return MemoryReading(time.time(), me.memory_info().rss, children, held)
 

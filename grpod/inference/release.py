@@ -99,28 +99,32 @@ def nvidia_gpu_count() -> int:
         pynvml.nvmlShutdown()
 
 
-def gpu_memory_held(pids: Iterable[int]) -> int:
-    """Bytes of GPU memory that processes `pids` hold, over all devices (0 without NVML).
+def gpu_memory_by_pid() -> dict[int, int]:
+    """Bytes of GPU memory each process holds, over all devices, in one NVML pass ({} without NVML).
 
-    NVML reports host PIDs; inside a PID namespace they may not match and this reads 0.
+    NVML reports host PIDs; inside a PID namespace they may not match the PIDs seen here.
     """
-    wanted = set(pids)
     try:
         import pynvml
 
         pynvml.nvmlInit()
     except Exception:
-        return 0
+        return {}
     try:
-        held = 0
+        held: dict[int, int] = {}
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid in wanted:
-                    held += proc.usedGpuMemory or 0
+                held[proc.pid] = held.get(proc.pid, 0) + (proc.usedGpuMemory or 0)
         return held
     finally:
         pynvml.nvmlShutdown()
+
+
+def gpu_memory_held(pids: Iterable[int]) -> int:
+    """Bytes of GPU memory that processes `pids` hold, over all devices (0 without NVML)."""
+    held = gpu_memory_by_pid()
+    return sum(held.get(pid, 0) for pid in set(pids))
 
 
 async def _wait_until(released: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
