@@ -74,7 +74,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(path: Path | None, overrides: list[str]) -> GrpodConfig:
-    return load_config(path, overrides)
+    notes: list[str] = []
+    cfg = load_config(path, overrides, notes)
+    for note in notes:  # stderr: `check-config --print` keeps stdout for the JSON
+        print(f"grpod: note: {path}: {note}", file=sys.stderr)
+    return cfg
 
 
 def cmd_start(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ is wrong; the CLI prints it and exits with status 2.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import ipaddress
 import json
@@ -426,7 +427,7 @@ _SOURCE_KIND = (
     'Where rollouts come from: "builtin" (arithmetic through vLLM), "dataset" (your prompts and reward '
     'functions), "environment" (multi-turn episodes: tools, games, verifiers or OpenEnv environments), "atropos" '
     '(Atropos\' trajectory API; Atropos is archived), "replay" (an earlier run\'s groups); a key of another kind '
-    "is an error."
+    "is an error, except the file's when `--set` switches the kind."
 )
 
 
@@ -656,6 +657,16 @@ def _tag(default: str, key: str):
     return Discriminator(read)
 
 
+def _members(union: Any) -> dict[str, type[BaseModel]]:
+    """A discriminated section's kinds, tag → model, in declaration order (the first is the
+    default: what a section that names no kind means)."""
+    members = {}
+    for arm in get_args(get_args(union)[0]):
+        model, *meta = get_args(arm)
+        members[next(m.tag for m in meta if isinstance(m, Tag))] = model
+    return members
+
+
 SourceConfig = Annotated[
     Annotated[BuiltinSourceConfig, Tag("builtin")]
     | Annotated[DatasetSourceConfig, Tag("dataset")]
@@ -664,7 +675,7 @@ SourceConfig = Annotated[
     | Annotated[ReplaySourceConfig, Tag("replay")],
     _tag("builtin", "kind"),
 ]
-SOURCE_KINDS = ("builtin", "dataset", "environment", "atropos", "replay")
+SOURCE_KINDS = tuple(_members(SourceConfig))
 
 
 class LossConfig(_Section):
@@ -945,7 +956,8 @@ class TrainConfig(_Section):
 _BRIDGE_MODE = (
     'How a sync ships the trainer\'s weights to the engines: "none" (an HF checkpoint), "shared" (one copy, '
     'written in place), "lora_only" (adapter versions loaded live), "lora_restart" (vLLM relaunched with each '
-    'adapter), "broadcast" (vLLM\'s weight-transfer API, every engine at once); a key of another mode is an error.'
+    'adapter), "broadcast" (vLLM\'s weight-transfer API, every engine at once); a key of another mode is an error, '
+    "except the file's when `--set` switches the mode."
 )
 _KEEP_ADAPTERS = "Adapter versions kept on disk."
 
@@ -1042,7 +1054,7 @@ BridgeConfig = Annotated[
     | Annotated[BroadcastBridgeConfig, Tag("broadcast")],
     _tag("none", "mode"),
 ]
-BRIDGE_MODES = ("none", "shared", "lora_only", "lora_restart", "broadcast")
+BRIDGE_MODES = tuple(_members(BridgeConfig))
 LORA_MODES = ("lora_only", "lora_restart")
 
 
@@ -1409,6 +1421,33 @@ def apply_override(tree: dict[str, Any], text: str) -> None:
 _UNION_TAGS = {"source": ("kind", SOURCE_KINDS), "bridge": ("mode", BRIDGE_MODES)}
 
 
+_SECTION_KINDS = {"source": _members(SourceConfig), "bridge": _members(BridgeConfig)}
+
+
+def _switch_kinds(tree: dict[str, Any], file_tree: dict[str, Any], overridden: set[tuple[str, ...]]) -> list[str]:
+    """`--set bridge.mode=shared` on a file written for another mode switches the mode: the file's
+    keys that only its own kind has (`bridge.reload` of mode "none") are dropped, and named in the
+    returned notes. Keys no kind has, and keys set by `--set` itself, stay and fail validation."""
+    notes = []
+    for section, members in _SECTION_KINDS.items():
+        tag = _UNION_TAGS[section][0]
+        before, after = file_tree.get(section), tree.get(section)
+        if not isinstance(before, dict) or not isinstance(after, dict) or (section, tag) not in overridden:
+            continue
+        default = next(iter(members))
+        old, new = before.get(tag, default), after.get(tag, default)
+        if old == new or old not in members or new not in members:
+            continue
+        dropped = [key for key in after if key in before and (section, key) not in overridden
+                   and key in members[old].model_fields and key not in members[new].model_fields]
+        for key in dropped:
+            del after[key]
+        if dropped:
+            notes.append(f"{section}.{tag} = {new!r} (--set) over the file's {old!r}: ignored the file's "
+                         + ", ".join(f"{section}.{key}" for key in dropped) + f" (keys of {section}.{tag} = {old!r} only)")
+    return notes
+
+
 def _describe(err: ValidationError, origin: str) -> str:
     lines = []
     for item in err.errors():
@@ -1440,8 +1479,9 @@ def parse_config(tree: dict[str, Any], origin: str = "<config>") -> GrpodConfig:
         raise ConfigError(_describe(err, origin)) from None
 
 
-def load_config(path: Path | str | None, overrides: list[str] = ()) -> GrpodConfig:
-    """Load `path` (None = all defaults), apply `--set` overrides, validate."""
+def load_config(path: Path | str | None, overrides: list[str] = (), notes: list[str] | None = None) -> GrpodConfig:
+    """Load `path` (None = all defaults), apply `--set` overrides, validate. What the overrides
+    made grpod ignore in the file (`_switch_kinds`) is appended to `notes`."""
     tree: dict[str, Any] = {}
     origin = "<defaults>"
     if path is not None:
@@ -1461,8 +1501,12 @@ def load_config(path: Path | str | None, overrides: list[str] = ()) -> GrpodConf
             raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
         except (ValueError, RecursionError) as exc:  # an integer of > 4300 digits, nesting too deep
             raise ConfigError(f"{path}: unusable TOML: {str(exc)[:200]}") from None
+    file_tree = copy.deepcopy(tree)
     for text in overrides:
         apply_override(tree, text)
+    switched = _switch_kinds(tree, file_tree, {tuple(parse_assignment(text)[0]) for text in overrides})
+    if notes is not None:
+        notes.extend(switched)
     if overrides:
         origin += " (with --set " + ", ".join(overrides) + ")"
     return parse_config(tree, origin)

@@ -88,7 +88,8 @@ EMBEDDED_CHOICES in grpod/config_docs.py), not this file. docs/configuration.md 
 as tables. Every key is set to its default unless a "This file:" line says otherwise; keys of other
 source kinds and bridge modes, and optional keys, are commented out with an example value.
 `grpod check-config etc/grpod.toml` validates; `grpod start --config etc/grpod.toml --set
-train.steps=50` overrides one key."""
+train.steps=50` overrides one key; `--set bridge.mode=shared` switches the mode (the keys below of
+mode "none" only are then ignored)."""
 
 REFERENCE_INTRO = """\
 A config file is TOML that mirrors this tree, section for section. `etc/grpod.toml`, the embedded
@@ -100,7 +101,9 @@ in `grpod/config.py` (`python -m grpod.config_docs`; a test fails when they drif
 - Unknown keys, wrong types, values out of bounds, inf or NaN, a boolean or a string where a number
   goes: each is an error naming the file and the key (exit 2).
 - `source` and `bridge` take different keys per `kind` / `mode`; a key of another kind or mode is
-  an error.
+  an error. A `--set` of the kind or mode switches a file written for another one:
+  `--set bridge.mode=shared` on `etc/grpod.toml` ignores its `bridge.reload` (a key of mode
+  "none" only) and says so on stderr.
 - Keys marked **live** can change while a run goes on (`grpod ctl set KEY=VALUE`, or SIGHUP to
   re-read the file; [Operating grpod](operations.md#live-settings)); any other key needs a restart."""
 

@@ -120,6 +120,44 @@ def test_each_source_kind_and_bridge_mode_has_its_own_keys():
     assert lora.bridge.keep_adapters == 2
 
 
+
+def test_set_of_another_kind_switches_the_file_to_it(tmp_path, capsys):
+    """`--set bridge.mode=shared` on the shipped file (written for mode "none", with its
+    `bridge.reload`) switches the mode: the file's keys of the old kind only are dropped and named;
+    a key of the old kind given by `--set` itself, or a key of no kind, is still refused."""
+    shipped = ROOT / "etc" / "grpod.toml"
+    notes: list[str] = []
+    cfg = load_config(shipped, ["bridge.mode=shared"], notes)
+    assert cfg.bridge.mode == "shared"
+    assert notes == ["bridge.mode = 'shared' (--set) over the file's 'none': ignored the file's bridge.reload "
+                     "(keys of bridge.mode = 'none' only)"]
+    assert cfg.bridge.sync_every == 2 and cfg.bridge.probe_every == 4  # the keys every mode has are kept
+    with pytest.raises(ConfigError, match="bridge.reload: unknown key of bridge.mode = 'shared'"):
+        load_config(shipped, ["bridge.mode=shared", "bridge.reload=restart"])
+    typo = tmp_path / "typo.toml"
+    typo.write_text('[bridge]\nmode = "none"\nreloda = "restart"\n')
+    with pytest.raises(ConfigError, match="bridge.reloda: unknown key of bridge.mode = 'shared'"):
+        load_config(typo, ["bridge.mode=shared"])
+    # Without an override of the kind, a key of another kind in the file is refused as before.
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('[bridge]\nmode = "shared"\nreload = "restart"\n')
+    with pytest.raises(ConfigError, match="bridge.reload: unknown key of bridge.mode = 'shared'"):
+        load_config(wrong, ["train.lr=1e-5"])
+    # A section that names no kind means the first one: the default.
+    implicit = tmp_path / "implicit.toml"
+    implicit.write_text('[source]\ntask_seed = 3\n')
+    assert load_config(implicit).source.kind == "builtin"
+    switched: list[str] = []
+    cfg = load_config(implicit, ["source.kind=replay", "source.replay_path='x.jsonl'"], switched)
+    assert cfg.source.kind == "replay" and "ignored the file's source.task_seed" in switched[0]
+    # The CLI tells it on stderr and keeps stdout for `--print`'s JSON.
+    from grpod.cli import main
+
+    assert main(["check-config", str(shipped), "--set", "bridge.mode=shared", "--print"]) == 0
+    out, err = capsys.readouterr()
+    assert '"mode": "shared"' in out and "grpod: note:" not in out
+    assert "ignored the file's bridge.reload" in err
+
 def test_cross_field_rules():
     with pytest.raises(ConfigError, match="needs train.lora = true"):
         load_config(None, ["bridge.mode=lora_only"])
