@@ -42,6 +42,9 @@ class RunProgress:
     steps_this_run: int = 0
     tokens_this_run: float = 0.0
     generated_tokens_this_run: float = 0.0
+    # Completion tokens trained with a non-zero advantage since this process started (the
+    # numerator of gradient_token_share; the source's sampled_tokens counts from start too).
+    gradient_tokens: float = 0.0
 
     def begin_training(self) -> None:
         """The step loop starts: the rates count from here."""
@@ -58,10 +61,30 @@ class RunProgress:
             self.skipped_batches += 1
         self.tokens_this_run += float(metrics.get("tokens") or 0.0)
         self.generated_tokens_this_run += float(metrics.get("completion_tokens") or 0.0)
+        self.gradient_tokens += float(metrics.get("gradient_tokens") or 0.0)
+
+    def gradient_token_share(self, sampled_tokens: float | None) -> float | None:
+        """The share of the generated completion tokens that reached a gradient, since start."""
+        return round(self.gradient_tokens / sampled_tokens, 4) if sampled_tokens else None
 
     def fail(self, reason: str) -> None:
         self.exit_code = 1
         self.stop_reason = reason
+
+    def conclude(self, *, steps: int, stopped: bool, draining: bool, exhausted: bool) -> None:
+        """The step loop has ended (`steps`: the run's train.steps): why (a stop's reason is already
+        set by whoever asked), and a run that consumed batches but trained none fails."""
+        if self.step > 0 and self.trained_steps == 0 and not stopped:
+            self.fail(
+                f"no step trained: all {self.skipped_batches} batches were skipped (every group rejected, "
+                "zero-variance or with a non-finite gradient; `ctl status` shows the rejections)"
+            )
+        elif self.step >= steps:
+            self.stop_reason = self.stop_reason or "steps done"
+        elif draining and not stopped:
+            self.stop_reason = "drained"
+        elif exhausted and not stopped:
+            self.stop_reason = "source exhausted"
 
     def rates(self) -> dict[str, float | None]:
         """Steps/s and tokens/s over this process's training time (None before the first step)."""

@@ -109,9 +109,6 @@ class StepLoop:
         self.run_dir = run_dir
         self.cores = cores or CoreLoan.off("not planned")
         self.source_exhausted = False
-        # Completion tokens trained with a non-zero advantage since this process started (the
-        # numerator of gradient_token_share; the source's sampled_tokens counts from start too).
-        self.gradient_tokens = 0.0
         self._work: TaskGroup | None = None
         # When the engines get the trainer's weights: due, owed, held by an evaluation, forced.
         self.schedule = SyncSchedule(cadence=bridge.sync_due)
@@ -248,10 +245,9 @@ class StepLoop:
             **step_reward_metrics(groups),
             **self.source.stats.step_metrics(),
         }
-        self.gradient_tokens += metrics.get("gradient_tokens", 0.0)
-        if record.get("sampled_tokens"):
-            # The share of the generated completion tokens that reached a gradient, since start.
-            record["gradient_token_share"] = round(self.gradient_tokens / record["sampled_tokens"], 4)
+        share = self.progress.gradient_token_share(record.get("sampled_tokens"))
+        if share is not None:
+            record["gradient_token_share"] = share
         self.reporter.step_done(record)
 
     async def train(self, groups: list[RolloutGroup]) -> tuple[dict[str, Any], list[SyncRecord]]:
@@ -355,10 +351,6 @@ class StepLoop:
         }
         return info
 
-    async def evaluate(self, when: str) -> None:
-        """Held-out evaluation of the policy the engines serve, in line (the run's last one)."""
-        await self.evaluations.run(when, None)
-
     async def fetch(self) -> None:
         """Keep the buffer filled (overlap mode) until cancelled, drained or the source ends."""
 
@@ -377,15 +369,7 @@ class StepLoop:
             self.trainer.set_learning_rate(change.new)
 
     def _conclude(self) -> None:
-        progress, stopped = self.progress, self.desk.stop_requested
-        if progress.step > 0 and progress.trained_steps == 0 and not stopped:
-            progress.fail(
-                f"no step trained: all {progress.skipped_batches} batches were skipped (every group rejected, "
-                "zero-variance or with a non-finite gradient; `ctl status` shows the rejections)"
-            )
-        elif progress.step >= self.cfg.train.steps:
-            progress.stop_reason = progress.stop_reason or "steps done"
-        elif self.desk.draining and not stopped:
-            progress.stop_reason = "drained"
-        elif self.source_exhausted and not stopped:
-            progress.stop_reason = "source exhausted"
+        self.progress.conclude(
+            steps=self.cfg.train.steps, stopped=self.desk.stop_requested, draining=self.desk.draining,
+            exhausted=self.source_exhausted,
+        )

@@ -203,7 +203,7 @@ class Supervisor:
         self.desk.fail_requests("the daemon is stopping")
         parts = self.parts
         if parts is not None and parts.bridge.available and self.progress.exit_code == 0:
-            await parts.loop.evaluate("end")
+            await parts.loop.evaluations.run("end", None)  # in line: the run's last one
         # A checkpoint of this very state exists: nothing trained and no group accepted since.
         last = self.progress.last_checkpoint
         already = last is not None and (last["step"], last["accepted"]) == (self.progress.step, self.buffer.accepted)

@@ -360,6 +360,22 @@ class LaunchRecord:
         self.clear()
 
 
+def launch_scratch() -> tuple[Path, dict[str, str]]:
+    """A new scratch directory for one launch, and the variables that point vLLM's temporary
+    files and IPC sockets at it (removed at stop)."""
+    # Short on purpose: ZMQ IPC socket paths must fit in 107 bytes.
+    scratch = Path(tempfile.mkdtemp(prefix="grpod-vllm-"))
+    # Keep torch.compile's cache where it would be without the TMPDIR below. torch also keeps
+    # its precompiled C++ header under the temp dir whatever TORCHINDUCTOR_CACHE_DIR says
+    # (torch/_inductor/codecache.py, _HEADER_DIR): linked back to the lasting cache, vLLM's
+    # CPU build does not compile it again at every launch (~8-10 CPU-s measured per launch).
+    inductor_name = f"torchinductor_{getpass.getuser()}"
+    inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), inductor_name))
+    Path(inductor_cache).mkdir(parents=True, exist_ok=True)
+    (scratch / inductor_name).symlink_to(inductor_cache, target_is_directory=True)
+    return scratch, {"TMPDIR": str(scratch), "VLLM_RPC_BASE_PATH": str(scratch), "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
+
+
 class InferenceProcess:
     """One vLLM server child in its own process group. Not reentrant: one launch at a time."""
 
@@ -504,25 +520,9 @@ class InferenceProcess:
     def _launch(self, argv: list[str]) -> None:
         """Spawn the server in a new session (its own process group), output appended to the log."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # Short on purpose: ZMQ IPC socket paths must fit in 107 bytes.
-        scratch = Path(tempfile.mkdtemp(prefix="grpod-vllm-"))
+        scratch, scratch_env = launch_scratch()
         self._launch_token = secrets.token_hex(16)
-        # Keep torch.compile's cache where it would be without the TMPDIR below. torch also keeps
-        # its precompiled C++ header under the temp dir whatever TORCHINDUCTOR_CACHE_DIR says
-        # (torch/_inductor/codecache.py, _HEADER_DIR): linked back to the lasting cache, vLLM's
-        # CPU build does not compile it again at every launch (~8-10 CPU-s measured per launch).
-        inductor_name = f"torchinductor_{getpass.getuser()}"
-        inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), inductor_name))
-        Path(inductor_cache).mkdir(parents=True, exist_ok=True)
-        (scratch / inductor_name).symlink_to(inductor_cache, target_is_directory=True)
-        env = {
-            **os.environ,
-            "TMPDIR": str(scratch),
-            "VLLM_RPC_BASE_PATH": str(scratch),
-            "TORCHINDUCTOR_CACHE_DIR": inductor_cache,
-            **self.build_env(),
-            LAUNCH_TOKEN_ENV: self._launch_token,
-        }
+        env = {**os.environ, **scratch_env, **self.build_env(), LAUNCH_TOKEN_ENV: self._launch_token}
         try:
             with self.log.open_for_launch(argv) as log_file:
                 self._popen = subprocess.Popen(
@@ -555,7 +555,7 @@ class InferenceProcess:
                             )
                         raise InferenceStartError(
                             f"vLLM exited with code {code} before becoming healthy "
-                            f"(model {self._model_path}, port {self._port}); {self._log_excerpt()}",
+                            f"(model {self._model_path}, port {self._port}); {self.log.excerpt()}",
                             pgid=self.pgid,
                         )
                     try:
@@ -571,16 +571,13 @@ class InferenceProcess:
                     await anyio.sleep(min(STARTUP_POLL_S, self.cfg.health_interval_s))
         raise InferenceStartError(
             f"vLLM did not answer /health within inference.start_timeout_s = {timeout:g} s; "
-            f"raise it if start-up is just slow; {self._log_excerpt()}",
+            f"raise it if start-up is just slow; {self.log.excerpt()}",
             pgid=self.pgid,
         )
 
     def _port_holder(self) -> str | None:
         """'pid N (command line)' of a process outside this launch's group listening on the port."""
         return release.port_holder(self._port, exclude_pgid=self.pgid if self._popen is not None else None)
-
-    def _log_excerpt(self) -> str:
-        return self.log.excerpt()
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> list[str]:
         """The last `lines` lines this launch wrote to the log (long lines cut)."""
