@@ -67,7 +67,7 @@ def test_status_shows_the_sources_drops_and_each_reward_function():
 
 
 def test_memory_readings_are_a_panel_each_engine_a_line():
-    from grpod.daemon.memory import MemoryReading
+    from grpod.inference.memory import MemoryReading
     from grpod.plot import PANELS, panel_series
 
     reading = MemoryReading(0.0, 500 << 20, 30 << 20, {"engine-0": {"rss": 1200 << 20, "gpu": None},

@@ -4,8 +4,10 @@ Every route needs `Authorization: Bearer <agent.token>`; every answer is a JSON 
 one `{"error": "..."}` with its status (400 bad request, 401 no or wrong token, 404 no such
 engine, 502 the engine failed to start or stop, 500 anything else: the agent stays up).
 
-    GET  /status                           the agent and each engine (name, url, pid, running,
-                                           version, restarts, launches, launch, ...)
+    GET  /status                           the agent (its resident bytes `rss`) and each engine
+                                           (name, url, pid, running, version, restarts, launches,
+                                           launch, memory: its process group's resident and GPU
+                                           bytes while it runs, ...)
     POST /engines/{name}/launch            body `LaunchRequest`; answers once vLLM is healthy,
                                            with its base URL and launch token
     POST /engines/{name}/stop              stop it and wait until it released everything

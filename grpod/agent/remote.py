@@ -199,6 +199,15 @@ class RemoteInference(InferenceEngine):
                 return f"vLLM on {self.agent_url} was relaunched by its agent (launch {answer['current']} replaced {launch})"
             return f"vLLM on {self.agent_url} exited with code {answer.get('exit_code')}"
 
+    async def memory(self) -> dict[str, int | None] | None:
+        """This engine's memory as its agent reads it on its node (`GET /status`: resident and GPU
+        bytes of the engine's process group); None while it does not run. AgentRequestError when
+        the agent does not answer within `cluster.request_timeout_s`."""
+        async with self._agent() as agent:
+            answer = await self._contact(agent.status())
+        mine = [e for e in answer.get("engines", []) if e.get("name") == self.agent_engine]
+        return mine[0].get("memory") if mine else None
+
     def describe(self) -> dict[str, Any]:
         age = round(time.monotonic() - self.agent_seen, 1) if self.agent_seen is not None else None
         contacted = self.agent_seen is not None or self.agent_error is not None

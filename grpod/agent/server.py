@@ -30,6 +30,7 @@ import secrets
 import signal
 import socket
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from grpod.agent.api import (
 )
 from grpod.agent.hosted import EngineFailed, HostedEngine
 from grpod.config import ConfigError, GrpodConfig, InferenceConfig
+from grpod.inference.memory import read_memory
 from grpod.service.notify import SystemdNotifier
 from grpod.inference import release
 from grpod.inference.process import InferenceProcess, UnsafeBindError, engine_env
@@ -94,7 +96,13 @@ def build_app(engines: list[HostedEngine], token: str) -> web.Application:
 
     async def status(request: web.Request) -> web.Response:
         answers = [await engine.status(request.url.host or "127.0.0.1") for engine in engines]
-        return web.json_response({"node": socket.gethostname(), "pid": os.getpid(), "engines": answers})
+        groups = {e.name: e.engine.process.pgid for e in engines if e.engine.process.running}
+        gpu = any(e.engine.process.gpu for e in engines)
+        reading = await anyio.to_thread.run_sync(partial(read_memory, groups, gpu=gpu))
+        for answer in answers:  # each running engine's process group, read on this node
+            answer["memory"] = reading.engines.get(answer["name"])
+        return web.json_response({"node": socket.gethostname(), "pid": os.getpid(), "rss": reading.daemon_rss,
+                                  "engines": answers})
 
     async def launch(request: web.Request) -> web.Response:
         try:

@@ -1,14 +1,17 @@
-"""`MemoryWatch`: what the run's processes on this node hold, read every `metrics.memory_every_s`.
+"""`MemoryWatch`: what the run's processes hold, read every `metrics.memory_every_s`.
 
 A daemon that runs for days must show whether it, or an engine it supervises, grows. A reading:
 - `daemon_rss`: the daemon's own resident bytes (the trainer lives in it);
-- `engines`: per engine on this node, the resident bytes of every process of its process group
-  (vLLM's API server and its engine core), and the GPU bytes NVML reports for them (None on a
-  machine without NVIDIA's driver);
+- `engines`: per engine, the resident bytes of every process of its process group (vLLM's API
+  server and its engine core), and the GPU bytes NVML reports for them (None on a machine without
+  NVIDIA's driver). An engine on this node is read here (`grpod.inference.memory`); an engine of a
+  `grpod agent` is read by its agent on its node (the agent's `GET /status` reads with the same
+  `read_memory`) and asked for at each reading (`remote`); an agent that does not answer leaves
+  its engines out of that reading;
 - `children_rss`: the daemon's other descendants (reward workers, environment servers and
   workers).
 Resident bytes count a shared page in every process that maps it (the `shared` bridge's weights
-are in the daemon's and in vLLM's). Remote engines are their agents' to read.
+are in the daemon's and in vLLM's).
 
 Each reading is a `memory` record in metrics.jsonl, in MiB (`grpod plot` draws them;
 `bench/memory_soak.py` fits the growth per step from them) and `ctl status`'s `memory` (the last reading, and its change since the first
@@ -17,10 +20,9 @@ one of this process), which Prometheus exports.
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -28,71 +30,24 @@ import anyio
 import psutil
 import structlog
 
-from grpod.inference.release import gpu_memory_by_pid, nvidia_gpu_count
+from grpod.inference.memory import MemoryReading, read_memory
+from grpod.inference.release import nvidia_gpu_count
 from grpod.service.logs import MetricsLog
 
 log = structlog.get_logger(__name__)
-
-MIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class MemoryReading:
-    time: float
-    daemon_rss: int
-    children_rss: int
-    engines: dict[str, dict[str, int | None]]  # name -> {"rss": bytes, "gpu": bytes or None}
-
-    def record(self) -> dict[str, float]:
-        """Its metrics.jsonl record: flat numbers in MiB (what `grpod plot` draws and W&B logs),
-        `engine_rss_mib/<engine>` and, where NVML reads it, `engine_gpu_mib/<engine>`."""
-        out = {"daemon_rss_mib": _mib(self.daemon_rss), "children_rss_mib": _mib(self.children_rss)}
-        for name, held in self.engines.items():
-            out[f"engine_rss_mib/{name}"] = _mib(held["rss"])
-            if held["gpu"] is not None:
-                out[f"engine_gpu_mib/{name}"] = _mib(held["gpu"])
-        return out
-
-
-def _mib(n: int | None) -> float:
-    return round((n or 0) / MIB, 1)
-
-
-def read_memory(engine_groups: dict[str, int], *, gpu: bool) -> MemoryReading:
-    """One reading of this process and its descendants; `engine_groups`: each local engine's
-    process group. A process that ends while it is read is left out."""
-    me = psutil.Process()
-    names = {pgid: name for name, pgid in engine_groups.items()}
-    engines: dict[str, dict[str, Any]] = {name: {"rss": 0, "pids": []} for name in engine_groups}
-    children = 0
-    for child in me.children(recursive=True):
-        try:
-            rss, group = child.memory_info().rss, os.getpgid(child.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
-            continue
-        if group in names:
-            engines[names[group]]["rss"] += rss
-            engines[names[group]]["pids"].append(child.pid)
-        else:
-            children += rss
-    by_pid = gpu_memory_by_pid() if gpu else None  # one NVML pass for every engine
-    held = {
-        name: {"rss": e["rss"], "gpu": None if by_pid is None else sum(by_pid.get(pid, 0) for pid in e["pids"])}
-        for name, e in engines.items()
-    }
-    return MemoryReading(time.time(), me.memory_info().rss, children, held)
-
 
 class MemoryWatch:
     """Reads `read_memory` every `every_s` in a worker thread while the run trains; `engines()`
     names the local engines' process groups at each reading."""
 
     def __init__(self, every_s: float, metrics: MetricsLog, step: Callable[[], int],
-                 engines: Callable[[], dict[str, int]]) -> None:
+                 engines: Callable[[], dict[str, int]],
+                 remote: Callable[[], Awaitable[dict[str, dict[str, int | None]]]] | None = None) -> None:
         self.every_s = every_s
         self.metrics = metrics
         self.step = step
         self.engines = engines
+        self.remote = remote  # engines on other nodes: name -> {"rss", "gpu"}, as their agents read them
         self.first: MemoryReading | None = None
         self.last: MemoryReading | None = None
 
@@ -102,6 +57,8 @@ class MemoryWatch:
             try:
                 groups = self.engines()  # read on the event loop, which changes them
                 reading = await anyio.to_thread.run_sync(partial(read_memory, groups, gpu=gpu))
+                if self.remote is not None:
+                    reading = replace(reading, engines={**reading.engines, **await self.remote()})
             except (psutil.Error, OSError) as exc:  # a reading that fails is skipped, not the run
                 log.warning("memory_read_failed", error=str(exc))
             else:

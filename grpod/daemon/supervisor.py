@@ -30,6 +30,8 @@ from pathlib import Path
 import anyio
 import structlog
 
+from grpod.agent.api import AgentRequestError
+from grpod.agent.remote import RemoteInference
 from grpod.bridges.base import BridgeFailed
 from grpod.config import ConfigError, GrpodConfig
 from grpod.errors import first_error
@@ -80,7 +82,8 @@ class Supervisor:
         self.logprob_gap = LogprobGapAlarm(cfg.train.logprob_gap_alarm)
         self.source_alarm = SourceErrorAlarm(cfg.source.error_alarm_s, cfg.source.fail_after_s)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
-        self.memory = MemoryWatch(cfg.metrics.memory_every_s, self.metrics, lambda: self.progress.step, self._local_engines)
+        self.memory = MemoryWatch(cfg.metrics.memory_every_s, self.metrics, lambda: self.progress.step,
+                                  self._local_engines, self._remote_memory)
         self.reporter = Reporter(
             cfg, progress=self.progress, buffer=self.buffer, rejections=self.rejections,
             heartbeat=self.heartbeat, notifier=self.notifier, metrics=self.metrics,
@@ -99,6 +102,22 @@ class Supervisor:
         bridge = self.parts.bridge if self.parts is not None else None
         engines = bridge.engines if bridge is not None else []
         return {e.name: e.process.pgid for e in engines if e.node == "local" and e.process.running}
+
+    async def _remote_memory(self) -> dict[str, dict[str, int | None]]:
+        """What each running engine of an agent holds, as its agent reads it (`MemoryWatch`); an
+        agent that does not answer within cluster.request_timeout_s leaves its engines out."""
+        bridge = self.parts.bridge if self.parts is not None else None
+        held = {}
+        for engine in bridge.engines if bridge is not None else []:
+            if isinstance(engine, RemoteInference) and engine.process.running:
+                try:
+                    memory = await engine.memory()
+                except AgentRequestError as exc:
+                    log.warning("memory_read_failed", engine=engine.name, error=str(exc))
+                    continue
+                if memory is not None:
+                    held[engine.name] = memory
+        return held
 
     # ---- the run ----------------------------------------------------------------------------
     async def run(self) -> int:

@@ -39,12 +39,15 @@ async def test_launch_through_the_agent_then_talk_to_the_engine_directly(tmp_pat
             assert engine.version == 5 and engine.launches == 1 and engine.weights == weights
             described = engine.describe()
             assert described["node"] == url and described["state"] == "closed" and described["agent"]["reachable"]
+            held = await engine.memory()  # its process group, as the agent reads it on its node
+            assert held["rss"] > 10 * 2**20 and held["gpu"] is None, held
             engine.open()
             async with Policy([engine], version=5).engine(1) as lease:
                 assert lease.engine is engine and lease.version == 5
         finally:
             await engine.shutdown()
         assert not engine.process.running and not local.process.running and engine.client is None
+        assert await engine.memory() is None, "a stopped engine holds nothing"
 
 
 async def test_the_token_proves_which_launch_answers(tmp_path, weights):

@@ -96,6 +96,11 @@ async def test_launch_hands_the_leader_url_and_token_status_and_stop(tmp_path, w
         assert one["running"] and one["version"] == 4 and one["launch"] == answer.launch and one["handed"]
         assert one["url"] == answer.url and one["restarts"] == 0 and one["error"] is None
         assert not {e["name"]: e for e in status["engines"]}["engine-0"]["running"]
+        # Memory, read on the agent's node: the running engine's whole process group; none for the other.
+        group = sum(p.memory_info().rss for p in group_members(engines[1].process.pgid))
+        assert 0.5 * group < one["memory"]["rss"] < 2 * group and one["memory"]["gpu"] is None, (one["memory"], group)
+        assert {e["name"]: e for e in status["engines"]}["engine-0"]["memory"] is None
+        assert status["rss"] > 10 * 2**20, "the agent's own resident bytes"
 
         ended = await agent.ended("engine-1", answer.launch, 0.05)
         assert ended["ended"] is False, "a running launch has not ended"

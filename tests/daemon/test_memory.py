@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from grpod.config import load_config
 from grpod.daemon.exporter import DaemonCollector
-from grpod.daemon.memory import MIB, MemoryWatch, read_memory
+from grpod.daemon.memory import MemoryWatch
+from grpod.inference.memory import MIB
 from grpod.daemon.supervisor import Supervisor
 from grpod.service.logs import MetricsLog, read_metrics
 from tests.harness import ROOT
@@ -65,7 +66,7 @@ def processes():
 # itself has other children in the suite (shared vLLM servers).
 READER = textwrap.dedent("""
     import json, os, signal, subprocess, sys
-    from grpod.daemon.memory import read_memory
+    from grpod.inference.memory import read_memory
 
     def start(mib, children, own_group):
         proc = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(mib), str(children), sys.argv[1]],
@@ -153,3 +154,32 @@ def test_a_run_that_has_read_nothing_yet_says_so(tmp_path):
     status = daemon.status()
     assert status["memory"] is None
     assert ["memory (RSS)", None] in status["table"]
+
+
+def test_engines_on_other_nodes_join_each_reading_as_their_agents_read_them(tmp_path):
+    """`remote`: asked at each reading (the supervisor asks each agent's `/status`); what it answers
+    joins the local engines, in the record and in `ctl status`; an agent that answered nothing
+    leaves its engines out of that reading."""
+    metrics = MetricsLog(tmp_path / "metrics.jsonl")
+    answers = [{"node-b:7900/engine-0": {"rss": 300 * MIB, "gpu": 2048 * MIB}}, {}]
+    asked = []
+
+    async def remote() -> dict:
+        asked.append(len(asked))
+        return answers[min(len(asked) - 1, 1)]
+
+    watch = MemoryWatch(0.01, metrics, lambda: len(asked), dict, remote)
+
+    async def readings(n: int) -> None:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch.run)
+                while not metrics.path.exists() or len(read_metrics(tmp_path)) < n:
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+
+    anyio.run(readings, 2)
+    first, second = read_metrics(tmp_path)[:2]
+    assert first["engine_rss_mib/node-b:7900/engine-0"] == 300.0 and first["engine_gpu_mib/node-b:7900/engine-0"] == 2048.0
+    assert not any(key.startswith("engine_") for key in second), "the silent agent's engine is left out"
+    assert watch.first.engines == answers[0] and watch.last.engines == {}

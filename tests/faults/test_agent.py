@@ -188,6 +188,7 @@ def test_an_agents_engine_serves_the_leaders_broadcast_run_through_a_crash_and_a
         "cluster.request_timeout_s": 3.0,
         "cluster.watch_poll_s": 5.0,  # an agent silent for 8 s is reported unreachable
         "run.record_rollouts": True,
+        "metrics.memory_every_s": 2.0,  # the agent's engine read on its node, through the agent
     }
     leader_env = {"GLOO_SOCKET_IFNAME": leader_node.interface} if leader_node.interface else {}
 
@@ -216,6 +217,9 @@ def test_an_agents_engine_serves_the_leaders_broadcast_run_through_a_crash_and_a
             [engine] = status["bridge"]["engines"]
             assert engine["node"] == agent_url and engine["base_url"].startswith(f"http://{agent_node.address}:")
             assert engine["agent"]["reachable"] and engine["launches"] == 1 and engine["state"] == "serving"
+            # The leader's memory watch has the agent's engine, as its agent read it on its node.
+            held = status["memory"]["engines"][engine["name"]]
+            assert held["rss"] > 100 * 2**20 and held["gpu"] is None, status["memory"]
             crashed_pid = engine["pid"]
             killed_at = time.monotonic()
             sigkill(vllm_api_server(crashed_pid))
@@ -267,6 +271,8 @@ def test_an_agents_engine_serves_the_leaders_broadcast_run_through_a_crash_and_a
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if r["kind"] == "step"]
     syncs = [r for r in records if r["kind"] == "sync"]
+    memory = [r for r in records if r["kind"] == "memory"]
+    assert memory and all(f"engine_rss_mib/{engine['name']}" in r for r in memory[-3:]), memory[-3:]
     # Every step recorded, in order. A step may be skipped only because admission refused all its
     # groups as repeats: the tiny model, once it has learnt a problem, answers it the same way each
     # time the stream draws it again ("duplicate"). How many grows with how far the run got (it
