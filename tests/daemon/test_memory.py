@@ -183,3 +183,20 @@ def test_engines_on_other_nodes_join_each_reading_as_their_agents_read_them(tmp_
     assert first["engine_rss_mib/node-b:7900/engine-0"] == 300.0 and first["engine_gpu_mib/node-b:7900/engine-0"] == 2048.0
     assert not any(key.startswith("engine_") for key in second), "the silent agent's engine is left out"
     assert watch.first.engines == answers[0] and watch.last.engines == {}
+
+
+def test_engines_are_read_while_the_run_trains_and_not_once_it_stops(tmp_path):
+    """A stopping run's engines are being stopped: a group read then is half gone (the last reading
+    of a 3000-step run read 618 MiB of a 1758 MiB engine), so the watch reads none of them."""
+    from types import SimpleNamespace
+
+    from grpod.daemon.progress import RunPhase
+
+    daemon = Supervisor(load_config(None, [f"run.dir={str(tmp_path)!r}"]))
+    engine = SimpleNamespace(name="engine-0", node="local", process=SimpleNamespace(pgid=4242, running=True))
+    stopped = SimpleNamespace(name="engine-1", node="local", process=SimpleNamespace(pgid=4343, running=False))
+    daemon.parts = SimpleNamespace(bridge=SimpleNamespace(engines=[engine, stopped]))
+    daemon.progress.phase = RunPhase.RUNNING
+    assert daemon._local_engines() == {"engine-0": 4242}
+    daemon.progress.phase = RunPhase.STOPPING
+    assert daemon._local_engines() == {} and anyio.run(daemon._remote_memory) == {}
