@@ -254,6 +254,10 @@ def executor_env(cfg: InferenceConfig, gpu: bool) -> dict[str, str]:
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", FORK_ENGINE_CORE_ENV: "1"}
 
 
+# A CPU engine's bound on oneDNN's cache of compiled primitives (default_env).
+ONEDNN_CACHE_ENTRIES = 128
+
+
 def default_env(cfg: InferenceConfig, gpu: bool) -> dict[str, str]:
     """grpod's defaults for a CPU engine, each overridden by the same variable in `inference.env`:
 
@@ -263,7 +267,12 @@ def default_env(cfg: InferenceConfig, gpu: bool) -> dict[str, str]:
       torch.compile, except for one sampler op vLLM compiles on the first request that asks for
       logprobs (the rank of each token; every grpod request asks): 2-3 CPU-s at each launch on
       this machine, the whole of the first alignment probe (2.1 s -> 0.09 s without it). Not on
-      GPU: unmeasured there.
+      GPU: unmeasured there;
+    - ONEDNN_PRIMITIVE_CACHE_CAPACITY=128 (`ONEDNN_CACHE_ENTRIES`): oneDNN keeps a compiled
+      primitive for each batch shape the CPU build's packed linears meet, 1024 of them by default;
+      filling them grew the embedded default's engine from 1185 to 1758 MiB in 1000 steps. At 128
+      it stayed at 1290-1306 MiB at the same steps/s (bench/results/onednn_cache.json; SmolLM2:
+      102-107 tokens/s either way).
     """
     if gpu:
         return {}
@@ -272,6 +281,7 @@ def default_env(cfg: InferenceConfig, gpu: bool) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) - 1))
     if cfg.enforce_eager:
         env["TORCHDYNAMO_DISABLE"] = "1"
+    env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(ONEDNN_CACHE_ENTRIES)
     return env
 
 
