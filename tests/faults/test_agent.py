@@ -271,8 +271,12 @@ def test_an_agents_engine_serves_the_leaders_broadcast_run_through_a_crash_and_a
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if r["kind"] == "step"]
     syncs = [r for r in records if r["kind"] == "sync"]
-    memory = [r for r in records if r["kind"] == "memory"]
-    assert memory and all(f"engine_rss_mib/{engine['name']}" in r for r in memory[-3:]), memory[-3:]
+    # The agent's engine in the leader's memory records, as the agent read it: not while it is
+    # relaunched, nor while the agent is silent, nor once the run stops (a fast host trains
+    # between these in seconds, so one reading may be all there is).
+    key = f"engine_rss_mib/{engine['name']}"
+    read = [r[key] for r in records if r["kind"] == "memory" and key in r]
+    assert read and min(read) > 100, read
     # Every step recorded, in order. A step may be skipped only because admission refused all its
     # groups as repeats: the tiny model, once it has learnt a problem, answers it the same way each
     # time the stream draws it again ("duplicate"). How many grows with how far the run got (it
