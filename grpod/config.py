@@ -1417,11 +1417,9 @@ def apply_override(tree: dict[str, Any], text: str) -> None:
     node[path[-1]] = value
 
 
-# Tags of the discriminated sections: pydantic puts them in an error's location.
-_UNION_TAGS = {"source": ("kind", SOURCE_KINDS), "bridge": ("mode", BRIDGE_MODES)}
-
-
-_SECTION_KINDS = {"source": _members(SourceConfig), "bridge": _members(BridgeConfig)}
+# The discriminated sections: their tag key and their kinds (tag -> model, the default first);
+# pydantic puts a kind's tag in an error's location.
+_UNION_TAGS = {"source": ("kind", _members(SourceConfig)), "bridge": ("mode", _members(BridgeConfig))}
 
 
 def _switch_kinds(tree: dict[str, Any], file_tree: dict[str, Any], overridden: set[tuple[str, ...]]) -> list[str]:
@@ -1429,8 +1427,7 @@ def _switch_kinds(tree: dict[str, Any], file_tree: dict[str, Any], overridden: s
     keys that only its own kind has (`bridge.reload` of mode "none") are dropped, and named in the
     returned notes. Keys no kind has, and keys set by `--set` itself, stay and fail validation."""
     notes = []
-    for section, members in _SECTION_KINDS.items():
-        tag = _UNION_TAGS[section][0]
+    for section, (tag, members) in _UNION_TAGS.items():
         before, after = file_tree.get(section), tree.get(section)
         if not isinstance(before, dict) or not isinstance(after, dict) or (section, tag) not in overridden:
             continue

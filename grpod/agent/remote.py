@@ -199,14 +199,11 @@ class RemoteInference(InferenceEngine):
                 return f"vLLM on {self.agent_url} was relaunched by its agent (launch {answer['current']} replaced {launch})"
             return f"vLLM on {self.agent_url} exited with code {answer.get('exit_code')}"
 
-    async def memory(self) -> dict[str, int | None] | None:
-        """This engine's memory as its agent reads it on its node (`GET /status`: resident and GPU
-        bytes of the engine's process group); None while it does not run. AgentRequestError when
-        the agent does not answer within `cluster.request_timeout_s`."""
+    async def agent_status(self) -> dict[str, Any]:
+        """The agent's `GET /status` (every engine it serves; AgentRequestError when it does not
+        answer within `cluster.request_timeout_s`)."""
         async with self._agent() as agent:
-            answer = await self._contact(agent.status())
-        mine = [e for e in answer.get("engines", []) if e.get("name") == self.agent_engine]
-        return mine[0].get("memory") if mine else None
+            return await self._contact(agent.status())
 
     def describe(self) -> dict[str, Any]:
         age = round(time.monotonic() - self.agent_seen, 1) if self.agent_seen is not None else None
@@ -218,6 +215,25 @@ class RemoteInference(InferenceEngine):
                       "reachable": self.agent_error is None if contacted else None,  # None: not asked yet
                       "last_answer_age_s": age, "error": self.agent_error},
         }  # fmt: skip
+
+
+async def agents_memory(engines: list[RemoteInference]) -> dict[str, dict[str, int | None]]:
+    """What each of `engines` holds while it runs, as its agent reads it on its node (resident and
+    GPU bytes of its process group): one `GET /status` per agent, whatever its engines. An agent
+    that does not answer leaves its engines out (logged)."""
+    by_agent: dict[str, list[RemoteInference]] = {}
+    for engine in engines:
+        by_agent.setdefault(engine.agent_url, []).append(engine)
+    held = {}
+    for url, served in by_agent.items():
+        try:
+            answer = await served[0].agent_status()
+        except AgentRequestError as exc:
+            log.warning("memory_read_failed", agent=url, error=str(exc))
+            continue
+        reported = {e.get("name"): e.get("memory") for e in answer.get("engines", [])}
+        held |= {e.name: reported[e.agent_engine] for e in served if reported.get(e.agent_engine) is not None}
+    return held
 
 
 def _plain(value: Any) -> Any:

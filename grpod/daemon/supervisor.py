@@ -30,8 +30,7 @@ from pathlib import Path
 import anyio
 import structlog
 
-from grpod.agent.api import AgentRequestError
-from grpod.agent.remote import RemoteInference
+from grpod.agent.remote import RemoteInference, agents_memory
 from grpod.bridges.base import BridgeFailed
 from grpod.config import ConfigError, GrpodConfig
 from grpod.errors import first_error
@@ -99,7 +98,7 @@ class Supervisor:
 
     def _engines_in_service(self) -> list:
         """The run's engines while it trains; none once it stops: an engine group read while it
-        is being stopped is half gone (a 3000-step run's last reading: 1758 -> 618 MiB)."""
+        is being stopped is half gone (a 1000-step run's last reading: 618 of 1758 MiB)."""
         bridge = self.parts.bridge if self.parts is not None else None
         stopping = self.progress.phase in (RunPhase.STOPPING, RunPhase.STOPPED)
         return [e for e in bridge.engines if e.process.running] if bridge is not None and not stopping else []
@@ -109,19 +108,8 @@ class Supervisor:
         return {e.name: e.process.pgid for e in self._engines_in_service() if e.node == "local"}
 
     async def _remote_memory(self) -> dict[str, dict[str, int | None]]:
-        """What each running engine of an agent holds, as its agent reads it (`MemoryWatch`); an
-        agent that does not answer within cluster.request_timeout_s leaves its engines out."""
-        held = {}
-        for engine in self._engines_in_service():
-            if isinstance(engine, RemoteInference):
-                try:
-                    memory = await engine.memory()
-                except AgentRequestError as exc:
-                    log.warning("memory_read_failed", engine=engine.name, error=str(exc))
-                    continue
-                if memory is not None:
-                    held[engine.name] = memory
-        return held
+        """What each running engine of an agent holds, as its agent reads it (`MemoryWatch`)."""
+        return await agents_memory([e for e in self._engines_in_service() if isinstance(e, RemoteInference)])
 
     # ---- the run ----------------------------------------------------------------------------
     async def run(self) -> int:

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from grpod.agent.api import AgentRequestError
-from grpod.agent.remote import RemoteInference
+from grpod.agent.remote import RemoteInference, agents_memory
 from grpod.config import GrpodConfig, InferenceConfig
 from grpod.daemon.components import build_engines
 from grpod.inference.client import ForeignServerError
@@ -39,15 +39,25 @@ async def test_launch_through_the_agent_then_talk_to_the_engine_directly(tmp_pat
             assert engine.version == 5 and engine.launches == 1 and engine.weights == weights
             described = engine.describe()
             assert described["node"] == url and described["state"] == "closed" and described["agent"]["reachable"]
-            held = await engine.memory()  # its process group, as the agent reads it on its node
+            # its process group, as the agent reads it on its node: one /status for both names
+            twin = remote(url, engine="engine-0")
+            twin.name = "leader-side/engine-0"
+
+            async def not_asked():
+                raise AssertionError("one /status per agent: the first engine's")
+
+            twin.agent_status = not_asked
+            both = await agents_memory([engine, twin])
+            held = both[engine.name]
             assert held["rss"] > 10 * 2**20 and held["gpu"] is None, held
+            assert both[twin.name] == held and engine.agent_seen is not None
             engine.open()
             async with Policy([engine], version=5).engine(1) as lease:
                 assert lease.engine is engine and lease.version == 5
         finally:
             await engine.shutdown()
         assert not engine.process.running and not local.process.running and engine.client is None
-        assert await engine.memory() is None, "a stopped engine holds nothing"
+        assert (await agents_memory([engine])).get(engine.name) is None, "a stopped engine holds nothing"
 
 
 async def test_the_token_proves_which_launch_answers(tmp_path, weights):
@@ -118,6 +128,7 @@ async def test_a_wrong_token_and_an_absent_agent_are_errors_that_say_so(tmp_path
     with pytest.raises(AgentRequestError) as unreachable:
         await gone.launch(weights, 0)
     assert unreachable.value.status is None
+    assert await agents_memory([gone]) == {}, "an agent that does not answer leaves its engines out"
     await gone.shutdown()  # logged, never raised: the agent replaces what it runs at its next launch
     assert gone.describe()["agent"]["reachable"] is False and "no response" in gone.describe()["agent"]["error"]
 

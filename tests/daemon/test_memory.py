@@ -98,6 +98,20 @@ def test_an_engines_process_group_is_the_engine_and_other_children_are_apart():
     assert reading["daemon"] > 10 * MIB
 
 
+def run_until_records(watch: MemoryWatch, n: int) -> None:
+    """Run `watch` until its metrics file holds `n` records (30 s at most)."""
+
+    async def readings() -> None:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch.run)
+                while not watch.metrics.path.exists() or len(read_metrics(watch.metrics.path)) < n:
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+
+    anyio.run(readings)
+
+
 def test_each_reading_is_a_record_and_status_shows_the_change_since_the_first(tmp_path, processes):
     engine = holder(40, children=0, own_group=True)
     processes.append((engine, True))
@@ -106,19 +120,11 @@ def test_each_reading_is_a_record_and_status_shows_the_change_since_the_first(tm
     groups = [{"engine-0": engine.pid}]
     watch = MemoryWatch(0.05, metrics, lambda: next(step), lambda: groups[0])
 
-    async def readings(n: int) -> None:
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(watch.run)
-                while not metrics.path.exists() or len(read_metrics(tmp_path)) < n:
-                    await anyio.sleep(0.02)
-                tg.cancel_scope.cancel()
-
-    anyio.run(readings, 2)
+    run_until_records(watch, 2)
     growing = holder(80, children=0, own_group=True)  # the engine relaunched, larger
     processes.append((growing, True))
     groups[0] = {"engine-0": growing.pid}
-    anyio.run(readings, 4)
+    run_until_records(watch, 4)
     records = read_metrics(tmp_path)
     assert [r["kind"] for r in records] == ["memory"] * len(records) and len(records) >= 4
     assert [r["step"] for r in records] == list(range(len(records)))
@@ -170,15 +176,7 @@ def test_engines_on_other_nodes_join_each_reading_as_their_agents_read_them(tmp_
 
     watch = MemoryWatch(0.01, metrics, lambda: len(asked), dict, remote)
 
-    async def readings(n: int) -> None:
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(watch.run)
-                while not metrics.path.exists() or len(read_metrics(tmp_path)) < n:
-                    await anyio.sleep(0.01)
-                tg.cancel_scope.cancel()
-
-    anyio.run(readings, 2)
+    run_until_records(watch, 2)
     first, second = read_metrics(tmp_path)[:2]
     assert first["engine_rss_mib/node-b:7900/engine-0"] == 300.0 and first["engine_gpu_mib/node-b:7900/engine-0"] == 2048.0
     assert not any(key.startswith("engine_") for key in second), "the silent agent's engine is left out"
@@ -187,7 +185,7 @@ def test_engines_on_other_nodes_join_each_reading_as_their_agents_read_them(tmp_
 
 def test_engines_are_read_while_the_run_trains_and_not_once_it_stops(tmp_path):
     """A stopping run's engines are being stopped: a group read then is half gone (the last reading
-    of a 3000-step run read 618 MiB of a 1758 MiB engine), so the watch reads none of them."""
+    of a 1000-step run read 618 MiB of a 1758 MiB engine), so the watch reads none of them."""
     from types import SimpleNamespace
 
     from grpod.daemon.progress import RunPhase
