@@ -88,7 +88,7 @@ from grpod.rollouts.group import RolloutGroup
 from grpod.training.batching import MicroBatchPlan, TrainingSequence, plan_micro_batches
 from grpod.training.loss import LossStats, StepNormalizer
 from grpod.training.sharded import by_parameter_name, load_sharded_state, save_sharded_state
-from grpod.training.trainer import TOKENIZER_FILES, BatchPlan, PreparedUpdate, Trainer
+from grpod.training.trainer import BatchPlan, PreparedUpdate, Trainer, write_tokenizer_files
 
 log = structlog.get_logger(__name__)
 
@@ -519,17 +519,12 @@ class DistributedTrainer(Trainer):
                 self._write_hf(Path(out), state)
 
     def _write_hf(self, out: Path, state: dict[str, torch.Tensor]) -> None:
-        import shutil
-
         out.mkdir(parents=True, exist_ok=True)
         # Gathered, a tied head is a tensor of its own: leave it out as HF's save of the whole model
         # does (one parameter under its first name), so that both exports are the same files.
         state = {name: tensor for name, tensor in state.items() if name not in tied_aliases(self.model)}
         self.model.save_pretrained(out, state_dict=state, safe_serialization=True)
-        for name in TOKENIZER_FILES:
-            source = self.model_path / name
-            if source.is_file():
-                shutil.copy2(source, out / name)
+        write_tokenizer_files(self.tokenizer_files, out)
         log.info("weights_saved", out=str(out), step=self.step, gathered_from=self.world.size)
 
     def state_dict(self) -> dict[str, Any]:

@@ -73,6 +73,25 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )
+# One of these holds the vocabulary itself.
+VOCABULARY_FILES = frozenset({"tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt"})
+
+
+def read_tokenizer_files(model_dir: Path) -> dict[str, bytes]:
+    """The tokenizer files of a model directory, read once: every export writes them again, so an
+    export never depends on the directory the run was loaded from (after a resume that is a
+    checkpoint, which rotation may prune)."""
+    files = {name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()}
+    if not files.keys() & VOCABULARY_FILES:
+        # transformers would build an empty tokenizer from the config alone: every text, no ids.
+        raise FileNotFoundError(f"{model_dir}: no tokenizer vocabulary (none of {', '.join(VOCABULARY_FILES)})")
+    return files
+
+
+def write_tokenizer_files(files: dict[str, bytes], out: Path) -> None:
+    """What `read_tokenizer_files` read, into an export directory."""
+    for name, data in files.items():
+        (out / name).write_bytes(data)
 
 
 def _wrap_lora(base: PreTrainedModel, lcfg, adapter_path: Path | None, seed: int):
@@ -232,6 +251,7 @@ class Trainer:
         self.device = torch.device(train.device)
         if train.threads:
             torch.set_num_threads(train.threads)
+        self.tokenizer_files = read_tokenizer_files(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = load_policy(train, model, self.model_path, self.device, adapter_path=adapter_path, seed=seed)
         # FSDP2 ranks shard the embedding: its gradient stays dense there.
@@ -459,10 +479,7 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, safe_serialization=True)
         if not self.train_cfg.lora:
-            for name in TOKENIZER_FILES:
-                source = self.model_path / name
-                if source.is_file():
-                    shutil.copy2(source, out / name)
+            write_tokenizer_files(self.tokenizer_files, out)
         log.info("weights_saved", out=str(out), lora=self.train_cfg.lora, step=self.step)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -607,3 +607,30 @@ def test_a_sequence_sampled_by_two_versions_is_corrected_with_each_tokens_own_lo
     assert metrics["tis_masked_fraction"] == pytest.approx(4 / 7)
     assert metrics["logprob_diff_max"] == pytest.approx(0.5, abs=1e-4)
     assert metrics["logprob_diff_mean"] == pytest.approx(0.5 * 4 / 7, abs=1e-4)
+
+
+def test_an_export_carries_the_tokenizer_after_the_directory_it_was_loaded_from_is_gone(model_dir, tmp_path):
+    """A resumed trainer loads from a checkpoint's model/, which rotation prunes a few checkpoints
+    later; every export after that still carries the tokenizer files (read at load), or vLLM
+    relaunched on it and the next resume would have no tokenizer."""
+    import shutil
+
+    resumed_from = tmp_path / "checkpoints" / "step-000010" / "model"
+    shutil.copytree(model_dir, resumed_from)
+    trainer = build_trainer(config(), resumed_from)
+    shutil.rmtree(tmp_path / "checkpoints")
+    trainer.save_weights(tmp_path / "v000011")
+    written = sorted(p.name for p in (tmp_path / "v000011").iterdir())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert name in written
+        assert (tmp_path / "v000011" / name).read_bytes() == (model_dir / name).read_bytes()
+    assert AutoTokenizer.from_pretrained(tmp_path / "v000011").encode("12+7=") == trainer.tokenizer.encode("12+7=")
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused_by_name(model_dir, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json", "vocab*"))
+    with pytest.raises((OSError, ValueError), match="bare"):
+        build_trainer(config(), bare)
