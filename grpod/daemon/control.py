@@ -13,10 +13,16 @@ fail to decode into an error reply — invalid UTF-8, invalid JSON, an integer l
 converts (`ValueError: Exceeds the limit (4300 digits)`), nesting deeper than the decoder recurses
 (`RecursionError`: 30,000 brackets fit in one line) — and a connection whose handling fails in any
 other way is logged and closed, never propagated into the server's task group.
+
+Nor does a crowd of connections: at most `MAX_CONNECTIONS` are served at once (the next one is
+answered with an error and closed), a connection that sends nothing for `IDLE_TIMEOUT_S` is
+closed, and an accept that fails because the process is out of file descriptors is logged and
+retried after `ACCEPT_RETRY_S`, while training goes on.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -33,6 +39,11 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 log = structlog.get_logger(__name__)
 
 MAX_LINE = 64 * 1024
+MAX_CONNECTIONS = 128
+IDLE_TIMEOUT_S = 300.0
+ACCEPT_RETRY_S = 0.5
+# What accept() fails with while the process or the system is out of descriptors or buffers.
+_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
@@ -54,22 +65,36 @@ def check_socket_dir(path: Path) -> None:
         )
 
 
-async def _read_lines(stream: SocketStream):
-    """Yield each request line; an over-long line yields None once and is skipped to its end."""
+async def _read_lines(stream: SocketStream, idle_timeout_s: float):
+    """Yield each request line; an over-long line yields None once and is skipped to its end; a
+    last line closed without its newline is still a request. Ends when the peer closes, or when
+    it sends nothing for `idle_timeout_s`."""
     buffered = BufferedByteReceiveStream(stream)
     try:
         while True:
-            try:
-                yield await buffered.receive_until(b"\n", MAX_LINE)
-            except anyio.DelimiterNotFound:
-                yield None
+            with anyio.move_on_after(idle_timeout_s) as idle:
+                try:
+                    line = await buffered.receive_until(b"\n", MAX_LINE)
+                except anyio.DelimiterNotFound:
+                    line = None
+                except anyio.IncompleteRead:  # closed after a line without its newline
+                    rest = bytes(buffered.buffer)
+                    if rest.strip():
+                        yield rest
+                    return
+            if idle.cancelled_caught:
+                log.info("control_connection_idle", idle_timeout_s=idle_timeout_s)
+                return
+            yield line
+            if line is None:
                 while True:  # discard the rest of that line
-                    chunk = await buffered.receive(MAX_LINE)
+                    with anyio.fail_after(idle_timeout_s):
+                        chunk = await buffered.receive(MAX_LINE)
                     end = chunk.find(b"\n")
                     if end >= 0:
                         buffered.feed_data(chunk[end + 1 :])
                         break
-    except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+    except (TimeoutError, anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
         return
 
 
@@ -80,6 +105,8 @@ class ControlServer:
         self.request_timeout_s = request_timeout_s
         self.requests = 0
         self.errors = 0
+        self.connections = 0
+        self.idle_timeout_s = IDLE_TIMEOUT_S
 
     async def dispatch(self, line: bytes | None) -> dict[str, Any]:
         self.requests += 1
@@ -113,9 +140,10 @@ class ControlServer:
         return {"ok": True, "result": result}
 
     async def _serve_one(self, stream: SocketStream) -> None:
+        """One connection's requests, in order (counted in `connections` by the accept loop)."""
         try:
             async with stream:
-                async for line in _read_lines(stream):
+                async for line in _read_lines(stream, self.idle_timeout_s):
                     if line is not None and not line.strip():
                         continue
                     reply = encode_reply(await self.dispatch(line))
@@ -126,6 +154,40 @@ class ControlServer:
         except Exception:  # noqa: BLE001 — one connection's failure is never the daemon's
             self.errors += 1
             log.exception("control_connection_failed")
+        finally:
+            self.connections -= 1
+
+    async def _turn_away(self, stream: SocketStream) -> None:
+        """Answer a connection over `MAX_CONNECTIONS` with the reason, and close it."""
+        self.errors += 1
+        log.warning("control_connection_refused", open=self.connections, limit=MAX_CONNECTIONS)
+        with anyio.move_on_after(1.0):
+            try:
+                await stream.send(encode_reply({"ok": False, "error": f"{self.connections} control connections are open "
+                                                f"(at most {MAX_CONNECTIONS}); try again"}))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+        await stream.aclose()
+
+    async def _accept_loop(self, listener) -> None:
+        async with anyio.create_task_group() as tg:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except anyio.BrokenResourceError as exc:
+                    cause = exc.__cause__
+                    if not isinstance(cause, OSError) or cause.errno not in _EXHAUSTED:
+                        raise
+                    self.errors += 1
+                    log.warning("control_accept_failed", error=os.strerror(cause.errno), open=self.connections,
+                                retry_s=ACCEPT_RETRY_S)
+                    await anyio.sleep(ACCEPT_RETRY_S)
+                    continue
+                if self.connections >= MAX_CONNECTIONS:
+                    tg.start_soon(self._turn_away, stream)
+                else:
+                    self.connections += 1
+                    tg.start_soon(self._serve_one, stream)
 
     async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +206,7 @@ class ControlServer:
         task_status.started()
         try:
             async with listener:
-                await listener.serve(self._serve_one)
+                await self._accept_loop(listener)
         finally:
             try:
                 self.path.unlink()

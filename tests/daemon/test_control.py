@@ -2,6 +2,7 @@ import json
 import os
 import socket
 import stat
+import time
 
 import anyio
 import pytest
@@ -169,3 +170,115 @@ def test_a_reply_that_cannot_be_encoded_is_an_error_reply(tmp_path):
     anyio.run(main)
     assert [r["ok"] for r in result["replies"]] == [False, False]
     assert "could not be encoded" in result["replies"][0]["error"]
+
+
+def test_a_last_request_without_its_newline_is_answered(tmp_path):
+    """`printf '{"cmd": "pause"}' | nc -U grpod.sock` sends no newline before it closes: the
+    request is still carried out, not dropped unanswered."""
+    replies = _with_server(tmp_path, lambda p: _raw(p, b'{"cmd": "status"}\n{"cmd": "status", "args": {"n": 2}}'))
+    assert replies == [{"ok": True, "result": {"echo": {}}}, {"ok": True, "result": {"echo": {"n": 2}}}]
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_idle_timeout(tmp_path):
+    path = tmp_path / "run" / "grpod.sock"
+    result = {}
+
+    def idle_then_ask(path):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(str(path))
+            result["closed_by_server"] = s.recv(1024) == b""  # blocks until the server closes it
+        return request(path, "status")
+
+    async def main():
+        server = ControlServer(path, _handlers(), request_timeout_s=5)
+        server.idle_timeout_s = 0.5
+        async with anyio.create_task_group() as tg:
+            await tg.start(server.serve)
+            result["reply"] = await anyio.to_thread.run_sync(idle_then_ask, path)
+            with anyio.fail_after(5):  # the reply's connection, closed by the client, is let go
+                while server.connections:
+                    await anyio.sleep(0.01)
+            result["open"] = server.connections
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert result["closed_by_server"] and result["reply"]["ok"] and result["open"] == 0
+
+
+def test_connections_over_the_limit_are_turned_away_with_a_reason(tmp_path):
+    """Issue: 1100 idle connections ended the daemon (`run_failed reason='BrokenResourceError: '`)."""
+    from grpod.daemon.control import MAX_CONNECTIONS
+
+    def crowd(path):
+        held = []
+        try:
+            for _ in range(MAX_CONNECTIONS):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(str(path))
+                held.append(s)
+            time.sleep(0.5)  # all accepted and counted
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as extra:
+                extra.settimeout(10)
+                extra.connect(str(path))
+                refused = json.loads(extra.recv(65536))
+        finally:
+            for s in held:
+                s.close()
+        time.sleep(0.5)
+        return refused, request(path, "status", {"after": True})
+
+    refused, after = _with_server(tmp_path, crowd)
+    assert refused["ok"] is False and f"at most {MAX_CONNECTIONS}" in refused["error"]
+    assert after == {"ok": True, "result": {"echo": {"after": True}}}
+
+
+SERVE_WITH_FEW_DESCRIPTORS = """
+import resource, sys
+from pathlib import Path
+import anyio
+from grpod.daemon.control import ControlServer
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+async def status(args):
+    return {"alive": True}
+
+async def main():
+    server = ControlServer(Path(sys.argv[1]), {"status": status}, request_timeout_s=5)
+    async with anyio.create_task_group() as tg:
+        await tg.start(server.serve)
+        print("listening", file=sys.stderr, flush=True)
+        await anyio.sleep(120)
+        raise SystemExit(3)
+
+anyio.run(main)
+"""
+
+
+def test_a_server_out_of_file_descriptors_goes_on_serving(tmp_path):
+    """The process's descriptors run out (RLIMIT_NOFILE 64, 100 connections held): accept fails
+    with EMFILE, which is logged and retried, never the end of the server."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "run" / "grpod.sock"
+    child = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FEW_DESCRIPTORS, str(path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stderr.readline().strip() == "listening"
+        held = []
+        for _ in range(100):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(path))
+            held.append(s)
+        time.sleep(2)
+        assert child.poll() is None, child.stderr.read()
+        for s in held:
+            s.close()
+        assert request(path, "status", timeout_s=20) == {"ok": True, "result": {"alive": True}}
+        assert child.poll() is None
+    finally:
+        child.kill()
+        out, _ = child.communicate(timeout=30)
+    assert "control_accept_failed" in out and "Too many open files" in out
