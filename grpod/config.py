@@ -1476,28 +1476,43 @@ def parse_config(tree: dict[str, Any], origin: str = "<config>") -> GrpodConfig:
         raise ConfigError(_describe(err, origin)) from None
 
 
+def read_config_tree(path: Path) -> dict[str, Any]:
+    """A config file's TOML as a tree (not validated); ConfigError saying why it cannot be read."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # an integer of > 4300 digits, nesting too deep
+        raise ConfigError(f"{path}: unusable TOML: {str(exc)[:200]}") from None
+
+
+def tree_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
+    """The dotted keys a TOML tree sets (a table's keys, not the table; an array as one key)."""
+    keys: set[str] = set()
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            keys |= tree_keys(value, f"{prefix}{key}.")
+        else:
+            keys.add(f"{prefix}{key}")
+    return keys
+
+
 def load_config(path: Path | str | None, overrides: list[str] = (), notes: list[str] | None = None) -> GrpodConfig:
     """Load `path` (None = all defaults), apply `--set` overrides, validate. What the overrides
     made grpod ignore in the file (`_switch_kinds`) is appended to `notes`."""
     tree: dict[str, Any] = {}
     origin = "<defaults>"
     if path is not None:
-        path = Path(path)
         origin = str(path)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
-        try:
-            tree = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
-        except (ValueError, RecursionError) as exc:  # an integer of > 4300 digits, nesting too deep
-            raise ConfigError(f"{path}: unusable TOML: {str(exc)[:200]}") from None
+        tree = read_config_tree(Path(path))
     file_tree = copy.deepcopy(tree)
     for text in overrides:
         apply_override(tree, text)

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import anyio
 import structlog
 
-from grpod.config import ConfigError, GrpodConfig, load_config
+from grpod.config import ConfigError, GrpodConfig, load_config, read_config_tree, tree_keys
 from grpod.daemon.control import ControlError
 from grpod.daemon.live import LIVE_KEYS, SettingChange, diff_file, get_key, plan_changes
 from grpod.daemon.progress import RunProgress
@@ -77,6 +77,8 @@ class OperatorDesk:
         self.progress = progress
         self.config_path = config_path
         self.overrides = list(overrides)
+        # The keys the file set when it was last loaded: a reload that loses any is refused.
+        self._file_keys = self._read_file_keys()
         # The values set with `ctl set`, by key: the last layer of every reload.
         self.operator_values: dict[str, Any] = {}
         self._status = status
@@ -218,6 +220,12 @@ class OperatorDesk:
         self.wake()
         return queued
 
+    def _read_file_keys(self) -> set[str]:
+        try:
+            return tree_keys(read_config_tree(self.config_path)) if self.config_path is not None else set()
+        except ConfigError:
+            return set()
+
     def reload_file(self) -> None:
         """SIGHUP: re-read the config file, with the `--set` overrides and the `ctl set` values
         over it (the precedence in the module docstring); queue the live keys that differ, refuse
@@ -227,6 +235,15 @@ class OperatorDesk:
             return
         origin = f"SIGHUP {self.config_path}"
         try:
+            file_keys = tree_keys(read_config_tree(self.config_path))
+            if lost := sorted(self._file_keys - file_keys):
+                # An emptied or half-written file (an editor's save, a truncated copy) would put
+                # every key it lost back to its default, the live ones at once.
+                raise ConfigError(
+                    f"{self.config_path} no longer sets {', '.join(lost[:8])}{' ...' if len(lost) > 8 else ''} "
+                    f"({len(lost)} keys it set when loaded): refused, so that a half-written file resets "
+                    f"nothing; to change such a key, write its new value"
+                )
             reloaded = load_config(self.config_path, self.overrides)
             layered = reloaded.model_dump(mode="json")
             kept = sorted(key for key, value in self.operator_values.items() if get_key(layered, key) != value)
@@ -254,6 +271,7 @@ class OperatorDesk:
         if kept:
             log.info("reload_kept_ctl_set", path=str(self.config_path), keys=kept,
                      reason="set with `ctl set`, which takes precedence over the file and --set")
+        self._file_keys = file_keys
         queued = self._queue(changes, "SIGHUP")
         log.info("reload_accepted", path=str(self.config_path), changes=[vars(c) for c in queued])
 
@@ -291,11 +309,16 @@ class OperatorDesk:
         return await self._boundary("checkpoint")
 
     async def ctl_drain(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Train what is buffered, checkpoint, stop; a paused run is resumed to do so (a drain that
+        waited for `ctl resume` would look like one that hangs)."""
+        was_paused = self.paused
         self.draining = True
         self.drained.set()
+        self.paused = False
+        self._resumed.set()
         self.wake()
-        log.info("drain_requested", step=self.progress.step)
-        return {"draining": True, "step": self.progress.step}
+        log.info("drain_requested", step=self.progress.step, resumed=was_paused)
+        return {"draining": True, "was_paused": was_paused, "step": self.progress.step}
 
     async def ctl_set(self, args: dict[str, Any]) -> dict[str, Any]:
         key, value = args.get("key"), args.get("value")

@@ -125,3 +125,13 @@ async def test_a_bad_setting_is_refused_and_nothing_is_queued(desk):
     with pytest.raises(ControlError, match="expected args"):
         await desk.ctl_set({"key": "train.lr"})
     assert not desk.pending()
+
+
+async def test_a_drain_resumes_a_paused_run_to_train_what_is_buffered(desk):
+    """`ctl drain` while paused did nothing until `ctl resume` (35 s and still `paused`): the
+    drain lifts the pause, so the buffered groups train, the checkpoint is written, and it stops."""
+    await desk.ctl_pause({})
+    reply = await desk.ctl_drain({})
+    assert reply["draining"] and reply["was_paused"] and not desk.paused
+    with anyio.fail_after(1):
+        await desk.wait_resumed()

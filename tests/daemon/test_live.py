@@ -107,6 +107,26 @@ def test_sighup_with_broken_file_changes_nothing(desk):
     assert json.dumps(desk.cfg.model_dump(mode="json"))
 
 
+@pytest.mark.parametrize("cut", ["emptied", "truncated"])
+def test_sighup_with_a_file_that_lost_keys_changes_nothing(desk, cut):
+    """An emptied or half-written file parses: its reload put every key it lost back to the
+    default (`train.lr` 1e-4 -> 2e-05, `checkpoint.every` 10 -> 0) while the run went on. It is
+    refused with the keys named; the whole file again, with one value changed, is a reload."""
+    whole = desk.config_path.read_text()
+    lines = whole.splitlines(keepends=True)
+    desk.config_path.write_text("" if cut == "emptied" else "".join(lines[: len(lines) // 2]))
+    with structlog.testing.capture_logs() as events:
+        desk.reload_file()
+    assert not desk.pending()
+    (refused,) = [e for e in events if e["event"] == "reload_refused"]
+    assert "no longer sets" in refused["reason"] and "train.lr" in refused["reason"], refused
+
+    desk.config_path.write_text(whole.replace("lr = 0.0001", "lr = 0.0002"))
+    desk.reload_file()
+    desk.boundary()
+    assert desk.cfg.train.lr == 0.0002
+
+
 def test_a_queued_set_is_corrected_by_the_next_one(desk):
     """Issue #30, 6: a second `ctl set` of a key compares against the pending value, not the running
     one: setting it back to the running value withdraws the pending change."""
