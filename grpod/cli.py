@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -40,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     ctl.add_argument("--socket", type=Path, help="socket path (default: from --config, else runs/default)")
     ctl.add_argument("--config", type=Path, help="config whose control.socket / run.dir to use")
     ctl.add_argument("--json", action="store_true", help="print the raw JSON reply")
-    ctl.add_argument("--timeout", type=float, default=600.0)
+    ctl.add_argument("--timeout", type=_seconds, default=600.0, help="seconds to wait for the reply (default 600)")
 
     init = sub.add_parser("init-model", help="build the tiny built-in model, or convert a GGUF (no downloads)")
     init.add_argument("--out", type=Path, default=Path("models/tiny-arith"))
@@ -73,6 +76,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds above 0")
+    return value
+
+
 def _load(path: Path | None, overrides: list[str]) -> GrpodConfig:
     notes: list[str] = []
     cfg = load_config(path, overrides, notes)
@@ -86,9 +100,12 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.resume:
         overrides.append(f"run.resume={json.dumps(args.resume)}")
     cfg = _load(args.config, overrides)
+    from grpod.daemon.preflight import check_host
     from grpod.daemon.ranks import run_rank
     from grpod.daemon.torchrun import under_torchrun
 
+    if os.environ.get("RANK", "0") == "0":  # the daemon's host (a follower rank finds its socket live)
+        check_host(cfg)
     if under_torchrun():  # one of several trainer ranks: rank 0 runs the daemon, the others follow
         return run_rank(cfg, config_path=args.config, overrides=overrides)
     from grpod.daemon.supervisor import run_daemon
@@ -103,7 +120,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from grpod.daemon.preflight import check_host
+
     cfg = _load(args.path, args.overrides)
+    check_host(cfg)
     if cfg.source.kind == "dataset":  # the rows and the reward functions, checked as `grpod start` checks them
         import anyio
 
@@ -232,11 +252,18 @@ def main(argv: list[str] | None = None) -> int:
         "plot": cmd_plot,
         "reasoning-gym": cmd_reasoning_gym,
     }
+    if args.command == "start":
+        # A reload asked for before the daemon is up has nothing to reload; Python's default would
+        # end the process (a handler, unlike SIG_IGN, is not inherited by what grpod launches).
+        signal.signal(signal.SIGHUP, lambda signum, frame: None)
     try:
         return handlers[args.command](args)
     except ConfigError as exc:
         print(f"grpod: config error:\n{exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `grpod ctl status | head`: the reader left, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import copy
 import hashlib
 import ipaddress
 import json
+import os
 import re
 import sys
 import tomllib
@@ -62,6 +63,7 @@ class _Section(BaseModel):
 
 
 _INT64_MAX = 2**63 - 1
+UNIX_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path is 108 with its NUL)
 _NUMERIC_FIELDS: dict[type, frozenset[str]] = {}
 
 
@@ -95,6 +97,13 @@ class RunConfig(_Section):
         "control socket.",
     )
     seed: int = Field(0, description="Seed of the trainer (and of the tiny built-in model when grpod builds it).")
+
+    @field_validator("dir", mode="before")
+    @classmethod
+    def _named(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError('an empty path (it would be the current directory); name one, e.g. "runs/default"')
+        return value
     resume: str = Field(
         "auto",
         description='"auto": resume from the newest complete checkpoint in run.dir; "never"; or the path of a '
@@ -179,7 +188,12 @@ class InferenceConfig(_Section):
     health_failures: int = Field(
         3, ge=1, description="Consecutive failed /health probes before the engine is declared dead and relaunched."
     )
-    kv_cache_bytes: str = Field("64M", description="CPU: vLLM's --kv-cache-memory-bytes.")
+    kv_cache_bytes: str = Field(
+        "64M",
+        pattern=r"^(\d+|\d+(\.\d+)?[kmgt]|\d+[KMGT])$",
+        description="CPU: vLLM's --kv-cache-memory-bytes: bytes, or a number with k/m/g/t (powers of 1000) or "
+        "K/M/G/T (powers of 1024, whole numbers only).",
+    )
     gpu_memory_utilization: float = Field(
         0.45,
         gt=0,
@@ -1109,6 +1123,13 @@ class ControlConfig(_Section):
         description="The control socket (mode 0600); unset: <run.dir>/grpod.sock.",
         examples=["runs/default/grpod.sock"],
     )
+
+    @field_validator("socket", mode="before")
+    @classmethod
+    def _named(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("an empty path; leave control.socket unset for <run.dir>/grpod.sock")
+        return value
     request_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -1340,6 +1361,10 @@ class GrpodConfig(_Section):
         if self.train.loss.clip_low >= 1:
             raise ValueError("train.loss.clip_low must be < 1 (the ratio floor is 1 - clip_low)")
         self._cluster_agrees()
+        if len(os.fsencode(str(self.socket_path))) > UNIX_PATH_MAX:
+            key = "control.socket" if self.control.socket is not None else "run.dir (the socket is <run.dir>/grpod.sock)"
+            raise ValueError(f"{key}: the control socket {self.socket_path} is {len(os.fsencode(str(self.socket_path)))} "
+                             f"bytes, over a Unix socket path's {UNIX_PATH_MAX}; set control.socket to a shorter path")
         return self
 
     def _cluster_agrees(self) -> None:

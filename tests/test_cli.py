@@ -8,3 +8,103 @@ def test_the_ctl_subcommand_accepts_exactly_the_desks_commands():
 
     ctl = next(a for a in _parser()._subparsers._group_actions[0].choices["ctl"]._actions if a.dest == "cmd")
     assert tuple(ctl.choices) == OperatorDesk.commands()
+
+
+def _check(tmp_path, *overrides):
+    """`grpod check-config` of the shipped file with `overrides`, as a user runs it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, "-m", "grpod", "check-config", str(root / "etc" / "grpod.toml"),
+         "--set", f"model.path={str(tmp_path / 'model')!r}", *(arg for o in overrides for arg in ("--set", o))],
+        capture_output=True, text=True, timeout=120, cwd=root,
+    )
+
+
+def test_check_config_refuses_what_this_host_cannot_run_naming_the_key(tmp_path):
+    """Each of these passed `check-config` and failed `grpod start` with a traceback or an OSError
+    naming neither key nor path, some only after vLLM had started."""
+    import socket
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "notamodel").mkdir()
+    (tmp_path / "notamodel" / "README").write_text("x")
+    live = tmp_path / "live.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(live))
+    listener.listen(1)
+    cases = [
+        (f"run.dir={str(tmp_path / 'afile')!r}", "run.dir: ", "exists and is not a directory"),
+        ("run.dir=''", "run.dir", "an empty path"),
+        (f"run.dir={str(tmp_path / ('x' * 110))!r}", "run.dir (the socket is <run.dir>/grpod.sock)", "over a Unix socket path's 107"),
+        ("control.socket=''", "control.socket", "an empty path"),
+        (f"control.socket={str(live)!r}", "control.socket", "in use by another running grpod"),
+        (f"model.path={str(tmp_path / 'afile')!r}", "model.path", "is a file, not an HF model directory"),
+        (f"model.path={str(tmp_path / 'notamodel')!r}", "model.path", "holds no HF model"),
+        ("train.device='cuda:7'", "train.device", "CUDA"),
+        ("inference.kv_cache_bytes='banana'", "inference.kv_cache_bytes", "banana"),
+        ("inference.kv_cache_bytes='1.5G'", "inference.kv_cache_bytes", "1.5G"),
+    ]
+    try:
+        for override, key, why in cases:
+            proc = _check(tmp_path, f"run.dir={str(tmp_path / 'run')!r}", override)
+            assert proc.returncode == 2 and key in proc.stderr and why in proc.stderr, (override, proc.stderr)
+            assert "Traceback" not in proc.stderr, proc.stderr
+    finally:
+        listener.close()
+    replay = _check(tmp_path, f"run.dir={str(tmp_path / 'run')!r}", "source.kind='replay'",
+                    f"source.replay_path={str(tmp_path / 'gone.jsonl')!r}")
+    assert replay.returncode == 2 and "source.replay_path: " in replay.stderr and "gone.jsonl" in replay.stderr
+    fine = _check(tmp_path, f"run.dir={str(tmp_path / 'run')!r}", "inference.kv_cache_bytes='1.5g'")
+    assert fine.returncode == 0, fine.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists(), "check-config creates nothing"
+
+
+def test_ctl_refuses_a_timeout_that_is_not_a_positive_number(capsys):
+    import pytest
+
+    from grpod.cli import main
+
+    for bad in ("-1", "nan", "0", "inf", "soon"):
+        with pytest.raises(SystemExit) as exited:
+            main(["ctl", "status", "--socket", "/nonexistent.sock", "--timeout", bad])
+        assert exited.value.code == 2
+        assert "--timeout" in capsys.readouterr().err
+
+
+def test_ctl_output_into_a_closed_pipe_is_no_error(tmp_path):
+    """`grpod ctl ... | head -1` printed a BrokenPipeError traceback when head left early."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, grpod.cli as cli\n"
+        "cli.cmd_check_config = lambda args: [print('line', i) for i in range(200000)] and 0\n"
+        "sys.exit(cli.main(['check-config', 'x.toml']))\n"
+    )
+    proc = subprocess.run(f"{sys.executable} -c \"{script}\" | head -1", shell=True, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout == "line 0\n" and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+def test_a_sighup_before_the_daemon_is_up_does_not_end_grpod_start(tmp_path):
+    """Python's default for SIGHUP ends the process: `systemctl reload` in the first second of
+    `grpod start` killed it. Until the daemon's own handler is in place the signal is ignored."""
+    import subprocess
+    import sys
+
+    args = ["start", "--set", f"run.dir={str(tmp_path / 'run')!r}", "--set", f"model.path={str(tmp_path / 'model')!r}"]
+    script = (
+        "import os, signal, sys, grpod.daemon.supervisor as sup\n"
+        "def run_daemon(cfg, **kw):\n"
+        "    os.kill(os.getpid(), signal.SIGHUP)\n"
+        "    return 0\n"
+        "sup.run_daemon = run_daemon\n"
+        "import grpod.cli as cli\n"
+        f"sys.exit(cli.main({args!r}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)

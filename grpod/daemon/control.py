@@ -193,7 +193,7 @@ class ControlServer:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         check_socket_dir(self.path)
         if self.path.exists() or self.path.is_symlink():
-            if _socket_alive(self.path):
+            if socket_alive(self.path):
                 raise UnsafeSocketPath(f"control socket {self.path} is in use by another running grpod")
             self.path.unlink()
         old = os.umask(0o177)
@@ -235,7 +235,7 @@ def encode_reply(reply: dict[str, Any]) -> bytes:
         return (json.dumps(error) + "\n").encode()
 
 
-def _socket_alive(path: Path) -> bool:
+def socket_alive(path: Path) -> bool:
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:

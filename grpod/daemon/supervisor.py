@@ -114,15 +114,21 @@ class Supervisor:
     # ---- the run ----------------------------------------------------------------------------
     async def run(self) -> int:
         """The run, holding the run directory's lock (`RunDirLock`) from before its first write to
-        its end; a run directory another daemon holds is refused with exit status 2."""
-        prepare_run_dir(self.run_dir)
+        its end; a run directory another daemon holds, or one that cannot be made, is refused with
+        exit status 2."""
         lock = RunDirLock(self.run_dir)
+        refused = None
         try:
+            prepare_run_dir(self.run_dir)
             lock.acquire()
-        except RunDirInUse as exc:
-            print(f"grpod: {exc}", file=sys.stderr, flush=True)
+        except (RunDirInUse, RunDirError) as exc:
+            refused = str(exc)
+        except OSError as exc:  # not a directory, not creatable: what preflight missed, or a race
+            refused = f"run.dir {self.run_dir}: {exc.strerror or exc}"
+        if refused is not None:
+            print(f"grpod: {refused}", file=sys.stderr, flush=True)
             self.progress.phase = RunPhase.STOPPED
-            self.progress.exit_code, self.progress.stop_reason = 2, str(exc)
+            self.progress.exit_code, self.progress.stop_reason = 2, refused
             return 2
         try:
             return await self._run_locked()

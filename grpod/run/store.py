@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from grpod.config import GrpodConfig
+from grpod.config import GrpodConfig, ModelConfig
 from grpod.rollouts.group import RolloutGroup
 from grpod.run.checkpoint import (
     CheckpointError,
@@ -150,6 +150,23 @@ def check_identity(checkpoint: Path, recorded: dict[str, str] | None, cfg: Grpod
     )
 
 
+def model_dir_problem(model: ModelConfig) -> str | None:
+    """Why `model.path` can be neither loaded nor built into (None: it holds a model, or grpod
+    builds the tiny one there); `grpod check-config` and the start ask before anything launches."""
+    path = model.path
+    if (path / "config.json").is_file():
+        return None
+    if path.exists() and not path.is_dir():
+        return f"model.path: {path} is a file, not an HF model directory (config.json + weights + tokenizer)"
+    if path.is_dir() and any(path.iterdir()):
+        return (f"model.path: {path} holds no HF model (no config.json), and grpod builds the tiny model only "
+                f"into an empty or missing directory")
+    if not model.init_if_missing:
+        return (f"model.path: {path} holds no HF model (no config.json); point model.path at one, or set "
+                f"model.init_if_missing = true to build the tiny built-in model there")
+    return None
+
+
 class RunStore:
     def __init__(self, cfg: GrpodConfig, run_dir: Path, *, build_trainer: Callable | None = None) -> None:
         """`build_trainer(cfg, model_path, adapter_path=...)` makes the trainer (default
@@ -162,11 +179,8 @@ class RunStore:
         path = self.cfg.model.path
         if (path / "config.json").exists():
             return
-        if not self.cfg.model.init_if_missing:
-            raise FileNotFoundError(
-                f"model.path {path} holds no HF model (no config.json); point model.path at one, "
-                f"or set model.init_if_missing = true to build the tiny built-in model there"
-            )
+        if problem := model_dir_problem(self.cfg.model):
+            raise FileNotFoundError(problem)
         from grpod.models.tiny import init_model
 
         log.info("model_init", path=str(path))

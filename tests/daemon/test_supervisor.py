@@ -106,3 +106,14 @@ def test_the_source_alarm_reaches_status_prometheus_and_systemd_and_fail_after_e
     assert daemon.progress.exit_code == 1
     reason = daemon.progress.stop_reason
     assert "source.fail_after_s = 3" in reason and "HTTP 500" in reason
+
+
+def test_a_run_directory_that_cannot_be_made_is_refused_with_exit_2(tmp_path, capsys):
+    """What the host checks miss (a race, a path they cannot judge) is still one line naming
+    run.dir and exit 2, not a FileExistsError traceback."""
+    (tmp_path / "afile").write_text("x")
+    daemon = Supervisor(load_config(None, [f"run.dir={str(tmp_path / 'afile' / 'run')!r}"]))
+    assert anyio.run(daemon.run) == 2
+    err = capsys.readouterr().err
+    assert f"run.dir {tmp_path / 'afile' / 'run'}: Not a directory" in err, err
+    assert daemon.progress.exit_code == 2

@@ -1,0 +1,72 @@
+"""What this machine says about a config, checked by `grpod check-config` and by `grpod start`
+before anything is launched: the run directory, the control socket, the model directory, the
+trainer's device, a replay file. Parsing (`grpod.config`) checks what a config means anywhere;
+these are the facts of one host, each refused as a ConfigError naming the key, the path and why,
+where they used to surface as a traceback or an `OSError` after vLLM had started.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from grpod.config import ConfigError, GrpodConfig
+from grpod.daemon.control import socket_alive
+from grpod.run.store import model_dir_problem
+
+
+def check_host(cfg: GrpodConfig) -> None:
+    """ConfigError with every problem found (one line each); nothing when the host can run `cfg`."""
+    problems = [*_run_dir(cfg.run.dir), *_socket(cfg), *_device(cfg.train.device)]
+    if model := model_dir_problem(cfg.model):
+        problems.append(model)
+    replay = getattr(cfg.source, "replay_path", None)
+    if replay is not None and not Path(replay).is_file():
+        problems.append(f"source.replay_path: {replay} is not a file (an earlier run's rollouts.jsonl)")
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _run_dir(path: Path) -> list[str]:
+    if path.exists() and not path.is_dir():
+        return [f"run.dir: {path} exists and is not a directory"]
+    parent = _nearest_existing(path)
+    if not path.exists() and not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+        return [f"run.dir: {path} cannot be created ({parent} is not a directory this user may write in)"]
+    if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+        return [f"run.dir: {path} is not writable by this user"]
+    return []
+
+
+def _socket(cfg: GrpodConfig) -> list[str]:
+    path = cfg.socket_path
+    key = "control.socket" if cfg.control.socket is not None else "run.dir (the control socket is <run.dir>/grpod.sock)"
+    if path.exists() and path.is_dir():
+        return [f"{key}: {path} is a directory"]
+    # In the run directory, the run directory's lock names the daemon holding it (exit 2 at start).
+    if cfg.control.socket is not None and (path.exists() or path.is_symlink()) and socket_alive(path):
+        return [f"{key}: {path} is in use by another running grpod"]
+    return []
+
+
+def _device(device: str) -> list[str]:
+    if device == "cpu":
+        return []
+    import torch
+
+    try:
+        wanted = torch.device(device)
+    except RuntimeError as exc:
+        return [f"train.device: {device!r} is not a torch device ({exc})"]
+    if wanted.type == "cuda" and not torch.cuda.is_available():
+        return [f"train.device: {device!r}, but torch finds no CUDA device on this host"]
+    if wanted.type == "cuda" and wanted.index is not None and wanted.index >= torch.cuda.device_count():
+        return [f"train.device: {device!r}, but this host has {torch.cuda.device_count()} CUDA devices"]
+    return []
