@@ -1,7 +1,7 @@
 """The dataset rollout source: the user's prompts from a local file, scored by reward functions.
 
-`source.dataset.path` is a JSONL (.jsonl / .json), Parquet or CSV file, read with the `datasets`
-library's local loaders (the format comes from the suffix). Each row has its prompt in the string
+`source.dataset.path` is a JSONL (.jsonl / .json), Parquet or CSV file, each value as the file
+wrote it (`grpod.rollouts.dataset_files`; the format comes from the suffix). Each row has its prompt in the string
 column `prompt_column` or the chat column `messages_column` (a list of {role, content}); every
 other column is handed to the reward functions (`grpod.rollouts.rewards`). The whole file is read,
 checked and tokenized once at start-up: a bad row (no prompt, an empty one, a value of the wrong
@@ -42,9 +42,7 @@ samples at `source.temperature`. A completion is correct when its combined rewar
 
 from __future__ import annotations
 
-import json
 import random
-import tempfile
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,9 +51,10 @@ from typing import Any
 import anyio
 import structlog
 
-from grpod.config import ConfigError, CurriculumConfig, DatasetConfig, DatasetSourceConfig, EvalConfig, GrpodConfig
+from grpod.config import CurriculumConfig, DatasetConfig, DatasetSourceConfig, EvalConfig, GrpodConfig
 from grpod.inference.policy import Policy
 from grpod.rollouts.curriculum import Curriculum
+from grpod.rollouts.dataset_files import DatasetError, read_rows
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.held_out import play_rows
@@ -77,15 +76,10 @@ from grpod.rollouts.scoring import PLACEHOLDER_COMPLETION, RewardCall, RewardSco
 
 log = structlog.get_logger(__name__)
 
-LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # Reward functions get these keywords; a column of the same name could not be passed.
 RESERVED_COLUMNS = CALL_KEYWORDS
 # A source failing the same way on every group says so once per this many seconds, with a count.
 WARNING_EVERY_S = 30.0
-
-
-class DatasetError(ConfigError):
-    """A dataset file that cannot be used; the message names the file, and the row and column."""
 
 
 @dataclass(frozen=True)
@@ -143,50 +137,6 @@ class DatasetStats(SamplingStats):
             recent = self._recent.setdefault(name, deque(maxlen=STATUS_GROUPS))
             recent.append(mean)
             self.reward_means[name] = round(sum(recent) / len(recent), 6)
-
-
-def _first_bad_json_line(path: Path) -> str | None:
-    """Where a JSON Lines file stops being JSON Lines: "line N: why", or None."""
-    try:
-        with path.open("rb") as lines:
-            for number, raw in enumerate(lines, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    value = json.loads(raw)
-                except (ValueError, RecursionError) as exc:
-                    return f"line {number}: not JSON ({exc})"
-                if not isinstance(value, dict):
-                    return f"line {number}: a JSON {type(value).__name__}, expected an object (one row)"
-    except OSError as exc:
-        return f"cannot read: {exc}"
-    return None
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """Every row of a local JSONL / Parquet / CSV file, as dicts (the `datasets` loaders)."""
-    loader = LOADERS.get(path.suffix.lower())
-    if loader is None:
-        raise DatasetError(f"{path}: unknown dataset format {path.suffix!r}; use one of {', '.join(LOADERS)}")
-    if not path.is_file():
-        raise DatasetError(f"{path}: no such dataset file")
-    if path.stat().st_size == 0 or (loader == "json" and not path.read_bytes().strip()):
-        raise DatasetError(f"{path}: the file is empty (the dataset has no rows)")
-    if path.suffix.lower() == ".jsonl":
-        bad = _first_bad_json_line(path)
-        if bad is not None:
-            raise DatasetError(f"{path}: {bad}")
-    import datasets
-
-    datasets.disable_progress_bars()
-    # A throw-away cache: the file is read into memory once, nothing is left behind.
-    with tempfile.TemporaryDirectory(prefix="grpod-dataset-") as cache:
-        try:
-            table = datasets.load_dataset(loader, data_files=str(path), split="train", cache_dir=cache, keep_in_memory=True)
-        except Exception as exc:  # noqa: BLE001 — the loaders raise many types; the user needs the file named
-            reasons = [str(e) for e in (exc, exc.__cause__, exc.__context__) if e is not None and str(e)]
-            raise DatasetError(f"{path}: cannot read as {loader}: {' <- '.join(dict.fromkeys(reasons)) or type(exc).__name__}") from exc
-        return table.to_list()
 
 
 def _with_system(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
@@ -278,6 +228,8 @@ def check_levels(rows: list[DatasetRow], path: Path, curriculum: CurriculumConfi
                            f"difficulty level); the columns are {list(rows[0].columns)}")
     for row in rows:
         value = row.columns.get(column)
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():  # a CSV cell is text
+            value = row.columns[column] = int(value)
         if type(value) is not int:
             raise DatasetError(f"{path}: row {row.row + 1}, column {column!r}: expected an integer difficulty level, "
                                f"got {value!r:.80}")

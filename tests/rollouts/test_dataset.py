@@ -89,8 +89,8 @@ def test_the_three_formats_load_the_same_rows(tmp_path, tokenizer, suffix):
     src = source(tokenizer, config(path))
     assert len(src.items) == len(ROWS)
     item = src.items[5]
-    # CSV infers the column's type (an int here); the other formats keep the JSON string.
-    assert {k: str(v) for k, v in item.columns.items()} == {"answer": "10"}
+    # Each value as written: CSV cells are text, JSONL and Parquet keep the string.
+    assert item.columns == {"answer": "10"}
     # The tiny tokenizer has a chat template: the prompt is a user turn with the assistant turn opened.
     assert item.prompt_text == "<|im_start|>user\n5+5=<|im_end|>\n<|im_start|>assistant\n"
     assert item.prompt_ids == tokenizer.encode(item.prompt_text, add_special_tokens=False)
@@ -144,6 +144,23 @@ def test_a_prompt_of_the_wrong_type_names_its_row(tmp_path, tokenizer):
     numbers = write_jsonl(tmp_path / "numbers.jsonl", [{"prompt": 12, "answer": "2"}])
     with pytest.raises(DatasetError, match=r"row 1, column 'prompt': expected a string, got int"):
         source(tokenizer, config(numbers))
+
+
+def test_values_reach_reward_functions_as_the_file_wrote_them(tmp_path):
+    """One row written `"answer": 42` made the `datasets` loader fall back to pandas, which re-typed
+    the whole column ("72" -> 72, "003" -> 3, "1.50" -> 1.5): a reward comparing strings scored 0 on
+    every row and the run trained nothing. CSV cells are text; an empty one is missing."""
+    rows = [{"prompt": "1+2=", "answer": "003"}, {"prompt": "2+2=", "answer": "1.50"}, {"prompt": "3+3=", "answer": 42},
+            {"prompt": "4+4=", "answer": "72", "note": "x"}]
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    assert [row["answer"] for row in read_rows(mixed)] == ["003", "1.50", 42, "72"]
+    assert [row["note"] for row in read_rows(mixed)] == [None, None, None, "x"], "a key a row lacks is None"
+    as_array = tmp_path / "array.json"
+    as_array.write_text(json.dumps(rows))
+    assert read_rows(as_array) == read_rows(mixed)
+    table = tmp_path / "gap.csv"
+    table.write_text("prompt,answer\n1+2=,003\n2+2=,\n3+3=,72\n")
+    assert [row["answer"] for row in read_rows(table)] == ["003", None, "72"]
 
 
 def test_unknown_suffix_and_missing_file_are_clear(tmp_path):
