@@ -36,6 +36,8 @@ import structlog
 from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from grpod.service.logs import json_ready
+
 log = structlog.get_logger(__name__)
 
 MAX_LINE = 64 * 1024
@@ -229,7 +231,7 @@ def decode_request(line: bytes) -> Any:
 def encode_reply(reply: dict[str, Any]) -> bytes:
     """A reply as one JSON line; a reply that cannot be encoded becomes an error reply."""
     try:
-        return (json.dumps(reply, default=str) + "\n").encode()
+        return (json.dumps(json_ready(reply), default=str) + "\n").encode()
     except (ValueError, TypeError, RecursionError) as exc:
         error = {"ok": False, "error": f"the reply could not be encoded: {type(exc).__name__}: {str(exc)[:200]}"}
         return (json.dumps(error) + "\n").encode()

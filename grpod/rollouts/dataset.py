@@ -498,9 +498,11 @@ class DatasetSource(SamplingSource):
         self.stats.scored(scored.means)
         unscorable = scored.unscorable
         if all(unscorable):
-            self.stats.drop(UNSCORABLE)
-            self._warn(UNSCORABLE, error="every reward function returned None for every completion",
-                       path=str(self.dcfg.path), row=item.row + 1)
+            # A failure like a reward that raises: a function that answers None for everything
+            # must reach the source alarm and source.fail_after_s, or the run never ends.
+            error = "every reward function returned None for every completion"
+            self.stats.failed(UNSCORABLE, f"row {item.row + 1}: {error}")
+            self._warn(UNSCORABLE, error=error, path=str(self.dcfg.path), row=item.row + 1)
             return None
         scorable = [s for s in scored.scores if s is not None]
         # An unscorable completion's placeholder score is never read: `unscorable` leaves it out.

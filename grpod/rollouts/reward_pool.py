@@ -312,11 +312,15 @@ def _rss_mb(pid: int) -> float:
 
 
 async def kill_worker(worker: _Worker) -> None:
-    """SIGKILL the process group `worker` leads (its starter created it) and reap it, shielded."""
+    """SIGKILL the process group `worker` leads (its starter created it) and reap it, shielded.
+
+    Also once the worker itself has died and been reaped: what it started (a reward that forked)
+    is still in its group, and SIGKILL reaches it there. The group's ID cannot be another's while
+    any member lives (Linux reuses no PID that names a live process group); with none left, the
+    signal finds nothing (ESRCH), unless the whole PID space wrapped round since the worker died."""
     with anyio.CancelScope(shield=True):
-        if worker.process.returncode is None:  # reaped: its PID may be another's now
-            with suppress(ProcessLookupError, PermissionError):
-                os.killpg(worker.pid, signal.SIGKILL)
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.pid, signal.SIGKILL)
         with anyio.move_on_after(REAP_TIMEOUT_S):
             await worker.process.wait()
         with suppress(Exception):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -160,6 +161,20 @@ class WandbSink:
         wandb.teardown()
 
 
+def json_ready(value: Any) -> Any:
+    """`value` with every float that is not finite made None (JSON null): json.dumps would write a
+    bare NaN or Infinity, which is no JSON, and every strict reader of the line fails on it."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(item) for item in value]
+    if not isinstance(value, (str, int, type(None))) and hasattr(value, "__float__"):  # numpy, torch scalars
+        return json_ready(float(value))
+    return value
+
+
 class MetricsLog:
     def __init__(self, path: Path, wandb: WandbSink | None = None) -> None:
         self.path = path
@@ -172,7 +187,7 @@ class MetricsLog:
         if not self.path.parent.is_dir():
             self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
-            f.write(json.dumps(record, default=float) + "\n")
+            f.write(json.dumps(json_ready(record), default=float) + "\n")
         if self.wandb is not None:
             self.wandb.log(kind, step if log_step is None else log_step, values)
 

@@ -344,6 +344,64 @@ def test_reward_failures_drop_the_group_with_their_reason_and_the_source_goes_on
     assert all(g.scores == [1.0, 1.0] for g in groups if g is not None)
 
 
+def test_what_a_crashed_reward_worker_started_dies_with_it(tmp_path, tokenizer):
+    """A reward that starts a process and then crashes its worker (os._exit) left that process
+    running, one per crash: the worker's group was signalled only while the worker was unreaped."""
+    import psutil
+
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    pids = tmp_path / "pids"
+    module = tmp_path / "forking.py"
+    module.write_text(
+        "import os, subprocess\n"
+        "def forking(completions, answer, **kw):\n"
+        f"    if not os.path.exists({str(pids)!r}):\n"  # the start-up probe, the first call
+        f"        open({str(pids)!r}, 'w').close()\n"
+        "        return [0.0] * len(completions)\n"
+        "    child = subprocess.Popen(['sleep', '300'])\n"
+        f"    with open({str(pids)!r}, 'a') as f:\n"
+        "        f.write(f'{child.pid}\\n')\n"
+        "    os._exit(3)\n"
+    )
+    cfg = config(path, dataset={"reward_workers": 1}, rewards=[{"function": f"{module}:forking"}])
+
+    async def main():
+        src = await open_source(tokenizer, cfg)
+        try:
+            with anyio.fail_after(60):
+                return src, [await src.generate_group() for _ in range(2)]
+        finally:
+            await src.aclose()
+
+    src, groups = anyio.run(main)
+    started = [int(line) for line in pids.read_text().split()]
+    assert groups == [None, None] and src.stats.drop_reasons == {"reward_crash": 2} and len(started) == 2
+    left = [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert left == [], f"processes a crashed worker started are still running: {left}"
+
+
+def test_a_reward_that_answers_none_for_everything_is_a_run_of_failures(tmp_path, tokenizer):
+    """Its groups were dropped as `reward_unscorable` without counting as failures: no source
+    alarm, no source.fail_after_s, and a run of train.steps that never ended."""
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    module = tmp_path / "silent.py"
+    module.write_text("def silent(completions, **kw):\n    return [None] * len(completions)\n")
+    cfg = config(path, dataset={"reward_workers": 1}, rewards=[{"function": f"{module}:silent"}])
+
+    async def main():
+        src = await open_source(tokenizer, cfg)
+        try:
+            with anyio.fail_after(60):
+                return src, [await src.generate_group() for _ in range(3)]
+        finally:
+            await src.aclose()
+
+    src, groups = anyio.run(main)
+    assert groups == [None] * 3 and src.stats.drop_reasons == {"reward_unscorable": 3}
+    assert src.stats.consecutive_errors == 3 and src.stats.failing_since is not None
+    assert "returned None for every completion" in src.stats.last_error
+
+
 def test_evaluation_gives_pass_at_1_and_mean_at_k(tmp_path, tokenizer):
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
     held_out = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(20, 30)])

@@ -176,7 +176,9 @@ async def test_unloadable_functions_are_load_errors_naming_the_spec(tmp_path):
     (tmp_path / "m.py").write_text("x = 1\n")
     (tmp_path / "syntax.py").write_text("def f(:\n")
     (tmp_path / "exits.py").write_text("import sys\nsys.exit(4)\n")
+    (tmp_path / "dies.py").write_text("import os\nos._exit(4)\n")  # no traceback, no output: the spec is named
     cases = {
+        f"{tmp_path}/dies.py:f": rf"exited with status 4 .*loading the reward functions 'f' \({tmp_path}/dies.py:f\)",
         f"{tmp_path}/absent.py:f": "no file",
         "no_such_pkg_xyz.mod:f": "cannot import 'no_such_pkg_xyz.mod'",
         f"{tmp_path}/m.py:f": "no callable 'f'",

@@ -47,3 +47,22 @@ def test_a_process_logging_and_printing_into_a_dead_pipe_goes_on(tmp_path):
     assert (tmp_path / "done").read_text() == "done"
     events = [json.loads(line) for line in (tmp_path / "run" / "grpod.log").read_text().splitlines()]
     assert [e["i"] for e in events if e["event"] == "after_the_reader_left"] == list(range(2000))
+
+
+def test_a_metric_that_is_not_finite_is_written_as_null(tmp_path):
+    """A reward's `log_metric("x", nan)` wrote a bare NaN into metrics.jsonl: no strict JSON reader
+    could read any line of the run after it."""
+    import json
+    import math
+
+    import numpy as np
+    import pytest
+
+    from grpod.service.logs import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write("step", 1, {"reward_log/x": math.nan, "loss": np.float32("inf"), "ok": 0.5, "nested": {"v": [math.nan, 1.0]}})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    record = json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in {line}"))
+    assert record["reward_log/x"] is None and record["loss"] is None and record["ok"] == 0.5
+    assert record["nested"] == {"v": [None, 1.0]}
