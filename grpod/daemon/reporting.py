@@ -106,7 +106,10 @@ class Reporter:
             print(
                 f"eval ({when}, step {step}): accuracy {result['eval_accuracy']:.3f}"
                 + (f", mean@{result['eval_k']} {result['eval_mean_at_k']:.3f}" if "eval_mean_at_k" in result else "")
-                + f" on {result['eval_size']} held-out problems",
+                + f" on {result['eval_size']} held-out problems"
+                # A row whose reward call failed counts as wrong: say how many were never scored.
+                + (f" ({result['eval_reward_failures']} not scored: reward failures, see the log)"
+                   if result.get("eval_reward_failures") else ""),
                 file=sys.stderr,
                 flush=True,
             )
@@ -156,7 +159,12 @@ class Reporter:
         return build_status(self)
 
     def summary(self) -> None:
-        """The run's last lines on the console: why it stopped, accuracy before/after, checkpoint."""
+        """The run's last lines on the console: why it stopped, accuracy before/after, the groups
+        the source dropped and why, checkpoint. The drops are also logged (`source_drops`): the
+        failures' own warnings are rate-limited, so the log alone would undercount them."""
+        stats = self.source.stats if self.source is not None else None
+        if stats is not None and stats.dropped:
+            log.info("source_drops", dropped=stats.dropped, drop_reasons=dict(stats.drop_reasons))
         if not self.cfg.run.progress:
             return
         p = self.progress
@@ -172,6 +180,9 @@ class Reporter:
                 f"held-out accuracy: {evals[0]['eval_accuracy']:.3f} (step {evals[0]['step']}) -> "
                 f"{evals[-1]['eval_accuracy']:.3f} (step {evals[-1]['step']}) on {evals[-1]['eval_size']} problems"
             )
+        if stats is not None and stats.dropped:
+            reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(stats.drop_reasons.items()))
+            lines.append(f"groups dropped by the source: {stats.dropped} ({reasons})")
         if p.last_checkpoint:
             lines.append(f"last checkpoint: {p.last_checkpoint['path']}")
         print("\n".join(lines), file=sys.stderr, flush=True)

@@ -288,19 +288,17 @@ async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None) -> 
     eval_rows = []
     if cfg.eval.dataset is not None:
         eval_rows = await anyio.to_thread.run_sync(load_rows, cfg.eval.dataset, dcfg, functions)
+    if (cfg.model.path / "config.json").is_file():  # else grpod builds the tiny model; the source checks then
+        await anyio.to_thread.run_sync(_check_prompts, cfg, rows, eval_rows)
     scorer = RewardScorer(functions, aggregation=dcfg.reward_aggregation, timeout_s=dcfg.reward_timeout_s,
                           workers=dcfg.reward_workers, memory_mb=dcfg.reward_memory_mb, log_path=log_path)
     try:
         await scorer.start()
-        first, n = rows[0], 2
-        call = RewardCall(
-            prompts=[first.reward_prompt(dcfg.system_prompt)] * n,
-            completions=[_completion(PLACEHOLDER_COMPLETION, first.chat)] * n,
-            completion_ids=[[0]] * n,
-            columns={name: [value] * n for name, value in first.columns.items()},
-            trainer_state=TrainerState(max_steps=cfg.train.steps),
-        )
-        warnings = await scorer.probe(call, f"{dcfg.path}: row {first.row + 1}")
+        # The first training row, and the first held-out one: the evaluation calls the same
+        # functions with its own file's columns.
+        warnings = []
+        for first, path in [(rows[0], dcfg.path), *([(eval_rows[0], cfg.eval.dataset)] if eval_rows else [])]:
+            warnings += await scorer.probe(_placeholder_call(first, dcfg, cfg.train.steps), f"{path}: row {first.row + 1}")
     except BaseException:
         with anyio.CancelScope(shield=True):
             await scorer.aclose()
@@ -308,6 +306,29 @@ async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None) -> 
     for warning in warnings:
         log.warning("reward_probe_warning", warning=warning[:500])
     return PreparedDataset(rows=rows, eval_rows=eval_rows, scorer=scorer, warnings=warnings)
+
+
+def _placeholder_call(first: DatasetRow, dcfg: DatasetConfig, steps: int, n: int = 2) -> RewardCall:
+    """The start-up call of every reward function: `first`'s columns, a placeholder completion."""
+    return RewardCall(
+        prompts=[first.reward_prompt(dcfg.system_prompt)] * n,
+        completions=[_completion(PLACEHOLDER_COMPLETION, first.chat)] * n,
+        completion_ids=[[0]] * n,
+        columns={name: [value] * n for name, value in first.columns.items()},
+        trainer_state=TrainerState(max_steps=steps),
+    )
+
+
+def _check_prompts(cfg: GrpodConfig, rows: list[DatasetRow], eval_rows: list[DatasetRow]) -> None:
+    """Every prompt rendered and tokenized with the model's tokenizer, as the source will: one too
+    long is a DatasetError at check-config and before vLLM launches, not after."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    max_prompt = cfg.model.max_seq_len - cfg.source.max_tokens
+    tokenize_rows(rows, Path(cfg.source.dataset.path), cfg.source.dataset, tokenizer, max_prompt)
+    if eval_rows:
+        tokenize_rows(eval_rows, Path(cfg.eval.dataset), cfg.source.dataset, tokenizer, max_prompt)
 
 
 def _completion(text: str, chat: bool) -> Any:

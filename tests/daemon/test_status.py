@@ -117,3 +117,23 @@ def test_a_new_field_is_one_entry(tmp_path, monkeypatch):
     assert reply["reward_workers_up"] == 2  # --json and Prometheus read it
     assert "reward workers up" in render_table(reply["table"])  # the operator's table shows it
     assert dataclasses.is_dataclass(field)
+
+
+def test_the_closing_lines_and_the_log_count_every_dropped_group(loop_config, capsys):
+    """The failures' warnings are rate-limited (one per 30 s, with a count of those held back), so
+    a run's log undercounted them and nothing at the end said how many groups were lost and why."""
+    import structlog.testing
+
+    from tests.daemon.conftest import make_loop
+
+    loop = make_loop(loop_config("run.progress=true"), trainer=None)
+    for reason in ["reward_error"] * 27 + ["reward_timeout"]:
+        loop.source.stats.drop(reason)
+    with structlog.testing.capture_logs() as events:
+        loop.reporter.summary()
+    assert "groups dropped by the source: 28 (reward_error 27, reward_timeout 1)" in capsys.readouterr().err
+    (drops,) = [e for e in events if e["event"] == "source_drops"]
+    assert drops["dropped"] == 28 and drops["drop_reasons"] == {"reward_error": 27, "reward_timeout": 1}
+    # An evaluation whose every reward call failed is not an accuracy of 0 without a word.
+    loop.reporter.eval_done({"eval_accuracy": 0.0, "eval_size": 8, "eval_reward_failures": 8}, "start", step=0)
+    assert "accuracy 0.000 on 8 held-out problems (8 not scored: reward failures" in capsys.readouterr().err

@@ -163,6 +163,30 @@ def test_values_reach_reward_functions_as_the_file_wrote_them(tmp_path):
     assert [row["answer"] for row in read_rows(table)] == ["003", None, "72"]
 
 
+def test_check_config_finds_a_prompt_too_long_and_a_held_out_file_the_rewards_cannot_score(tmp_path):
+    """Both passed `grpod check-config`: the prompts were tokenized only once the source was built
+    (after vLLM had launched), and the start-up call used a training row only, so a held-out file
+    without the `answer` column scored every evaluation 0."""
+    from grpod.models.tiny import build_model, save_model
+    from grpod.rollouts.rewards import RewardLoadError
+
+    save_model(*build_model(seed=0), tmp_path / "model")
+    long = write_jsonl(tmp_path / "long.jsonl", [*ROWS[:3], {"prompt": "1+" * 200 + "1=", "answer": "201"}])
+    cfg = config(long)
+    cfg.model.path = tmp_path / "model"
+    with pytest.raises(DatasetError, match=r"long.jsonl: row 4, column 'prompt': the prompt is \d+ tokens"):
+        anyio.run(prepare_dataset, cfg)
+
+    module = tmp_path / "needs_answer.py"
+    module.write_text("def good(completions, answer, **kw):\n    return [float(c == a) for c, a in zip(completions, answer)]\n")
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    held_out = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "1+1=", "solution": "2"}])
+    cfg = config(train, rewards=[{"function": f"{module}:good"}], eval={"dataset": str(held_out), "size": 1})
+    cfg.model.path = tmp_path / "model"
+    with pytest.raises(RewardLoadError, match=r"eval.jsonl: row 1"):
+        anyio.run(prepare_dataset, cfg)
+
+
 def test_unknown_suffix_and_missing_file_are_clear(tmp_path):
     with pytest.raises(DatasetError, match="unknown dataset format '.txt'"):
         read_rows(tmp_path / "data.txt")
