@@ -326,7 +326,10 @@ def checked_rewards(name: str, returned: Any, n: int) -> list[float | None]:
         if value is None:
             rewards.append(None)
             continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "") == "b":  # numpy's bool too
+            # TRL makes a float tensor of the rewards: True is 1.0 there.
+            value = float(value)
+        if not isinstance(value, numbers.Real):
             raise RewardFailure("reward_bad_type", name, f"reward {i} is {value!r:.80} ({type(value).__name__}), not a number")
         value = float(value)
         if not math.isfinite(value):

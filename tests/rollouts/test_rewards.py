@@ -263,12 +263,17 @@ async def test_the_probe_only_warns_when_a_function_rejects_the_placeholder(tmp_
     assert len(warnings) == 1 and "ZeroDivisionError" in warnings[0]
 
 
-def test_checked_rewards_takes_arrays_and_refuses_booleans():
+def test_checked_rewards_takes_arrays_and_booleans_as_trl_does():
+    """TRL makes a float tensor of what a function returns, so `[c == a for ...]` is a reward of
+    1.0 / 0.0 there; it was refused here (`reward_bad_type`), against "a TRL module works unchanged"."""
     import numpy as np
 
     assert checked_rewards("f", np.array([1.0, 0.5]), 2) == [1.0, 0.5]
+    assert checked_rewards("f", [True, False, None], 3) == [1.0, 0.0, None]
+    assert checked_rewards("f", np.array([True, False]), 2) == [1.0, 0.0]
+    assert checked_rewards("f", [np.bool_(True), np.float32(0.25)], 2) == [1.0, 0.25]
     with pytest.raises(RewardFailure, match="not a number"):
-        checked_rewards("f", [True, False], 2)
+        checked_rewards("f", ["1", "0"], 2)
 
 
 def test_step_metrics_average_each_functions_group_means_and_logged_values():
