@@ -288,8 +288,6 @@ async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None) -> 
     eval_rows = []
     if cfg.eval.dataset is not None:
         eval_rows = await anyio.to_thread.run_sync(load_rows, cfg.eval.dataset, dcfg, functions)
-    if (cfg.model.path / "config.json").is_file():  # else grpod builds the tiny model; the source checks then
-        await anyio.to_thread.run_sync(_check_prompts, cfg, rows, eval_rows)
     scorer = RewardScorer(functions, aggregation=dcfg.reward_aggregation, timeout_s=dcfg.reward_timeout_s,
                           workers=dcfg.reward_workers, memory_mb=dcfg.reward_memory_mb, log_path=log_path)
     try:
@@ -299,6 +297,9 @@ async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None) -> 
         warnings = []
         for first, path in [(rows[0], dcfg.path), *([(eval_rows[0], cfg.eval.dataset)] if eval_rows else [])]:
             warnings += await scorer.probe(_placeholder_call(first, dcfg, cfg.train.steps), f"{path}: row {first.row + 1}")
+        # After the functions (a syntax error is said in seconds): transformers loads the tokenizer.
+        if (cfg.model.path / "config.json").is_file():  # else grpod builds the tiny model; the source checks then
+            await anyio.to_thread.run_sync(_check_prompts, cfg, rows, eval_rows)
     except BaseException:
         with anyio.CancelScope(shield=True):
             await scorer.aclose()
