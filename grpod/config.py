@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -90,20 +91,24 @@ def _holds(annotation: Any, types: tuple[type, ...]) -> bool:
     return any(_holds(arg, types) for arg in get_args(annotation))
 
 
+def _named_path(value: Any) -> Any:
+    if isinstance(value, str) and not value.strip():  # Path("") is the current directory
+        raise ValueError("an empty path: name one (or leave the key out for its default)")
+    return value
+
+
+# A path that is never "" (which would silently mean the current directory).
+NamedPath = Annotated[Path, BeforeValidator(_named_path)]
+
+
 class RunConfig(_Section):
-    dir: Path = Field(
+    dir: NamedPath = Field(
         Path("runs/default"),
         description="Run directory (created mode 0700): the JSON log, metrics, checkpoints, vLLM logs and the "
         "control socket.",
     )
     seed: int = Field(0, description="Seed of the trainer (and of the tiny built-in model when grpod builds it).")
 
-    @field_validator("dir", mode="before")
-    @classmethod
-    def _named(cls, value: Any) -> Any:
-        if isinstance(value, str) and not value.strip():
-            raise ValueError('an empty path (it would be the current directory); name one, e.g. "runs/default"')
-        return value
     resume: str = Field(
         "auto",
         description='"auto": resume from the newest complete checkpoint in run.dir; "never"; or the path of a '
@@ -1118,18 +1123,12 @@ class EvalConfig(_Section):
 
 
 class ControlConfig(_Section):
-    socket: Path | None = Field(
+    socket: NamedPath | None = Field(
         None,
         description="The control socket (mode 0600); unset: <run.dir>/grpod.sock.",
         examples=["runs/default/grpod.sock"],
     )
 
-    @field_validator("socket", mode="before")
-    @classmethod
-    def _named(cls, value: Any) -> Any:
-        if isinstance(value, str) and not value.strip():
-            raise ValueError("an empty path; leave control.socket unset for <run.dir>/grpod.sock")
-        return value
     request_timeout_s: float = Field(
         600.0,
         gt=0,

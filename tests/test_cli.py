@@ -38,9 +38,9 @@ def test_check_config_refuses_what_this_host_cannot_run_naming_the_key(tmp_path)
     listener.listen(1)
     cases = [
         (f"run.dir={str(tmp_path / 'afile')!r}", "run.dir: ", "exists and is not a directory"),
-        ("run.dir=''", "run.dir", "an empty path"),
+        ("run.dir=''", "run.dir", "an empty path: name one"),
         (f"run.dir={str(tmp_path / ('x' * 110))!r}", "run.dir (the socket is <run.dir>/grpod.sock)", "over a Unix socket path's 107"),
-        ("control.socket=''", "control.socket", "an empty path"),
+        ("control.socket=''", "control.socket", "an empty path: name one"),
         (f"control.socket={str(live)!r}", "control.socket", "in use by another running grpod"),
         (f"model.path={str(tmp_path / 'afile')!r}", "model.path", "is a file, not an HF model directory"),
         (f"model.path={str(tmp_path / 'notamodel')!r}", "model.path", "holds no HF model"),
