@@ -330,6 +330,20 @@ def test_a_group_is_scored_tagged_and_carries_each_functions_mean(tmp_path, toke
     assert group.loss_mask[0] == [0] * len(prompt) + [1] * (len(group.tokens[0]) - len(prompt))
 
 
+def generate_groups(tokenizer, cfg, n: int) -> tuple[DatasetSource, list]:
+    """`n` groups of a source with pooled reward functions, in one event loop (its workers'), closed after."""
+
+    async def main():
+        src = await open_source(tokenizer, cfg)
+        try:
+            with anyio.fail_after(60):
+                return src, [await src.generate_group() for _ in range(n)]
+        finally:
+            await src.aclose()
+
+    return anyio.run(main)
+
+
 def test_reward_failures_drop_the_group_with_their_reason_and_the_source_goes_on(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "t.jsonl", ROWS)
     module = tmp_path / "flaky.py"
@@ -352,15 +366,7 @@ def test_reward_failures_drop_the_group_with_their_reason_and_the_source_goes_on
     )
     cfg = config(path, dataset={"reward_timeout_s": 1.0, "reward_workers": 2}, rewards=[{"function": f"{module}:flaky"}])
 
-    async def main():
-        src = await open_source(tokenizer, cfg)
-        try:
-            with anyio.fail_after(60):
-                return src, [await src.generate_group() for _ in range(12)]
-        finally:
-            await src.aclose()
-
-    src, groups = anyio.run(main)
+    src, groups = generate_groups(tokenizer, cfg, 12)
     assert sum(g is None for g in groups) == 6
     assert src.stats.generated == 6 and src.stats.dropped == 6
     assert src.stats.drop_reasons == {"reward_error": 1, "reward_nan": 1, "reward_bad_length": 1,
@@ -389,15 +395,7 @@ def test_what_a_crashed_reward_worker_started_dies_with_it(tmp_path, tokenizer):
     )
     cfg = config(path, dataset={"reward_workers": 1}, rewards=[{"function": f"{module}:forking"}])
 
-    async def main():
-        src = await open_source(tokenizer, cfg)
-        try:
-            with anyio.fail_after(60):
-                return src, [await src.generate_group() for _ in range(2)]
-        finally:
-            await src.aclose()
-
-    src, groups = anyio.run(main)
+    src, groups = generate_groups(tokenizer, cfg, 2)
     started = [int(line) for line in pids.read_text().split()]
     assert groups == [None, None] and src.stats.drop_reasons == {"reward_crash": 2} and len(started) == 2
     left = [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
@@ -412,15 +410,7 @@ def test_a_reward_that_answers_none_for_everything_is_a_run_of_failures(tmp_path
     module.write_text("def silent(completions, **kw):\n    return [None] * len(completions)\n")
     cfg = config(path, dataset={"reward_workers": 1}, rewards=[{"function": f"{module}:silent"}])
 
-    async def main():
-        src = await open_source(tokenizer, cfg)
-        try:
-            with anyio.fail_after(60):
-                return src, [await src.generate_group() for _ in range(3)]
-        finally:
-            await src.aclose()
-
-    src, groups = anyio.run(main)
+    src, groups = generate_groups(tokenizer, cfg, 3)
     assert groups == [None] * 3 and src.stats.drop_reasons == {"reward_unscorable": 3}
     assert src.stats.consecutive_errors == 3 and src.stats.failing_since is not None
     assert "returned None for every completion" in src.stats.last_error
