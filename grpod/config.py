@@ -108,7 +108,6 @@ class RunConfig(_Section):
         "control socket.",
     )
     seed: int = Field(0, description="Seed of the trainer (and of the tiny built-in model when grpod builds it).")
-
     resume: str = Field(
         "auto",
         description='"auto": resume from the newest complete checkpoint in run.dir; "never"; or the path of a '
@@ -1128,7 +1127,6 @@ class ControlConfig(_Section):
         description="The control socket (mode 0600); unset: <run.dir>/grpod.sock.",
         examples=["runs/default/grpod.sock"],
     )
-
     request_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -1360,10 +1358,10 @@ class GrpodConfig(_Section):
         if self.train.loss.clip_low >= 1:
             raise ValueError("train.loss.clip_low must be < 1 (the ratio floor is 1 - clip_low)")
         self._cluster_agrees()
-        if len(os.fsencode(str(self.socket_path))) > UNIX_PATH_MAX:
-            key = "control.socket" if self.control.socket is not None else "run.dir (the socket is <run.dir>/grpod.sock)"
-            raise ValueError(f"{key}: the control socket {self.socket_path} is {len(os.fsencode(str(self.socket_path)))} "
-                             f"bytes, over a Unix socket path's {UNIX_PATH_MAX}; set control.socket to a shorter path")
+        size = len(os.fsencode(str(self.socket_path)))
+        if size > UNIX_PATH_MAX:
+            raise ValueError(f"{self.socket_key}: the control socket {self.socket_path} is {size} bytes, over a Unix "
+                             f"socket path's {UNIX_PATH_MAX}; set control.socket to a shorter path")
         return self
 
     def _cluster_agrees(self) -> None:
@@ -1396,6 +1394,11 @@ class GrpodConfig(_Section):
     @property
     def socket_path(self) -> Path:
         return self.control.socket or self.run.dir / "grpod.sock"
+
+    @property
+    def socket_key(self) -> str:
+        """The key an error about `socket_path` names."""
+        return "control.socket" if self.control.socket is not None else "run.dir (the socket is <run.dir>/grpod.sock)"
 
     def digest(self) -> str:
         """A stable hash of the effective configuration, recorded in checkpoints."""
@@ -1532,12 +1535,15 @@ def tree_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
 def load_config(path: Path | str | None, overrides: list[str] = (), notes: list[str] | None = None) -> GrpodConfig:
     """Load `path` (None = all defaults), apply `--set` overrides, validate. What the overrides
     made grpod ignore in the file (`_switch_kinds`) is appended to `notes`."""
-    tree: dict[str, Any] = {}
-    origin = "<defaults>"
-    if path is not None:
-        origin = str(path)
-        tree = read_config_tree(Path(path))
-    file_tree = copy.deepcopy(tree)
+    tree = read_config_tree(Path(path)) if path is not None else {}
+    return config_from_tree(tree, str(path) if path is not None else "<defaults>", overrides, notes)
+
+
+def config_from_tree(file_tree: dict[str, Any], origin: str, overrides: list[str] = (),
+                     notes: list[str] | None = None) -> GrpodConfig:
+    """`load_config` of a file already read (`read_config_tree`): a reload checks the tree it
+    validates, not a second read of a file that may have changed in between."""
+    tree = copy.deepcopy(file_tree)
     for text in overrides:
         apply_override(tree, text)
     switched = _switch_kinds(tree, file_tree, {tuple(parse_assignment(text)[0]) for text in overrides})

@@ -74,18 +74,20 @@ async def _read_lines(stream: SocketStream, idle_timeout_s: float):
     buffered = BufferedByteReceiveStream(stream)
     try:
         while True:
-            with anyio.move_on_after(idle_timeout_s) as idle:
+            last = False  # the peer closed after a line without its newline
+            with anyio.move_on_after(idle_timeout_s) as idle:  # (no yield inside the scope)
                 try:
                     line = await buffered.receive_until(b"\n", MAX_LINE)
                 except anyio.DelimiterNotFound:
                     line = None
-                except anyio.IncompleteRead:  # closed after a line without its newline
-                    rest = bytes(buffered.buffer)
-                    if rest.strip():
-                        yield rest
-                    return
+                except anyio.IncompleteRead:
+                    line, last = bytes(buffered.buffer), True
             if idle.cancelled_caught:
                 log.info("control_connection_idle", idle_timeout_s=idle_timeout_s)
+                return
+            if last:
+                if line.strip():
+                    yield line
                 return
             yield line
             if line is None:

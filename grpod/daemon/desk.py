@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import anyio
 import structlog
 
-from grpod.config import ConfigError, GrpodConfig, load_config, read_config_tree, tree_keys
+from grpod.config import ConfigError, GrpodConfig, config_from_tree, read_config_tree, tree_keys
 from grpod.daemon.control import ControlError
 from grpod.daemon.live import LIVE_KEYS, SettingChange, diff_file, get_key, plan_changes
 from grpod.daemon.progress import RunProgress
@@ -235,7 +235,8 @@ class OperatorDesk:
             return
         origin = f"SIGHUP {self.config_path}"
         try:
-            file_keys = tree_keys(read_config_tree(self.config_path))
+            tree = read_config_tree(self.config_path)  # read once: checked and validated alike
+            file_keys = tree_keys(tree)
             if lost := sorted(self._file_keys - file_keys):
                 # An emptied or half-written file (an editor's save, a truncated copy) would put
                 # every key it lost back to its default, the live ones at once.
@@ -244,7 +245,7 @@ class OperatorDesk:
                     f"({len(lost)} keys it set when loaded): refused, so that a half-written file resets "
                     f"nothing; to change such a key, write its new value"
                 )
-            reloaded = load_config(self.config_path, self.overrides)
+            reloaded = config_from_tree(tree, str(self.config_path), self.overrides)
             layered = reloaded.model_dump(mode="json")
             kept = sorted(key for key, value in self.operator_values.items() if get_key(layered, key) != value)
             if self.operator_values:

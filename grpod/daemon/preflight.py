@@ -47,12 +47,11 @@ def _run_dir(path: Path) -> list[str]:
 
 def _socket(cfg: GrpodConfig) -> list[str]:
     path = cfg.socket_path
-    key = "control.socket" if cfg.control.socket is not None else "run.dir (the control socket is <run.dir>/grpod.sock)"
-    if path.exists() and path.is_dir():
-        return [f"{key}: {path} is a directory"]
+    if path.is_dir():
+        return [f"{cfg.socket_key}: {path} is a directory"]
     # In the run directory, the run directory's lock names the daemon holding it (exit 2 at start).
     if cfg.control.socket is not None and (path.exists() or path.is_symlink()) and socket_alive(path):
-        return [f"{key}: {path} is in use by another running grpod"]
+        return [f"{cfg.socket_key}: {path} is in use by another running grpod"]
     return []
 
 

@@ -257,12 +257,6 @@ def tokenize_rows(
     return items
 
 
-def load_items(path: Path, dcfg: DatasetConfig, tokenizer, functions: list[RewardFunction],
-               max_prompt_tokens: int) -> list[DatasetItem]:
-    """Read, check and tokenize every row of `path`; a DatasetError names the first bad one."""
-    return tokenize_rows(load_rows(path, dcfg, functions), Path(path), dcfg, tokenizer, max_prompt_tokens)
-
-
 @dataclass
 class PreparedDataset:
     """A dataset source's inputs, checked before anything is launched: the rows, the held-out
@@ -272,12 +266,17 @@ class PreparedDataset:
     eval_rows: list[DatasetRow]
     scorer: RewardScorer
     warnings: list[str]
+    # The rows rendered and tokenized (`tokenize_rows`); None when the model is not built yet
+    # (model.init_if_missing), and the source tokenizes them once it is.
+    items: list[DatasetItem] | None = None
+    eval_items: list[DatasetItem] | None = None
 
 
-async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None) -> PreparedDataset:
+async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None, tokenizer=None) -> PreparedDataset:
     """Check a dataset source's inputs: rows, reward functions (imported in the reward workers and
-    called once on the first row). DatasetError / RewardLoadError (ConfigErrors: exit 2) name what
-    is wrong. The caller owns the returned scorer (`await prepared.scorer.aclose()`)."""
+    called once on the first row), prompts (tokenized with `tokenizer`, default model.path's).
+    DatasetError / RewardLoadError (ConfigErrors: exit 2) name what is wrong. The caller owns the
+    returned scorer (`await prepared.scorer.aclose()`)."""
     dcfg = cfg.source.dataset
     functions = reward_functions(dcfg.rewards)
     for function in functions:  # a missing file is said before a worker starts
@@ -298,15 +297,22 @@ async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None) -> 
         for first, path in [(rows[0], dcfg.path), *([(eval_rows[0], cfg.eval.dataset)] if eval_rows else [])]:
             warnings += await scorer.probe(_placeholder_call(first, dcfg, cfg.train.steps), f"{path}: row {first.row + 1}")
         # After the functions (a syntax error is said in seconds): transformers loads the tokenizer.
-        if (cfg.model.path / "config.json").is_file():  # else grpod builds the tiny model; the source checks then
-            await anyio.to_thread.run_sync(_check_prompts, cfg, rows, eval_rows)
+        # Every prompt as the source will give it: one too long stops check-config and the start
+        # before vLLM launches. Model.path's tokenizer is the one every export of the run carries.
+        items = eval_items = None
+        if tokenizer is None and (cfg.model.path / "config.json").is_file():  # else the model is built later
+            tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, cfg.model.path)
+        if tokenizer is not None:
+            items, eval_items = await anyio.to_thread.run_sync(
+                tokenize_inputs, rows, eval_rows, dcfg, cfg.eval.dataset, tokenizer, cfg.model.max_seq_len - cfg.source.max_tokens)
     except BaseException:
         with anyio.CancelScope(shield=True):
             await scorer.aclose()
         raise
     for warning in warnings:
         log.warning("reward_probe_warning", warning=warning[:500])
-    return PreparedDataset(rows=rows, eval_rows=eval_rows, scorer=scorer, warnings=warnings)
+    return PreparedDataset(rows=rows, eval_rows=eval_rows, scorer=scorer, warnings=warnings, items=items,
+                           eval_items=eval_items)
 
 
 def _placeholder_call(first: DatasetRow, dcfg: DatasetConfig, steps: int, n: int = 2) -> RewardCall:
@@ -320,16 +326,18 @@ def _placeholder_call(first: DatasetRow, dcfg: DatasetConfig, steps: int, n: int
     )
 
 
-def _check_prompts(cfg: GrpodConfig, rows: list[DatasetRow], eval_rows: list[DatasetRow]) -> None:
-    """Every prompt rendered and tokenized with the model's tokenizer, as the source will: one too
-    long is a DatasetError at check-config and before vLLM launches, not after."""
+def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    max_prompt = cfg.model.max_seq_len - cfg.source.max_tokens
-    tokenize_rows(rows, Path(cfg.source.dataset.path), cfg.source.dataset, tokenizer, max_prompt)
-    if eval_rows:
-        tokenize_rows(eval_rows, Path(cfg.eval.dataset), cfg.source.dataset, tokenizer, max_prompt)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def tokenize_inputs(rows: list[DatasetRow], eval_rows: list[DatasetRow], dcfg: DatasetConfig, eval_path: Path | None,
+                    tokenizer, max_prompt_tokens: int) -> tuple[list[DatasetItem], list[DatasetItem]]:
+    """The training and held-out rows rendered and tokenized (`tokenize_rows`)."""
+    items = tokenize_rows(rows, Path(dcfg.path), dcfg, tokenizer, max_prompt_tokens)
+    eval_items = tokenize_rows(eval_rows, Path(eval_path), dcfg, tokenizer, max_prompt_tokens) if eval_rows else []
+    return items, eval_items
 
 
 def _completion(text: str, chat: bool) -> Any:
@@ -373,11 +381,11 @@ class DatasetSource(SamplingSource):
         self.steps = steps
         self.scorer = prepared.scorer
         self.functions = self.scorer.functions
-        max_prompt = max_seq_len - self.max_tokens
-        self.items = tokenize_rows(prepared.rows, Path(self.dcfg.path), self.dcfg, tokenizer, max_prompt)
-        self.eval_items: list[DatasetItem] = []
-        if eval_cfg.dataset is not None:
-            self.eval_items = tokenize_rows(prepared.eval_rows, Path(eval_cfg.dataset), self.dcfg, tokenizer, max_prompt)
+        self.items, self.eval_items = (
+            (prepared.items, prepared.eval_items) if prepared.items is not None  # tokenized while checked
+            else tokenize_inputs(prepared.rows, prepared.eval_rows, self.dcfg, eval_cfg.dataset, tokenizer,
+                                 max_seq_len - self.max_tokens)
+        )
         self.stats = DatasetStats()
         self.epoch = int((cursor or {}).get("epoch", 0))
         self.position = int((cursor or {}).get("position", 0))

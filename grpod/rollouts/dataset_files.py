@@ -33,10 +33,16 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         raise DatasetError(f"{path}: unknown dataset format {path.suffix!r}; use one of {', '.join(LOADERS)}")
     if not path.is_file():
         raise DatasetError(f"{path}: no such dataset file")
-    if path.stat().st_size == 0 or (LOADERS[suffix] == "json" and not path.read_bytes().strip()):
-        raise DatasetError(f"{path}: the file is empty (the dataset has no rows)")
     try:
-        rows = {".jsonl": _json_lines, ".json": _json, ".csv": _csv, ".parquet": _parquet}[suffix](path)
+        if suffix in (".jsonl", ".json"):
+            text = path.read_text(encoding="utf-8-sig")
+            if not text.strip():
+                raise DatasetError(f"{path}: the file is empty (the dataset has no rows)")
+            rows = _json_lines(path, text) if suffix == ".jsonl" else _json(path, text)
+        elif path.stat().st_size == 0:
+            raise DatasetError(f"{path}: the file is empty (the dataset has no rows)")
+        else:
+            rows = _csv(path) if suffix == ".csv" else _parquet(path)
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
@@ -51,27 +57,25 @@ def _object(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _json_lines(path: Path) -> list[dict[str, Any]]:
+def _json_lines(path: Path, text: str) -> list[dict[str, Any]]:
     rows = []
-    with path.open(encoding="utf-8-sig") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except (ValueError, RecursionError) as exc:
-                raise DatasetError(f"{path}: line {number}: not JSON ({exc})") from None
-            rows.append(_object(value, f"{path}: line {number}"))
+    for number, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may stand in a JSON string
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            raise DatasetError(f"{path}: line {number}: not JSON ({exc})") from None
+        rows.append(_object(value, f"{path}: line {number}"))
     return rows
 
 
-def _json(path: Path) -> list[dict[str, Any]]:
+def _json(path: Path, text: str) -> list[dict[str, Any]]:
     """A JSON array of objects, or JSON Lines under a .json name."""
-    text = path.read_text(encoding="utf-8-sig")
     try:
         value = json.loads(text)
     except ValueError:
-        return _json_lines(path)
+        return _json_lines(path, text)
     except RecursionError:
         raise DatasetError(f"{path}: JSON nested too deeply") from None
     if not isinstance(value, list):

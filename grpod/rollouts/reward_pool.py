@@ -268,7 +268,10 @@ class RewardPool:
             with anyio.CancelScope(shield=True):
                 why = f"no answer in {self.start_timeout_s:g} s" if isinstance(exc, TimeoutError) else await self._death(worker)
                 await self._kill(worker)
-            raise RewardPoolError(f"a reward worker did not start: {why} (its output is in {self.log_path or 'stderr'})") from None
+            # A worker that dies importing (os._exit, a crash in a C extension) says nothing itself.
+            loading = ", ".join(f"{spec['name']!r} ({spec['function']})" for spec in self.specs)
+            raise RewardPoolError(f"a reward worker did not start: {why} (its output is in {self.log_path or 'stderr'}); "
+                                  f"it was loading the reward functions {loading}") from None
         if hello[0] != "ready":
             with anyio.CancelScope(shield=True):
                 await self._kill(worker)

@@ -90,13 +90,7 @@ class RewardScorer:
             try:
                 await self.pool.start()
             except RewardPoolError as exc:
-                # A worker that dies importing (os._exit, a crash in a C extension) tells nothing:
-                # name what it was importing.
-                pooled = [f for f in self.functions if not f.in_process]
-                if any(f.where in str(exc) for f in pooled):
-                    raise RewardLoadError(str(exc)) from None
-                loading = ", ".join(f"{f.name!r} ({f.where})" for f in pooled)
-                raise RewardLoadError(f"{exc}; it was loading the reward functions {loading}") from None
+                raise RewardLoadError(str(exc)) from None
 
     async def aclose(self) -> None:
         if self.pool is not None:

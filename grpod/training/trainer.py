@@ -35,7 +35,6 @@ config file is what a restart means) and logged.
 from __future__ import annotations
 
 import math
-import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -84,7 +83,7 @@ def read_tokenizer_files(model_dir: Path) -> dict[str, bytes]:
     files = {name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()}
     if not files.keys() & VOCABULARY_FILES:
         # transformers would build an empty tokenizer from the config alone: every text, no ids.
-        raise FileNotFoundError(f"{model_dir}: no tokenizer vocabulary (none of {', '.join(VOCABULARY_FILES)})")
+        raise FileNotFoundError(f"{model_dir}: no tokenizer vocabulary (none of {', '.join(sorted(VOCABULARY_FILES))})")
     return files
 
 

@@ -65,7 +65,7 @@ async def open_source(tokenizer, cfg, answer_for=right_answer, cursor=None, clie
     """The source of `cfg`, its inputs checked as the daemon checks them (`prepare_dataset`);
     the caller closes it (`await src.aclose()`) when its functions run in the reward pool."""
     client = (client_class or ScriptedClient)(tokenizer, answer_for)
-    prepared = await prepare_dataset(cfg)
+    prepared = await prepare_dataset(cfg, tokenizer=tokenizer)
     src = make_source(cfg, tokenizer, scripted_policy(client, version=3)[0], cursor, RejectionCounter(), prepared)
     src.client = client
     return src
