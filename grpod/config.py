@@ -121,12 +121,22 @@ class RunConfig(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Console level; the JSON log (<run.dir>/grpod.log) always has everything."
     )
+    log_max_mb: float = Field(
+        256.0, ge=0, description="Each log file in run.dir (grpod.log, the engines' vllm*.log, rewards.log, the "
+        "environments' logs) is cut to its last lines (half of this, at most 16 MiB) when it grows past this many MiB, "
+        "checked every 10 s, with a line at its head saying so: output printed by a reward function or an "
+        "environment cannot fill the disk. metrics.jsonl and rollouts.jsonl are never cut. 0: never cut.",
+    )
     progress: bool = Field(True, description="One progress line per step on the console.")
     record_rollouts: bool = Field(
         False,
         description="Append every group the trainer consumes to <run.dir>/rollouts.jsonl (replayable with "
         'source.kind = "replay").',
     )
+
+    @property
+    def log_max_bytes(self) -> int | None:
+        return max(1, int(self.log_max_mb * (1 << 20))) if self.log_max_mb else None
 
 
 class ModelConfig(_Section):

@@ -50,6 +50,7 @@ from grpod.agent.api import (
 from grpod.agent.hosted import EngineFailed, HostedEngine
 from grpod.config import ConfigError, GrpodConfig, InferenceConfig
 from grpod.inference.memory import read_memory
+from grpod.service.logs import LogLimit, configure_logging
 from grpod.service.notify import SystemdNotifier
 from grpod.inference import release
 from grpod.inference.process import InferenceProcess, UnsafeBindError, engine_env
@@ -205,8 +206,10 @@ class Agent:
     """The daemon: the API server and every engine's watch in one task group, the engines stopped
     on every way out."""
 
-    def __init__(self, engines: list[SupervisedInference], *, token: str, host: str, port: int) -> None:
+    def __init__(self, engines: list[SupervisedInference], *, token: str, host: str, port: int,
+                 logs: LogLimit | None = None) -> None:
         boot = secrets.token_hex(4)
+        self.logs = logs  # the agent's directory: its grpod.log and its engines' logs
         self.engines = [HostedEngine(engine, boot) for engine in engines]
         self.token = token
         self.host = host
@@ -223,6 +226,8 @@ class Agent:
             async with anyio.create_task_group() as tg:
                 for hosted in self.engines:
                     tg.start_soon(hosted.engine.watch, hosted.relaunch_lost)
+                if self.logs is not None:
+                    tg.start_soon(self.logs.run)
                 site = web.TCPSite(runner, self.host, self.port)
                 await site.start()
                 log.info("agent_listening", host=self.host, port=self.port, engines=[e.name for e in self.engines])
@@ -254,8 +259,6 @@ class Agent:
 
 def run_agent(cfg: GrpodConfig) -> int:
     """`grpod agent`: refuse to start without a token (ConfigError), else serve until signalled."""
-    from grpod.service.logs import configure_logging
-
     token = cfg.agent.token_value()
     if not token:
         raise ConfigError(
@@ -263,5 +266,7 @@ def run_agent(cfg: GrpodConfig) -> int:
             "this node; the leader sends the same secret as cluster.token"
         )
     engines = agent_engines(cfg)
-    configure_logging(cfg.agent.dir or cfg.run.dir / "agent", cfg.run.log_level)
-    return anyio.run(Agent(engines, token=token, host=cfg.agent.host, port=cfg.agent.port).run)
+    directory = cfg.agent.dir or cfg.run.dir / "agent"
+    configure_logging(directory, cfg.run.log_level)
+    logs = LogLimit(directory, cfg.run.log_max_bytes)
+    return anyio.run(Agent(engines, token=token, host=cfg.agent.host, port=cfg.agent.port, logs=logs).run)

@@ -38,7 +38,7 @@ from grpod.daemon.alarms import LogprobGapAlarm, SourceErrorAlarm
 from grpod.daemon.control import ControlServer
 from grpod.daemon.desk import OperatorDesk
 from grpod.daemon.memory import MemoryWatch
-from grpod.service.logs import MetricsLog, WandbSink, configure_logging
+from grpod.service.logs import LogLimit, MetricsLog, WandbSink, configure_logging
 from grpod.service.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
 from grpod.daemon.progress import RunPhase, RunProgress
 from grpod.daemon.reporting import Reporter
@@ -83,6 +83,7 @@ class Supervisor:
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.memory = MemoryWatch(cfg.metrics.memory_every_s, self.metrics, lambda: self.progress.step,
                                   self._local_engines, self._remote_memory)
+        self.logs = LogLimit(self.run_dir, cfg.run.log_max_bytes)
         self.reporter = Reporter(
             cfg, progress=self.progress, buffer=self.buffer, rejections=self.rejections,
             heartbeat=self.heartbeat, notifier=self.notifier, metrics=self.metrics,
@@ -200,6 +201,7 @@ class Supervisor:
         tg.start_soon(self._watch_bridge)
         tg.start_soon(self._watch_source)
         tg.start_soon(self.memory.run)
+        tg.start_soon(self.logs.run)
         self.reporter.announce_inference()
         self.notifier.ready(f"step {self.progress.step}/{self.cfg.train.steps}, vLLM ready")
         self.progress.phase = RunPhase.RUNNING

@@ -205,6 +205,8 @@ def server_env(cfg: InferenceConfig) -> dict[str, str]:
 
 # A log line longer than this is cut in error messages (vLLM logs its whole config on one line).
 LOG_LINE_CHARS = 300
+LAUNCH_MARK = b"=== grpod launch "  # heads what each launch writes to its log
+TAIL_READ_BYTES = 256 << 10
 
 
 # A CPU engine's KV block under inference.block_size = "auto": the shortest vLLM's CPU attention
@@ -300,28 +302,31 @@ def engine_env(cfg: InferenceConfig, index: int, gpu: bool) -> dict[str, str]:
 
 
 class LaunchLog:
-    """The server's log file, appended to by every launch; what one launch wrote is readable."""
+    """The server's log file, appended to by every launch, each headed by LAUNCH_MARK; what the
+    latest launch wrote is readable (`tail`), also after `grpod.service.logs.LogLimit` cut the
+    file's head."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._offset = 0
 
     def open_for_launch(self, argv: list[str]):
         """The file to hand the child as stdout/stderr, headed by the command line."""
         f = self.path.open("ab")
-        self._offset = f.tell()
-        f.write(f"=== grpod launch {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {shlex.join(argv)}\n".encode())
+        f.write(LAUNCH_MARK + f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {shlex.join(argv)}\n".encode())
         f.flush()
         return f
 
     def tail(self, lines: int = LOG_TAIL_LINES) -> list[str]:
-        """The last `lines` lines the current launch wrote, each cut to LOG_LINE_CHARS."""
+        """The last `lines` lines the latest launch wrote (its header on, if among them), each cut
+        to LOG_LINE_CHARS; read from the file's last TAIL_READ_BYTES."""
         try:
             with self.path.open("rb") as f:
-                f.seek(self._offset)
-                text = f.read().decode(errors="replace")
+                f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_READ_BYTES))
+                data = f.read()
         except OSError:
             return []
+        data = data[max(0, data.rfind(LAUNCH_MARK)):]
+        text = data.decode(errors="replace")
         cut = (line if len(line) <= LOG_LINE_CHARS else line[:LOG_LINE_CHARS] + " [...]" for line in text.splitlines())
         return list(deque(cut, maxlen=lines))
 

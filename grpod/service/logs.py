@@ -1,7 +1,8 @@
 """Logging for a run: structlog events as JSON lines in <run>/grpod.log, readable lines on stderr.
 
 Also `MetricsLog`, the per-step metrics as JSON lines in <run>/metrics.jsonl (what `grpod plot`
-and the tests read), optionally mirrored to Weights & Biases (`WandbSink`, `metrics.wandb_project`).
+and the tests read), optionally mirrored to Weights & Biases (`WandbSink`, `metrics.wandb_project`);
+and `LogLimit`, which keeps every log file of the run directory under `run.log_max_mb`.
 """
 
 from __future__ import annotations
@@ -9,14 +10,18 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
+import anyio
 import structlog
 
 from grpod.config import run_key
+
+log = structlog.get_logger(__name__)
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -173,6 +178,62 @@ def json_ready(value: Any) -> Any:
     if not isinstance(value, (str, int, type(None))) and hasattr(value, "__float__"):  # numpy, torch scalars
         return json_ready(float(value))
     return value
+
+
+LOG_CHECK_S = 10.0  # how often `LogLimit` looks at the files
+LOG_KEEP_MAX = 16 << 20  # a cut keeps at most this much of a file's end
+CUT_MARK = "=== grpod: cut {cut} bytes from the head of this file (over run.log_max_mb = {limit_mb:g})\n"
+
+
+def cut_log(path: Path, max_bytes: int) -> int:
+    """Cut `path` to its last lines (half of `max_bytes`, at most LOG_KEEP_MAX) when it is over
+    `max_bytes`, headed by a line saying so; the bytes cut, 0 if none. Its writers (this process,
+    children given it as stdout or stderr) hold it open for appending, so what they write next goes
+    to the new end. A line written between the read and the truncation is lost."""
+    try:
+        size = path.stat().st_size
+        if size <= max_bytes:
+            return 0
+        keep = min(max_bytes // 2, LOG_KEEP_MAX)
+        with path.open("rb") as f:
+            f.seek(size - keep)
+            tail = f.read(keep)
+        newline = tail.find(b"\n")
+        tail = tail[newline + 1:] if newline >= 0 else tail
+        os.truncate(path, 0)
+        with path.open("ab") as f:
+            f.write(CUT_MARK.format(cut=size - len(tail), limit_mb=max_bytes / (1 << 20)).encode() + tail)
+        return size - len(tail)
+    except OSError as exc:  # gone, or not ours to cut: the next check tries again
+        log.warning("log_cut_failed", path=str(path), error=str(exc))
+        return 0
+
+
+class LogLimit:
+    """Every `*.log` file in `directory` (grpod.log, the engines' vllm*.log, rewards.log, the
+    environments' logs: what grpod and the processes it starts append to) cut by `cut_log` when
+    it grows past `max_bytes`; checked every LOG_CHECK_S in a worker thread. A reward function
+    that prints every completion, or an engine that logs every request, cannot fill the disk of a
+    run that lasts weeks. metrics.jsonl and rollouts.jsonl are the run's records, not logs: never cut."""
+
+    def __init__(self, directory: Path, max_bytes: int | None) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.cuts = 0
+
+    def check(self) -> None:
+        if self.max_bytes is None:
+            return
+        for path in sorted(self.directory.glob("*.log")):
+            cut = cut_log(path, self.max_bytes)
+            if cut:
+                self.cuts += 1
+                log.warning("log_cut", path=str(path), bytes_cut=cut, limit_bytes=self.max_bytes)
+
+    async def run(self) -> None:
+        while self.max_bytes is not None:
+            await anyio.to_thread.run_sync(self.check)
+            await anyio.sleep(LOG_CHECK_S)
 
 
 class MetricsLog:

@@ -14,6 +14,8 @@ SIGTERM.
   26.7       after 50 faulty calls: no thread or process leaked
   26.8       `ctl stop` after the faults: exit 0 and a final checkpoint within 30 s
   26.9       the run resumes; SIGTERM after more faults: exit 0 and a final checkpoint within 30 s
+  26.12      the reward function prints 63 KB a call: rewards.log is cut to its end whenever it
+             passes run.log_max_mb, and the workers go on writing to it
   26.10      a reward function with a wrong signature: exit 2 in < 10 s, vLLM never launched
   26.11      a reward function raising on every group: one alarm line, rate-limited warnings,
              source.fail_after_s ends the run (exit 1)
@@ -42,7 +44,7 @@ from tests.harness import ROOT, DaemonProcess, base_settings, write_config
 pytestmark = pytest.mark.faults
 
 REWARDS = '''
-import ctypes, os, re, time
+import ctypes, os, re, sys, time
 
 def reward(prompts, completions, completion_ids, mode, **kwargs):
     kind = mode[0]
@@ -61,6 +63,7 @@ def reward(prompts, completions, completion_ids, mode, **kwargs):
         held = []
         while True:
             held.append(bytearray(10 ** 7))
+    sys.stderr.write("chatty " * 9000 + "\\n")  # 63 KB a call into rewards.log
     return [float(len(ids)) for ids in completion_ids]
 '''
 # What each row kind is dropped as.
@@ -75,6 +78,7 @@ WORKERS = 2
 # take under 100 ms, and the slowest under 1 s. (Under the whole suite's load one read alone took
 # 401 ms, another time 541 ms, with the 99th percentile at 74 and 102 ms.)
 STATUS_BOUND_S = 1.0
+LOG_MAX_MB = 0.25
 STATUS_P99_S = 0.1
 
 
@@ -99,6 +103,7 @@ def _settings(tmp: Path, model_dir: Path, run_dir: Path, data: Path) -> dict:
         "source.dataset.reward_workers": WORKERS,
         "source.dataset.reward_memory_mb": 256,
         "source.error_alarm_s": 3600.0,
+        "run.log_max_mb": LOG_MAX_MB,
     }
 
 
@@ -209,6 +214,28 @@ def test_no_thread_or_process_leaks_after_fifty_faulty_calls(rewards_run, fault_
     row.data_lost = "none"
     row.notes = (f"{_faulty(status)} faulty calls in all; daemon threads {threads_before} -> {threads_after}; "
                  f"reward workers alive {len(workers)} (pool size {WORKERS})")
+
+
+@pytest.mark.timeout(120)
+def test_a_reward_function_printing_every_call_does_not_grow_its_log_past_the_limit(rewards_run, fault_case):
+    row = fault_case("26.12 a reward function printing 63 KB a call: rewards.log under run.log_max_mb")
+    run = rewards_run
+    path = run.run_dir / "rewards.log"
+    limit = int(LOG_MAX_MB * (1 << 20))
+    deadline = time.monotonic() + 60
+    while not [e for e in log_events(run.run_dir, "log_cut") if e.get("path") == str(path)]:
+        assert time.monotonic() < deadline, f"rewards.log never cut: {path.stat().st_size} bytes"
+        time.sleep(0.5)
+    cuts = [e for e in log_events(run.run_dir, "log_cut") if e.get("path") == str(path)]
+    printed = sum(e["bytes_cut"] for e in cuts) + path.stat().st_size
+    run.through_faults(2, 120)  # the workers write on after the cuts, at the file's new end
+    head, _, rest = path.read_bytes().partition(b"\n")
+    assert head.startswith(b"=== grpod: cut ") and b"run.log_max_mb = 0.25" in head, head[:200]
+    assert b"chatty chatty" in rest and b"\0" not in rest
+    data = head + rest
+    row.data_lost = "the log's head"
+    row.notes = (f"{len(cuts)} cuts of rewards.log ({printed / (1 << 20):.1f} MiB printed by then, limit "
+                 f"{limit / (1 << 20):g} MiB); {len(data) / 1024:.0f} KiB at the end")
 
 
 @pytest.mark.timeout(400)

@@ -340,3 +340,26 @@ def free_port_for_test() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_the_launch_tail_is_the_latest_launchs_after_the_log_was_cut(tmp_path):
+    """A relaunch's error quotes its own output: the lines after the latest launch header, also
+    when LogLimit cut the file's head (header and all) while that launch ran."""
+    from grpod.inference.process import LaunchLog
+    from grpod.service.logs import cut_log
+
+    launch_log = LaunchLog(tmp_path / "vllm.log")
+    with launch_log.open_for_launch(["vllm", "serve", "a"]) as f:
+        f.write(b"first launch output\n" * 10)
+    with launch_log.open_for_launch(["vllm", "serve", "b"]) as f:
+        f.write(b"second launch line\n" * 3)
+    tail = launch_log.tail()
+    assert tail[0].startswith("=== grpod launch ") and tail[0].endswith("vllm serve b")
+    assert tail[1:] == ["second launch line"] * 3
+    with open(launch_log.path, "ab") as f:
+        f.write(b"y" * 5000 + b"\n")
+        assert cut_log(launch_log.path, 4096) > 0
+        f.write(b"after the cut\n")
+    tail = launch_log.tail()
+    assert tail[0].startswith("=== grpod: cut ") and tail[-1] == "after the cut"
+    assert not any("first launch" in line for line in tail)

@@ -66,3 +66,54 @@ def test_a_metric_that_is_not_finite_is_written_as_null(tmp_path):
     record = json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in {line}"))
     assert record["reward_log/x"] is None and record["loss"] is None and record["ok"] == 0.5
     assert record["nested"] == {"v": [None, 1.0]}
+
+
+def test_a_log_a_child_process_appends_to_is_cut_to_its_end_and_the_child_writes_on(tmp_path):
+    """A child given the log as its stderr (as the reward workers, the engines and the
+    environments are) prints 4 MiB while LogLimit checks the directory: the file stays under the
+    limit plus what one check period lets through, starts with the line saying it was cut, keeps
+    whole lines from the end, and the child's last line is there at its end (no hole of zeros
+    where the file was before the cut). metrics.jsonl in the same directory is never cut."""
+    from grpod.service.logs import CUT_MARK, LogLimit
+
+    limit = 256 << 10
+    (tmp_path / "metrics.jsonl").write_bytes(b"{}\n" * 200_000)  # 600 KB of records
+    log_path = tmp_path / "rewards.log"
+    script = textwrap.dedent("""
+        import sys, time
+        for i in range(4096):
+            sys.stderr.write(f"line {i:05d} " + "x" * 1012 + "\\n")
+            sys.stderr.flush()
+            if i % 256 == 255:
+                time.sleep(0.05)
+        sys.stderr.write("last line\\n")
+    """)
+    limits = LogLimit(tmp_path, limit)
+    with open(log_path, "ab") as stderr:
+        child = subprocess.Popen([sys.executable, "-c", script], stderr=stderr)
+    try:
+        while child.poll() is None:
+            limits.check()
+    finally:
+        child.kill()
+        child.wait()
+    limits.check()
+    data = log_path.read_bytes()
+    assert limits.cuts >= 2, limits.cuts
+    assert data.startswith(b"=== grpod: cut ") and CUT_MARK.split("{")[0].encode() in data
+    assert b"\0" not in data
+    assert data.endswith(b"last line\n")
+    lines = data.decode().splitlines()[1:-1]
+    assert lines and all(line.startswith("line ") and len(line) == 1023 for line in lines)
+    assert len(data) <= limit
+    assert (tmp_path / "metrics.jsonl").stat().st_size == 600_000
+
+
+def test_no_limit_cuts_nothing_and_a_file_under_it_is_left_alone(tmp_path):
+    from grpod.service.logs import LogLimit, cut_log
+
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"a line\n" * 1000)
+    LogLimit(tmp_path, None).check()
+    assert cut_log(path, 7000) == 0 and path.stat().st_size == 7000
+    assert cut_log(path, 6999) > 0 and path.stat().st_size < 6999
