@@ -54,7 +54,7 @@ import structlog
 from grpod.config import CurriculumConfig, DatasetConfig, DatasetSourceConfig, EvalConfig, GrpodConfig
 from grpod.inference.policy import Policy
 from grpod.rollouts.curriculum import Curriculum
-from grpod.rollouts.dataset_files import DatasetError, read_rows
+from grpod.rollouts.dataset_files import DatasetError, read_rows, row_where
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.held_out import play_rows
@@ -152,15 +152,35 @@ def _render(tokenizer, messages: list[dict[str, str]], system_prompt: str | None
     return "\n\n".join(m["content"] for m in messages)
 
 
-def _messages(value: Any, where: str) -> list[dict[str, str]]:
+class _RowProblem(ValueError):
+    """What is wrong with one value of a row (load_rows adds the file, row, line and column)."""
+
+    def __init__(self, message: str, column: str | None = None) -> None:
+        super().__init__(message)
+        self.column = column
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
-        raise DatasetError(f"{where}: expected a non-empty list of {{role, content}} messages, got {value!r:.80}")
+        raise _RowProblem(f"expected a non-empty list of {{role, content}} messages, got {value!r:.80}")
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
-            raise DatasetError(f"{where}: message {i} must be {{role: str, content: str}}, got {message!r:.80}")
+            raise _RowProblem(f"message {i} must be {{role: str, content: str}}, got {message!r:.80}")
         if not message["content"].strip():
-            raise DatasetError(f"{where}: message {i} has empty content")
+            raise _RowProblem(f"message {i} has empty content")
     return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _prompt_messages(value: Any, chat: bool) -> list[dict[str, str]]:
+    if value is None:
+        raise _RowProblem("missing")
+    if chat:
+        return _messages(value)
+    if not isinstance(value, str):
+        raise _RowProblem(f"expected a string, got {type(value).__name__} {value!r:.80}")
+    if not value.strip():
+        raise _RowProblem("empty prompt")
+    return [{"role": "user", "content": value}]
 
 
 def load_rows(path: Path, dcfg: DatasetConfig, functions: list[RewardFunction]) -> list[DatasetRow]:
@@ -198,21 +218,13 @@ def load_rows(path: Path, dcfg: DatasetConfig, functions: list[RewardFunction]) 
             raise DatasetError(f"{path}: reward functions {users} need a {name!r} column; the columns are {names}")
     checked = []
     for index, row in enumerate(rows):
-        where = f"{path}: row {index + 1}, column {column!r}"
-        value = row.get(column)
-        if value is None:
-            raise DatasetError(f"{where}: missing")
-        if chat:
-            messages = _messages(value, where)
-        else:
-            if not isinstance(value, str):
-                raise DatasetError(f"{where}: expected a string, got {type(value).__name__} {value!r:.80}")
-            if not value.strip():
-                raise DatasetError(f"{where}: empty prompt")
-            messages = [{"role": "user", "content": value}]
-        for name in needed:
-            if row.get(name) is None:
-                raise DatasetError(f"{path}: row {index + 1}, column {name!r}: missing (reward functions need it)")
+        try:
+            messages = _prompt_messages(row.get(column), chat)
+            for name in needed:
+                if row.get(name) is None:
+                    raise _RowProblem("missing (reward functions need it)", name)
+        except _RowProblem as exc:
+            raise DatasetError(f"{path}: {row_where(path, index)}, column {exc.column or column!r}: {exc}") from None
         columns = {k: v for k, v in row.items() if k != column}
         checked.append(DatasetRow(row=index, messages=messages, chat=chat, columns=columns))
     return checked
@@ -231,7 +243,7 @@ def check_levels(rows: list[DatasetRow], path: Path, curriculum: CurriculumConfi
         if isinstance(value, str) and value.strip().lstrip("-").isdigit():  # a CSV cell is text
             value = row.columns[column] = int(value)
         if type(value) is not int:
-            raise DatasetError(f"{path}: row {row.row + 1}, column {column!r}: expected an integer difficulty level, "
+            raise DatasetError(f"{path}: {row_where(path, row.row)}, column {column!r}: expected an integer difficulty level, "
                                f"got {value!r:.80}")
     levels = sorted({row.columns[column] for row in rows})
     if curriculum.start is not None and curriculum.start not in levels:
@@ -249,7 +261,7 @@ def tokenize_rows(
         if len(ids) > max_prompt_tokens:
             column = dcfg.messages_column if row.chat else dcfg.prompt_column
             raise DatasetError(
-                f"{path}: row {row.row + 1}, column {column!r}: the prompt is {len(ids)} tokens; at most "
+                f"{path}: {row_where(path, row.row)}, column {column!r}: the prompt is {len(ids)} tokens; at most "
                 f"{max_prompt_tokens} fit (model.max_seq_len minus source.max_tokens)"
             )
         items.append(DatasetItem(row=row.row, prompt_ids=ids, prompt_text=text, columns=row.columns, chat=row.chat,

@@ -51,6 +51,52 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return [{key: row.get(key) for key in keys} for row in rows]
 
 
+def row_where(path: Path, index: int) -> str:
+    """Row `index` of `read_rows(path)` for an error message: "row N", or "row N (line L)" where the
+    line of a JSON Lines or CSV file it starts on is another number (blank lines, CSV's header
+    and multi-line cells). It reads the file again: for errors only."""
+    line = None
+    try:
+        suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".json"):
+            line = _json_line_of(path.read_text(encoding="utf-8-sig"), index, array=suffix == ".json")
+        elif suffix == ".csv":
+            line = _csv_line_of(path, index)
+    except (OSError, ValueError, csv.Error):
+        line = None
+    return f"row {index + 1}" if line in (None, index + 1) else f"row {index + 1} (line {line})"
+
+
+def _csv_line_of(path: Path, index: int) -> int | None:
+    with path.open(encoding="utf-8-sig", newline="") as text:
+        reader = csv.reader(text)
+        if next(reader, None) is None:
+            return None
+        start = reader.line_num + 1
+        for cells in reader:
+            if cells:  # read_rows skips empty lines too
+                if index == 0:
+                    return start
+                index -= 1
+            start = reader.line_num + 1
+    return None
+
+
+def _json_line_of(text: str, index: int, *, array: bool) -> int | None:
+    if array:
+        try:
+            json.loads(text)
+            return None  # a JSON array: its elements have no lines of their own
+        except (ValueError, RecursionError):
+            pass
+    for number, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            if index == 0:
+                return number
+            index -= 1
+    return None
+
+
 def _object(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise DatasetError(f"{where}: a JSON {type(value).__name__}, expected an object (one row)")

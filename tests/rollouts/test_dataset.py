@@ -133,6 +133,26 @@ def test_a_bad_row_is_an_error_naming_file_row_and_column(tmp_path, tokenizer, r
     assert expected in str(err.value)
 
 
+def test_a_bad_row_names_the_line_it_is_on_where_that_is_another_number(tmp_path, tokenizer):
+    """An editor goes to lines: a CSV's header, blank lines in JSON Lines and a CSV cell over two
+    lines put row N elsewhere than line N, and the error says where."""
+    from grpod.rollouts.dataset_files import row_where
+
+    jsonl = tmp_path / "gaps.jsonl"
+    jsonl.write_text('{"prompt": "1+1=", "answer": "2"}\n\n\n{"prompt": " ", "answer": "4"}\n')
+    with pytest.raises(DatasetError, match=r"gaps.jsonl: row 2 \(line 4\), column 'prompt': empty prompt"):
+        source(tokenizer, config(jsonl))
+    csv_file = tmp_path / "cells.csv"
+    csv_file.write_text('prompt,answer\n"two\nlines",2\n\n1+1=,\n')
+    with pytest.raises(DatasetError, match=r"cells.csv: row 2 \(line 5\), column 'answer': missing"):
+        source(tokenizer, config(csv_file))
+    plain = write_jsonl(tmp_path / "plain.jsonl", [ROWS[0], {"prompt": None, "answer": "1"}])
+    assert row_where(plain, 1) == "row 2"
+    array = tmp_path / "array.json"
+    array.write_text('[\n{"prompt": "1+1=", "answer": "2"},\n{"prompt": "2+2=", "answer": "4"}\n]')
+    assert row_where(array, 1) == "row 2" and row_where(tmp_path / "gone.jsonl", 0) == "row 1"
+
+
 def test_a_prompt_of_the_wrong_type_names_its_row(tmp_path, tokenizer):
     path = tmp_path / "typed.csv"
     path.write_text("prompt,answer\n1+1=,2\n")
