@@ -22,6 +22,10 @@ cut off at max_tokens gets the whole closing.
 Text is tokenised without the tokeniser's own special-token additions (the template writes them),
 and special tokens in the template's text are parsed as special tokens, as `apply_chat_template`
 does.
+
+Messages an environment sends are untrusted in size: `too_long` tells, without rendering or
+tokenising them, that they cannot fit in the room left (tokenising an 8 MB tool output took 12 s
+on the daemon's event loop, and gigabytes).
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ class ChatTurns:
         # What the template writes after an assistant message (ChatML: "<|im_end|>\n").
         self.closing = self._base_text[at + len(_PLACEHOLDER_REPLY) :]
         self.closing_ids = self.encode(self.closing)
+        # No token stands for more characters than its vocabulary entry has (byte-level BPE writes a
+        # byte as one character, SentencePiece a space as one); so a text of n characters needs at
+        # least n / max_token_chars ids.
+        self.max_token_chars = max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -96,6 +104,16 @@ class ChatTurns:
                 if self.closing.startswith(written):
                     return self.closing[len(written) :]
         return self.closing
+
+    def too_long(self, messages: Sequence[Message], room: int) -> bool:
+        """Whether `messages` certainly need more than `room` ids: their text is longer than `room`
+        of the vocabulary's longest tokens. (A tokenizer whose normaliser collapses runs of spaces
+        could fit such a text; an environment's message that long is refused as too long anyway.)"""
+        chars = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else message
+            chars += len(content) if isinstance(content, str) else len(str(content))
+        return chars > room * self.max_token_chars
 
     def after_model_turn(self, sampled_ids: Sequence[int], messages: Sequence[Message]) -> list[int]:
         """The ids to append after a model turn that sampled `sampled_ids` when `messages` follow

@@ -83,6 +83,12 @@ class EpisodeRunner:
         """One episode from the conversation `messages` (module docstring); `seed` seeds turn k's
         sampling with `seed + k`."""
         limits = self.limits
+        if self.turns.too_long(messages, limits.max_episode_tokens):
+            raise EnvironmentFailure(
+                "prompt_too_long",
+                f"the episode's opening is {sum(len(str(m.get('content'))) for m in messages)} characters: more than "
+                f"{limits.max_episode_tokens} tokens of any text (model.max_seq_len / source.environment.max_episode_tokens)",
+            )
         episode = Episode.start(self.turns.prompt(messages))
         if len(episode.tokens) >= limits.max_episode_tokens:
             raise EnvironmentFailure(
@@ -111,6 +117,8 @@ class EpisodeRunner:
             reply = await self._ask("reply", environment.respond(completion.text))
             if reply is None or k + 1 == limits.max_turns:
                 break
+            if self.turns.too_long(reply, limits.max_episode_tokens - len(episode.tokens)):
+                break  # as below, decided before rendering or tokenising it: the reply may be megabytes
             following = self.turns.after_model_turn(completion.token_ids, reply)
             if len(episode.tokens) + len(following) >= limits.max_episode_tokens:
                 break  # no room for the next turn's first sampled id

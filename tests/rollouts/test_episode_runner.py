@@ -117,3 +117,27 @@ def test_an_environment_that_does_not_answer_ends_the_episode_with_a_clear_error
     runner, _ = runner_over(generate, tokenizer, environment_timeout_s=0.05)
     with pytest.raises(EnvironmentTimeout, match="reply took longer than 0.05 s"):
         anyio.run(lambda: runner.play(USER, FixedTool(["1"], delay_s=5.0)))
+
+
+def test_a_reply_or_opening_of_megabytes_is_refused_without_being_tokenised(tokenizer):
+    """An environment's 8 MB tool output cannot fit in the room left: the episode ends before it,
+    decided from its length (tokenising it took 12 s on the event loop, and gigabytes); an opening
+    of 8 MB is prompt_too_long the same way. A reply that fits is still appended."""
+    from grpod.rollouts.environments import EnvironmentFailure
+
+    async def generate(prompt, **kwargs):
+        return [Completion([5, 2], [-0.5, -0.5], "stop", "x")]
+
+    runner, _ = runner_over(generate, tokenizer, max_turns=3)
+    encoded = []
+    real_encode = runner.turns.encode
+    runner.turns.encode = lambda text: encoded.append(len(text)) or real_encode(text)
+    huge = "tool output " * 700_000
+    episode = anyio.run(lambda: runner.play(USER, FixedTool([huge, "1"])))
+    assert encoded == [] and len(episode.tokens) == len(runner.turns.prompt(USER)) + 2
+    assert runner.turns.too_long([{"role": "tool", "content": "x" * 100}], 100) is False
+    with pytest.raises(EnvironmentFailure, match="opening is 8400004 characters") as failure:
+        anyio.run(lambda: runner.play([{"role": "user", "content": huge + "5+5="}], FixedTool([])))
+    assert failure.value.reason == "prompt_too_long"
+    fits = anyio.run(lambda: runner.play(USER, FixedTool(["12"])))
+    assert encoded and len(fits.tokens) > len(episode.tokens)
