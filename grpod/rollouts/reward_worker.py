@@ -39,7 +39,11 @@ PR_SET_PDEATHSIG = 1
 
 
 def write_reply(stream: BinaryIO, message: Any) -> None:
+    """One reply frame; ValueError (nothing written) for one past MAX_FRAME, which the reader
+    would take for a broken protocol, TypeError for one that is not JSON."""
     data = json.dumps(message).encode()
+    if len(data) > MAX_FRAME:
+        raise ValueError(f"a reply of {len(data)} bytes, over the {MAX_FRAME >> 20} MiB a frame may carry")
     stream.write(HEADER.pack(len(data)) + data)
     stream.flush()
 

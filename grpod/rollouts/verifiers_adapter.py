@@ -226,12 +226,13 @@ class VerifiersAdapter:
         try:
             with anyio.move_on_after(self.cfg.timeout_s) as deadline:
                 reply = await channel.call(call_id, op, *args)
-        except _Broken:
+        except _Broken as broken:
             death = await self._death(channel.worker)
             await self._stop(channel)
             raise self._failure(EnvironmentFailure(
                 "environment_crash",
-                f"verifiers environment {name!r}: its worker died during {op} ({death}); its output is in {self.log_path}",
+                f"verifiers environment {name!r}: its worker's channel broke during {op} ({broken}; the worker: "
+                f"{death}); its output is in {self.log_path}",
             )) from None
         except BaseException:  # cancelled from outside: the worker drops the call too
             await self._cancel(channel, call_id)

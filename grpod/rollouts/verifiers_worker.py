@@ -353,7 +353,10 @@ async def _serve(host: EnvironmentHost, requests: Any, replies: Any) -> None:
             reply = (call_id, "error", op, "".join(traceback.format_exception(exc)[-3:])[:4000])
         finally:
             running.pop(call_id, None)
-        write_reply(replies, reply)
+        try:
+            write_reply(replies, reply)
+        except (TypeError, ValueError) as exc:  # not JSON, or past the frame limit: the call fails, not the channel
+            write_reply(replies, (call_id, "error", op, f"its result cannot be sent to grpod: {exc}"))
 
     while True:
         message = await loop.run_in_executor(None, read_request, requests)

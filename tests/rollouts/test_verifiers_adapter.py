@@ -27,7 +27,7 @@ pytestmark = [
 ]
 
 # Task 0 sleeps 2 s (awaiting) before its next turn, task 1 awaits forever, task 2 blocks the
-# worker's event loop.
+# worker's event loop, task 3 answers with a 270 MB tool output.
 SLOW_ENV = '''
 import asyncio
 import time
@@ -36,7 +36,7 @@ import verifiers.v1 as vf
 
 class SlowTaskset(vf.Taskset[vf.Task, vf.TasksetConfig]):
     def load(self):
-        for kind in ("slow", "hang", "block"):
+        for kind in ("slow", "hang", "block", "big"):
             yield vf.Task(vf.TaskData(prompt=kind))
 
 
@@ -52,6 +52,8 @@ class SlowEnv(vf.Env[SlowEnvConfig]):
                 await asyncio.sleep(3600)
             elif task.data.prompt == "block":
                 time.sleep(3600)
+            elif task.data.prompt == "big":
+                await interaction.turn("x" * 270_000_000)  # over the 256 MiB a frame may carry
             else:
                 await asyncio.sleep(2.0)
             await interaction.turn("slept")
@@ -59,7 +61,7 @@ class SlowEnv(vf.Env[SlowEnvConfig]):
 
 __all__ = ["SlowEnv", "SlowTaskset"]
 '''
-SLOW, HANG, BLOCK = 0, 1, 2
+SLOW, HANG, BLOCK, BIG = 0, 1, 2, 3
 
 
 @pytest.fixture
@@ -181,6 +183,34 @@ async def test_a_call_past_its_timeout_is_cancelled_and_the_worker_goes_on(tmp_p
         with pytest.raises(EnvironmentFailure, match="no open episode"):
             await stuck.reward()
         assert await sibling.reward() == 0.0
+        await sibling.aclose()
+
+
+async def test_a_reply_too_large_to_send_fails_its_call_and_nothing_else(tmp_path):
+    """A tool output over the frame limit is that call's environment_error, saying so; the worker
+    and the episode beside it go on (it was read as a broken channel: the worker killed, every
+    episode on it dropped as a crash, the cause nowhere)."""
+    async with VerifiersAdapter(slow_env(tmp_path, timeout_s=60.0), run_dir=tmp_path) as adapter:
+        pid = adapter.worker.pid
+        _, big = await adapter.open(BIG, "train")
+        _, sibling = await adapter.open(SLOW, "train")
+        outcome = {}
+
+        async def turn(name, episode) -> None:
+            try:
+                outcome[name] = await episode.respond("hello")
+            except EnvironmentFailure as failure:
+                outcome[name] = failure
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(turn, "big", big)
+            tg.start_soon(turn, "sibling", sibling)
+        failure = outcome["big"]
+        assert isinstance(failure, EnvironmentFailure) and failure.reason == "environment_error", failure
+        assert "cannot be sent to grpod" in str(failure) and "over the 256 MiB a frame may carry" in str(failure)
+        assert outcome["sibling"] == [{"role": "user", "content": "slept"}]
+        assert adapter.worker.pid == pid and adapter.health()["restarts"] == 0
+        await big.aclose()
         await sibling.aclose()
 
 
