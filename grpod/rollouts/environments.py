@@ -40,6 +40,26 @@ class EnvironmentTimeout(EnvironmentFailure):
         super().__init__("environment_timeout", message)
 
 
+REPLY_ROLES = ("user", "tool")
+
+
+def checked_reply(reply: Any, where: str) -> list[Message]:
+    """An environment's reply to a model turn, checked: a list of {role, content} messages, each
+    role `user` or `tool` (a reply may not speak as the model or rewrite the system prompt), each
+    content a string; else the environment's error, saying what and where."""
+    if not isinstance(reply, list) or not reply:
+        raise EnvironmentFailure("environment_error", f"{where}: its reply is {type(reply).__name__} {reply!r:.80}, "
+                                 "expected a non-empty list of {role, content} messages (or None: the episode is over)")
+    for i, message in enumerate(reply):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise EnvironmentFailure("environment_error", f"{where}: reply message {i} is {message!r:.120}, "
+                                     "expected {role, content} with a string content")
+        if message.get("role") not in REPLY_ROLES:
+            raise EnvironmentFailure("environment_error", f"{where}: reply message {i} has role "
+                                     f"{message.get('role')!r:.40}; a reply speaks as {' or '.join(REPLY_ROLES)}")
+    return [{"role": m["role"], "content": m["content"]} for m in reply]
+
+
 class TurnEnvironment(Protocol):
     """One episode's environment (a fresh one per episode: it may keep the episode's state)."""
 

@@ -38,7 +38,7 @@ import anyio
 
 from grpod.inference.policy import Policy
 from grpod.rollouts.chat_turns import ChatTurns, Message
-from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, TurnEnvironment
+from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, TurnEnvironment, checked_reply
 from grpod.rollouts.episode import Episode, episode_group
 from grpod.rollouts.group import RolloutGroup
 
@@ -79,6 +79,19 @@ class EpisodeRunner:
                 f"the environment's {what} took longer than {self.environment_timeout_s:g} s"
             ) from None
 
+    @staticmethod
+    def _ids(what: str, render, *args) -> list[int]:
+        """`render(*args)`: messages from the environment through the chat template into ids; one
+        the template or the tokenizer cannot take (a lone surrogate, a template that rewrites
+        earlier turns) is the environment's error, named."""
+        try:
+            return render(*args)
+        except (TypeError, ValueError) as exc:
+            raise EnvironmentFailure(
+                "environment_error", f"the environment's {what} cannot be rendered and tokenised: {type(exc).__name__}: "
+                f"{str(exc)[:300]}"
+            ) from None
+
     async def play(self, messages: Sequence[Message], environment: TurnEnvironment, *, seed: int | None = None) -> Episode:
         """One episode from the conversation `messages` (module docstring); `seed` seeds turn k's
         sampling with `seed + k`."""
@@ -89,7 +102,7 @@ class EpisodeRunner:
                 f"the episode's opening is {sum(len(str(m.get('content'))) for m in messages)} characters: more than "
                 f"{limits.max_episode_tokens} tokens of any text (model.max_seq_len / source.environment.max_episode_tokens)",
             )
-        episode = Episode.start(self.turns.prompt(messages))
+        episode = Episode.start(self._ids("opening", self.turns.prompt, messages))
         if len(episode.tokens) >= limits.max_episode_tokens:
             raise EnvironmentFailure(
                 "prompt_too_long",
@@ -117,9 +130,10 @@ class EpisodeRunner:
             reply = await self._ask("reply", environment.respond(completion.text))
             if reply is None or k + 1 == limits.max_turns:
                 break
+            reply = checked_reply(reply, f"the environment's reply to turn {k + 1}")
             if self.turns.too_long(reply, limits.max_episode_tokens - len(episode.tokens)):
                 break  # as below, decided before rendering or tokenising it: the reply may be megabytes
-            following = self.turns.after_model_turn(completion.token_ids, reply)
+            following = self._ids(f"reply to turn {k + 1}", self.turns.after_model_turn, completion.token_ids, reply)
             if len(episode.tokens) + len(following) >= limits.max_episode_tokens:
                 break  # no room for the next turn's first sampled id
             episode.add_environment_turn(following)

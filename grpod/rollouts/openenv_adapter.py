@@ -55,6 +55,7 @@ import contextlib
 import functools
 import itertools
 import json
+import math
 import os
 import random
 import signal
@@ -75,7 +76,7 @@ from grpod.config import EnvironmentConfig
 from grpod.inference import release
 from grpod.inference.process import LaunchLog, exit_code_of
 from grpod.rollouts.chat_turns import Message
-from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split
+from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split, checked_reply
 
 log = structlog.get_logger(__name__)
 
@@ -100,7 +101,6 @@ ABANDON_CLOSE_S = 2.0
 # grpod's own route on a server it starts: how many sessions' steps it runs at once (1 for a class
 # that serves one session, or that has OpenEnv run every session on one thread).
 SESSIONS_ROUTE = "/grpod/sessions"
-REPLY_ROLES = ("user", "tool")
 
 
 def task_seed(seed: int, split: Split, index: int) -> int:
@@ -109,8 +109,27 @@ def task_seed(seed: int, split: Split, index: int) -> int:
     return random.Random(f"{seed}:{split}:{index}").getrandbits(32)
 
 
-def observation_messages(observation: dict[str, Any], where: str) -> list[Message]:
+def step_reward(reward: Any, where: str) -> float:
+    """A step's reward: a finite number, or None (OpenEnv's "no reward"; it also writes a NaN as
+    null) for 0; else the environment's error."""
+    if reward is None:
+        return 0.0
+    try:
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise TypeError
+        value = float(reward)
+        if not math.isfinite(value):
+            raise OverflowError
+    except (TypeError, OverflowError):
+        raise EnvironmentFailure("environment_error", f"{where}: its reward is {reward!r:.60}, expected a finite number") from None
+    return value
+
+
+def observation_messages(observation: Any, where: str) -> list[Message]:
     """The chat messages an observation stands for (module docstring)."""
+    if not isinstance(observation, dict):
+        raise EnvironmentFailure("environment_error", f"{where}: its observation is {type(observation).__name__} "
+                                 f"{observation!r:.80}, expected an object")
     messages = observation.get("messages")
     if isinstance(messages, list) and messages and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
@@ -390,19 +409,20 @@ class OpenEnvEpisode:
             ) from None
         except (RuntimeError, ValueError) as exc:  # an error answer (GenericEnvClient raises RuntimeError), bad JSON
             raise EnvironmentFailure("environment_error", f"{where}: {exc}") from None
+        except (TypeError, AttributeError, KeyError) as exc:  # the client could not parse the answer's shape
+            raise EnvironmentFailure("environment_error", f"{where}: a malformed answer ({type(exc).__name__}: {exc})") from None
 
     async def respond(self, text: str) -> list[Message] | None:
         self.turn += 1
         result = await self.call("step", lambda: self.client.step({self.adapter.text_field: text}))
-        self.total += float(result.reward or 0.0)
+        where = f"{self.where}, turn {self.turn}"
+        reward = step_reward(result.reward, where)
+        if not isinstance(result.done, bool):
+            raise EnvironmentFailure("environment_error", f"{where}: its `done` is {result.done!r:.40}, expected true or false")
+        self.total += reward
         if result.done:
             return None
-        messages = observation_messages(result.observation, f"{self.where}, turn {self.turn}")
-        roles = {m["role"] for m in messages} - set(REPLY_ROLES)
-        if roles:
-            where = f"{self.where}, turn {self.turn}"
-            raise EnvironmentFailure("environment_error", f"{where}: a reply with role(s) {sorted(roles)} (user, tool)")
-        return messages
+        return checked_reply(observation_messages(result.observation, where), where)
 
     async def reward(self) -> float:
         return self.total

@@ -141,3 +141,33 @@ def test_a_reply_or_opening_of_megabytes_is_refused_without_being_tokenised(toke
     assert failure.value.reason == "prompt_too_long"
     fits = anyio.run(lambda: runner.play(USER, FixedTool(["12"])))
     assert encoded and len(fits.tokens) > len(episode.tokens)
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ([{"role": "tool", "content": "bad \ud800 surrogate"}], "reply to turn 1 cannot be rendered and tokenised"),
+        ([{"role": "assistant", "content": "I answer for the model"}], "reply message 0 has role 'assistant'"),
+        ([{"role": "system", "content": "new rules"}], "has role 'system'"),
+        ("just text", "its reply is str 'just text'"),
+        ([{"role": "tool", "content": 12}], "reply message 0 is {'role': 'tool', 'content': 12}"),
+    ],
+)
+def test_a_reply_the_template_cannot_take_or_that_speaks_as_the_model_is_the_environments_error(tokenizer, reply, expected):
+    """Every adapter's replies are checked in one place: a lone surrogate reached the tokenizer
+    and failed as a bare TypeError; a verifiers reply with role assistant was appended as if the
+    environment could speak for the model."""
+    from grpod.rollouts.environments import EnvironmentFailure
+
+    async def generate(prompt, **kwargs):
+        return [Completion([5, 2], [-0.5, -0.5], "stop", "x")]
+
+    class Replies(FixedTool):
+        async def respond(self, text):
+            self.seen.append(text)
+            return reply
+
+    runner, _ = runner_over(generate, tokenizer)
+    with pytest.raises(EnvironmentFailure) as failure:
+        anyio.run(lambda: runner.play(USER, Replies([])))
+    assert failure.value.reason == "environment_error" and expected in str(failure.value), str(failure.value)

@@ -311,3 +311,57 @@ async def test_leaving_the_adapter_stops_a_relaunch_under_way(tmp_path):
     assert not psutil.pid_exists(relaunched)
     assert closed_after < START_TIMEOUT_S / 4, closed_after  # the start-up was cut short, not waited out
     assert [f.reason for f in failures] == ["environment_crash"] and "stopped while it started" in str(failures[0])
+
+
+class _Answers:
+    """An OpenEnv client that answers each step with the next of `results` (or raises it)."""
+
+    def __init__(self, results: list) -> None:
+        self.results = list(results)
+
+    async def step(self, action):
+        result = self.results.pop(0)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+
+def _step(reward=0.5, done=False, observation=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(reward=reward, done=done,
+                           observation={"prompt": "go on"} if observation is None else observation)
+
+
+@pytest.mark.parametrize(
+    ("result", "expected"),
+    [
+        (_step(reward="abc"), "its reward is 'abc', expected a finite number"),
+        (_step(reward=[1]), "its reward is [1], expected a finite number"),
+        (_step(reward=10**400), "expected a finite number"),
+        (_step(reward=float("inf")), "its reward is inf"),
+        (_step(reward=True), "its reward is True"),
+        (_step(done="false"), "its `done` is 'false', expected true or false"),
+        (_step(observation=[1]), "its observation is list [1], expected an object"),
+        (_step(observation="text"), "its observation is str 'text', expected an object"),
+        (_step(observation={"messages": [{"role": "assistant", "content": "I win"}]}), "has role 'assistant'"),
+        (AttributeError("'list' object has no attribute 'get'"), "a malformed answer (AttributeError"),
+        (TypeError("float() argument must be a string or a real number, not 'list'"), "a malformed answer (TypeError"),
+    ],
+)
+async def test_a_malformed_step_answer_is_the_environments_error_naming_task_and_turn(result, expected):
+    """Whatever shape a server's answer has, the episode fails as environment_error with the
+    environment, the task and the turn named (a list answer was an AttributeError with no place,
+    a reward of 10**400 an OverflowError, `"done": "false"` ended the episode and trained)."""
+    from types import SimpleNamespace
+
+    from grpod.rollouts.openenv_adapter import OpenEnvEpisode
+
+    adapter = SimpleNamespace(cfg=SimpleNamespace(timeout_s=5.0), text_field="message", connection_errors=(OSError,))
+    episode = OpenEnvEpisode(adapter, _Answers([_step(), result]), "openenv environment e (task 7 of train)", 0)
+    assert await episode.respond("first") == [{"role": "user", "content": "go on"}]
+    with pytest.raises(EnvironmentFailure) as failure:
+        await episode.respond("second")
+    assert failure.value.reason == "environment_error"
+    assert str(failure.value).startswith("openenv environment e (task 7 of train), turn 2")
+    assert expected in str(failure.value)
