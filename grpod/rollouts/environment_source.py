@@ -86,16 +86,32 @@ async def prepare_environment(src: EnvironmentSourceConfig, run_dir: Path, resou
     try:
         adapter = make_adapter(env, run_dir)
         await resources.enter_async_context(adapter)
+        _check_capacity(adapter, src, what)
         with anyio.fail_after(env.start_timeout_s):
             messages, episode = await adapter.open(0, "train")
             await episode.aclose()
     except TimeoutError:
         raise ConfigError(f"{what}: opening its first task took longer than {env.start_timeout_s:g} s") from None
+    except ConfigError:
+        raise
     except Exception as exc:  # noqa: BLE001 — whatever the environment's code raised, said once, exit 2
         raise ConfigError(f"{what} cannot start: {type(exc).__name__}: {exc}") from exc
     if not messages:
         raise ConfigError(f"{what}: task 0 opens with no messages; an episode needs a prompt")
     return adapter
+
+
+def _check_capacity(adapter: EnvironmentAdapter, src: EnvironmentSourceConfig, what: str) -> None:
+    """A server that holds fewer episodes at once than the run plays (`session_capacity`, where an
+    adapter knows it) is refused: every group past it failed to open, and nothing ever trained."""
+    capacity = getattr(adapter, "session_capacity", None)
+    needed = src.group_size * src.concurrency
+    if capacity is not None and capacity < needed:
+        raise ConfigError(
+            f"{what}: its server holds {capacity} episode(s) at once, and the run plays source.group_size x "
+            f"source.concurrency = {needed}; an OpenEnv class serves one session unless it declares "
+            "SUPPORTS_CONCURRENT_SESSIONS = True (do so if its instances share no state)"
+        )
 
 
 def _failure(exc: BaseException) -> BaseException:

@@ -214,6 +214,7 @@ class EnvironmentServer:
         self._relaunch: anyio.CancelScope | None = None
         self._starting = False
         self.sessions = 1  # the steps the running launch runs at once (SESSIONS_ROUTE)
+        self.capacity = 1  # the sessions it holds at once (OpenEnv refuses one more)
         self.stuck = 0  # calls that timed out on the running launch
 
     @property
@@ -349,7 +350,7 @@ class EnvironmentServer:
             raise
         finally:
             self._starting = False
-        self.stuck, self.sessions = 0, int(answer["sessions"])
+        self.stuck, self.sessions, self.capacity = 0, int(answer["sessions"]), int(answer["capacity"])
         log.info("openenv_server_healthy", pid=self.pid, sessions=self.sessions,
                  elapsed_s=round(time.monotonic() - started, 2))  # fmt: skip
 
@@ -480,6 +481,11 @@ class OpenEnvAdapter:
         if self.server is not None:
             await self.server.aclose()
 
+    @property
+    def session_capacity(self) -> int | None:
+        """The episodes the server grpod started holds at once (None: a `url` server, unknown)."""
+        return self.server.capacity if self.server is not None else None
+
     async def open(self, index: int, split: Split) -> tuple[list[Message], OpenEnvEpisode]:
         where = f"openenv environment {self.name} (task {index} of {split})"
         generation = 0
@@ -576,7 +582,7 @@ def serve(name: str, args: dict[str, Any], path: list[str], *, fd: int | None, h
     factory = functools.partial(env_cls, **args)
     app = create_fastapi_app(factory, action_cls, observation_cls, max_concurrent_envs=sessions)
     parallel = 1 if getattr(env_cls, "REQUIRES_SINGLE_THREAD_EXECUTOR", False) else sessions
-    app.get(SESSIONS_ROUTE)(lambda: {"sessions": parallel})
+    app.get(SESSIONS_ROUTE)(lambda: {"sessions": parallel, "capacity": sessions})
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=UVICORN_GRACE_S)
     sockets = [socket.socket(fileno=fd)] if fd is not None else None
     print(f"serving {name} ({action_cls.__name__} -> {observation_cls.__name__}, {sessions} sessions)", file=sys.stderr)

@@ -365,3 +365,26 @@ async def test_a_malformed_step_answer_is_the_environments_error_naming_task_and
     assert failure.value.reason == "environment_error"
     assert str(failure.value).startswith("openenv environment e (task 7 of train), turn 2")
     assert expected in str(failure.value)
+
+
+async def test_a_class_serving_one_session_is_refused_at_start_for_a_run_of_groups(tmp_path):
+    """OpenEnv's default (no SUPPORTS_CONCURRENT_SESSIONS) holds one session: every other episode
+    of a group was refused at capacity and the run trained nothing, forever. The start says so;
+    the same class declaring concurrent sessions starts."""
+    from contextlib import AsyncExitStack
+
+    from grpod.config import ConfigError, parse_config
+    from grpod.rollouts.environment_source import prepare_environment
+
+    def source(serving: str):
+        env = _stuck_cfg(tmp_path, serving=serving).model_dump(exclude_defaults=True)
+        return parse_config({"source": {"kind": "environment", "group_size": 2, "concurrency": 3,
+                                        "environment": env}}).source
+
+    with pytest.raises(ConfigError, match=r"holds 1 episode\(s\) at once, and the run plays source.group_size x "
+                                          r"source.concurrency = 6.*SUPPORTS_CONCURRENT_SESSIONS = True"):
+        async with AsyncExitStack() as stack:
+            await prepare_environment(source("one session"), tmp_path / "run", stack)
+    async with AsyncExitStack() as stack:
+        adapter = await prepare_environment(source("concurrent"), tmp_path / "run", stack)
+        assert adapter.session_capacity == 1024
