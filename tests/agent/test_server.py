@@ -65,6 +65,13 @@ async def test_bad_requests_get_a_400_that_says_what_and_the_agent_stays_up(tmp_
         (launch, json.dumps({"weights": str(weights), "version": -1}).encode(), "version"),
         (launch, json.dumps({"weights": str(weights), "version": 0, "gpus": 8}).encode(), "gpus"),
         (launch, json.dumps({"weights": str(weights), "version": 0, "extra_args": ["--host=0.0.0.0"]}).encode(), "--host"),
+        # vLLM's parser takes abbreviations and `_` for `-`: each of these set --host or --api-key.
+        (launch, json.dumps({"weights": str(weights), "version": 0, "extra_args": ["--hos", "0.0.0.0"]}).encode(),
+         "vLLM's --host, which the agent decides"),
+        (launch, json.dumps({"weights": str(weights), "version": 0, "extra_args": ["--api_key=evil"]}).encode(),
+         "vLLM's --api-key, which the agent decides"),
+        (launch, json.dumps({"weights": str(weights), "version": 0, "extra_args": ["--api-ke", "evil"]}).encode(),
+         "vLLM's --api-key, which the agent decides"),
         (launch, json.dumps({"weights": str(weights), "version": 0, "worker_extension": "os; rm"}).encode(), "dotted"),
         (launch, json.dumps({"weights": str(weights / "missing"), "version": 0}).encode(), "not a directory"),
     ]
