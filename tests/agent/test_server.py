@@ -56,6 +56,23 @@ async def test_every_route_needs_the_token(tmp_path):
         assert body["engines"][0]["running"] is False and body["engines"][0]["launches"] == 0
 
 
+async def test_a_token_header_that_is_not_utf8_is_a_401_like_any_wrong_token(tmp_path):
+    """Raw bytes that are not UTF-8 (aiohttp's client would not send them) were a 500."""
+    async with serving(stub_engines(tmp_path)) as (agent, _), await anyio.connect_tcp("127.0.0.1", agent.port) as stream:
+        await stream.send(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer \xff\xfe\r\n"
+                          b"Connection: close\r\n\r\n")
+        answer = b""
+        with anyio.fail_after(30):
+            try:
+                while True:
+                    answer += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                pass
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401 "), answer[:300]
+    assert "agent.token" in json.loads(body)["error"]
+
+
 async def test_bad_requests_get_a_400_that_says_what_and_the_agent_stays_up(tmp_path, weights):
     launch = "/engines/engine-0/launch"
     cases = [
