@@ -155,6 +155,45 @@ class ModelConfig(_Section):
     )
 
 
+# vLLM options grpod puts on every engine's command line, each with what decides it: neither
+# inference.extra_args nor a leader's launch (`grpod agent`) may set them.
+RESERVED_VLLM_OPTIONS = {
+    "--host": "inference.host",
+    "--port": "inference.port",
+    "--api-key": "inference.api_key",
+    "--uds": "inference.host and inference.port: engines listen on TCP",
+    "--model": "model.path and the run's weight versions",
+    "--served-model-name": "grpod's served names: policy, model.path",
+    # A YAML file of options that vLLM reads under the command line's: it could set any of the above.
+    "--config": "the options above, from [inference] and [model]",
+}
+
+
+def reserved_vllm_option(arg: str) -> str | None:
+    """The reserved option (`RESERVED_VLLM_OPTIONS`) that the command-line item `arg` sets as vLLM's
+    parser reads it, else None. vLLM reads `_` as `-` and `--key.field` as `--key`, and argparse
+    takes any unambiguous prefix of an option for it (`--hos 0.0.0.0` sets --host). No vLLM option
+    is itself a prefix of a reserved one, so every prefix counts, ambiguous or not."""
+    if not arg.startswith("--"):
+        return None
+    name = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+    if len(name) < 3:
+        return None
+    return next((option for option in RESERVED_VLLM_OPTIONS if option.startswith(name)), None)
+
+
+def refuse_reserved_vllm_options(args: list[str], decider: str) -> list[str]:
+    """`args`, unless one sets a reserved option: then a ValueError naming it and what decides it."""
+    for arg in args:
+        option = reserved_vllm_option(arg)
+        if option:
+            raise ValueError(
+                f"{arg!r} sets vLLM's {option}, which {decider} decides ({RESERVED_VLLM_OPTIONS[option]}); "
+                "extra_args may not set it, nor spell it abbreviated or with '_'"
+            )
+    return args
+
+
 class InferenceConfig(_Section):
     host: str = Field(
         "127.0.0.1", description="vLLM binds here; an address that is not loopback needs inference.api_key."
@@ -247,7 +286,12 @@ class InferenceConfig(_Section):
         description="API key required on every route when `host` is not a loopback address.",
         examples=["..."],
     )
-    extra_args: list[str] = Field([], description="Arguments appended to vLLM's command line.")
+    extra_args: list[str] = Field(
+        [],
+        description="Arguments appended to vLLM's command line, options spelled in full (grpod's vLLM server "
+        f"takes no abbreviation). Not the options grpod decides ({', '.join(RESERVED_VLLM_OPTIONS)}: set "
+        "inference.host, port, api_key instead), in any spelling.",
+    )
     env: dict[str, str] = Field({}, description="Extra environment variables for vLLM.")
     max_restarts: int = Field(
         3, ge=0, description="vLLM crash relaunches per engine before the run stops (checkpoint, exit 1)."
@@ -271,6 +315,11 @@ class InferenceConfig(_Section):
         description='GPU: each engine\'s CUDA_VISIBLE_DEVICES, one entry per engine, e.g. ["0", "1"] '
         "(default: engine i on GPU i).",
     )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_reserved_option(cls, args: list[str]) -> list[str]:
+        return refuse_reserved_vllm_options(args, "grpod")
 
     @model_validator(mode="after")
     def _one_binding_per_engine(self) -> InferenceConfig:

@@ -108,3 +108,19 @@ def test_a_sighup_before_the_daemon_is_up_does_not_end_grpod_start(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, (proc.returncode, proc.stderr)
+
+
+def test_check_config_exits_2_on_a_reserved_vllm_option_or_a_bad_environment_argument(tmp_path):
+    """Both passed `check-config`: the one then let vLLM listen on 0.0.0.0 without a key, the other
+    made every group's scores NaN ("no step trained")."""
+    run_dir = f"run.dir={str(tmp_path / 'run')!r}"
+    cases = [
+        (["inference.extra_args=['--hos', '0.0.0.0']"],
+         "inference.extra_args: Value error, '--hos' sets vLLM's --host, which grpod decides (inference.host)"),
+        (["source.kind='environment'", "source.environment.args={tool_bonus=nan}"],
+         "adapter 'calculator') cannot start: ValueError: source.environment.args.tool_bonus = nan: expected a finite"),
+    ]
+    for overrides, message in cases:
+        proc = _check(tmp_path, run_dir, *overrides)
+        assert proc.returncode == 2 and message in proc.stderr, (overrides, proc.returncode, proc.stderr)
+        assert "Traceback" not in proc.stderr, proc.stderr

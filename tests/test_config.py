@@ -287,3 +287,40 @@ def test_an_integer_beyond_int64_is_refused():
     with pytest.raises(ConfigError, match="bridge.sync_every: Value error, 200-bit integer: out of range"):
         load_config(None, [f"bridge.sync_every={10**60}"])
     assert load_config(None, [f"bridge.sync_every={2**63 - 1}"]).bridge.sync_every == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "decider"),
+    [
+        (["--host", "0.0.0.0"], "--host", "inference.host"),
+        (["--hos", "0.0.0.0"], "--host", "inference.host"),  # argparse's abbreviation
+        (["--ho=0.0.0.0"], "--host", "inference.host"),
+        (["--host.x", "1"], "--host", "inference.host"),  # vLLM's dotted JSON key
+        (["--api_key=evil"], "--api-key", "inference.api_key"),  # vLLM reads _ as -
+        (["--api-ke", "evil"], "--api-key", "inference.api_key"),
+        (["--api_k=evil"], "--api-key", "inference.api_key"),
+        (["--max-num-seqs", "8", "--po", "80"], "--port", "inference.port"),
+        (["--uds=/tmp/engine.sock"], "--uds", "engines listen on TCP"),
+        (["--mod", "/elsewhere"], "--model", "model.path"),
+        (["--served_model", "x"], "--served-model-name", "served names"),
+        (["--config", "vllm.yaml"], "--config", "the options above"),
+    ],
+)
+def test_inference_extra_args_may_not_set_an_option_grpod_decides(args, option, decider):
+    """A reserved option in any spelling vLLM's parser takes would override grpod's bind and key."""
+    import json
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"inference.extra_args={json.dumps(args)}"])
+    message = str(err.value)
+    assert "inference.extra_args" in message and f"vLLM's {option}, which grpod decides" in message, message
+    assert decider in message, message
+
+
+def test_inference_extra_args_in_full_that_set_no_reserved_option_are_kept():
+    from grpod.config import InferenceConfig, reserved_vllm_option
+
+    fine = ["--max-num-seqs", "8", "--model-impl", "vllm", "--config-format=hf", "--seed=1", "--max-loras", "2",
+            "--generation-config", "/path/--host", "--hf-overrides.x", "1", "-O3"]
+    assert InferenceConfig(extra_args=fine).extra_args == fine
+    assert [arg for arg in fine if reserved_vllm_option(arg)] == []

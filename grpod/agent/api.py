@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from grpod.config import refuse_reserved_vllm_options
 from grpod.http import RequestError, SessionClient
 
 STATUS_ROUTE = "/status"
@@ -40,9 +41,6 @@ MAX_ENDED_WAIT_S = 60.0
 # Error answers carry vLLM's log tail when a launch failed.
 BODY_EXCERPT_CHARS = 3000
 
-# vLLM arguments the agent decides (where the engine listens, and with what key): the leader's
-# extra arguments may not override them.
-RESERVED_ARGS = ("--host", "--port", "--api-key", "--uds", "--model", "--served-model-name")
 _DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
 
 
@@ -71,10 +69,8 @@ class LaunchRequest(BaseModel):
     @field_validator("extra_args")
     @classmethod
     def _not_reserved(cls, args: list[str]) -> list[str]:
-        for arg in args:
-            if arg.split("=", 1)[0] in RESERVED_ARGS:
-                raise ValueError(f"{arg!r}: the agent decides {', '.join(RESERVED_ARGS)} (its [inference] section)")
-        return args
+        # Where the engine listens and with what key are the agent's (its config's [inference]).
+        return refuse_reserved_vllm_options(args, "the agent")
 
     def launch_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `InferenceProcess.start` (all but the weights)."""

@@ -74,8 +74,7 @@ def build_app(engines: list[HostedEngine], token: str) -> web.Application:
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        if not _token_matches(request.headers.get("Authorization", ""), expected):
             log.warning("agent_unauthorized", peer=request.remote, path=request.path)
             return web.json_response(
                 {"error": "missing or wrong token: send `Authorization: Bearer <agent.token>`"},
@@ -152,6 +151,16 @@ def build_app(engines: list[HostedEngine], token: str) -> web.Application:
     app.router.add_post(STOP_ROUTE, stop)
     app.router.add_get(ENDED_ROUTE, ended)
     return app
+
+
+def _token_matches(given: str, expected: bytes) -> bool:
+    """Whether the Authorization header is `expected`, compared in constant time. aiohttp keeps a
+    header's bytes that are not UTF-8 as lone surrogates, which no token of ours encodes to."""
+    try:
+        raw = given.encode()
+    except UnicodeEncodeError:
+        return False
+    return hmac.compare_digest(raw, expected)
 
 
 class _NotFound(LookupError):

@@ -29,6 +29,8 @@ editing installed files:
 - An API-key check on every route but `/health` when the server has a key (`--api-key` or
   `VLLM_API_KEY`): vLLM's own check guards only `/v1`, `/v2`, `/inference` and `/cohere`, which
   leaves the dev routes (`/pause`, `/collective_rpc`, ...) and `/generate` open.
+- Options in full only: the parser takes no abbreviation (`--hos` is not `--host`), behind grpod's
+  own refusal of the options it decides (`grpod.config.reserved_vllm_option`).
 
 Route paths, the launch-token header and the `/generate` translation live in the vLLM-free
 `grpod.inference.routes`; this module serves them (`router`).
@@ -278,11 +280,29 @@ def _release_inherited_listeners() -> None:
         os.close(devnull)
 
 
+def _options_in_full() -> None:
+    """vLLM's server parser without argparse's abbreviations: `--hos 0.0.0.0` is an unknown option,
+    not --host. grpod refuses its reserved options in any spelling before a launch
+    (`grpod.config.reserved_vllm_option`); this is the second lock, on the parser itself. The
+    parser is built where vLLM's launcher looks `make_arg_parser` up, as `build_app` is wrapped."""
+    import vllm.entrypoints.launchers.cli_args as cli_args
+
+    stock_make_arg_parser = cli_args.make_arg_parser
+
+    def make_arg_parser(parser: Any) -> Any:
+        parser = stock_make_arg_parser(parser)
+        parser.allow_abbrev = False  # read by argparse at parse time
+        return parser
+
+    cli_args.make_arg_parser = make_arg_parser
+
+
 def main() -> None:
     import vllm.entrypoints.launchers.api_server.entry as launcher
 
     _nap_while_waiting()
     _fork_engine_core()
+    _options_in_full()
 
     stock_build_app = launcher.build_app
 

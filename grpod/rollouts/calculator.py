@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import math
 import operator
 import random
 import re
@@ -61,6 +62,8 @@ def _value(node: ast.AST) -> float:
             return _BINARY[type(node.op)](_value(node.left), _value(node.right))
         except ZeroDivisionError:
             raise CalculationError("division by zero") from None
+        except OverflowError:  # a quotient beyond a float's range (the length bound should prevent it)
+            raise CalculationError("result too large") from None
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_value(node.operand))
     raise CalculationError(f"unsupported: {ast.unparse(node)[:40]}")
@@ -73,8 +76,8 @@ def calculate(expression: str) -> str:
         raise CalculationError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError:
-        raise CalculationError(f"not an expression: {expression.strip()[:40]}") from None
+    except (SyntaxError, ValueError):  # ValueError: text that is no source at all (a lone surrogate)
+        raise CalculationError(f"not an expression: {expression.strip()[:40]!r}") from None
     value = _value(tree.body)
     if isinstance(value, int):
         return str(value)
@@ -107,7 +110,7 @@ class CalculatorEnvironment:
 
     async def reward(self) -> float:
         found = _INTEGER.findall(self.final or "")
-        correct = 1.0 if found and int(found[-1]) == self.answer else 0.0
+        correct = 1.0 if found and _same_integer(found[-1], self.answer) else 0.0
         return correct + (self.tool_bonus if self.good_calls else 0.0)
 
     async def aclose(self) -> None:
@@ -116,6 +119,15 @@ class CalculatorEnvironment:
     def metrics(self) -> dict[str, float]:
         """Calls made, and calls the calculator could not evaluate (answered `error: ...`)."""
         return {"tool_calls": float(self.calls), "tool_errors": float(self.calls - self.good_calls)}
+
+
+def _same_integer(written: str, answer: int) -> bool:
+    """Whether `written` (`-?\\d+`, from the model) is `answer`. A number with more digits than the
+    answer is not read: `int()` refuses over 4300 digits (Python's limit) and takes quadratic time."""
+    digits = written.lstrip("-").lstrip("0") or "0"
+    if len(digits) > len(str(abs(answer))):
+        return False
+    return (-int(digits) if written.startswith("-") else int(digits)) == answer
 
 
 SYSTEM_PROMPT = "You have a calculator. Write <tool>expression</tool> to use it. Then write: Answer: <number>"
@@ -175,7 +187,7 @@ def demonstration(which: int) -> list[Message]:
 
 class CalculatorAdapter:
     """grpod's calculator environment as an `EnvironmentAdapter`: in process, nothing to start.
-    `args`: `tool_bonus` (float, default 0.0)."""
+    `args`: `tool_bonus` (a finite number, default 0.0)."""
 
     name = "calculator"
 
@@ -184,7 +196,7 @@ class CalculatorAdapter:
         if unknown:
             raise ValueError(f"source.environment.args: the calculator takes tool_bonus only, not {sorted(unknown)}")
         self.seed = cfg.task_seed
-        self.tool_bonus = float(cfg.args.get("tool_bonus", 0.0))
+        self.tool_bonus = _finite_number(cfg.args, "tool_bonus", 0.0)
 
     async def __aenter__(self) -> CalculatorAdapter:
         return self
@@ -199,3 +211,18 @@ class CalculatorAdapter:
 
     def health(self) -> dict[str, Any]:
         return {}
+
+
+def _finite_number(args: dict[str, Any], key: str, default: float) -> float:
+    """`args[key]` as a float, or a ValueError naming the argument (a config error: the start and
+    `grpod check-config` exit 2). A NaN bonus would make every group's scores non-finite."""
+    value = args.get(key, default)
+    number = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond a float's range
+            pass
+    if not math.isfinite(number):
+        raise ValueError(f"source.environment.args.{key} = {value!r:.40}: expected a finite number")
+    return number

@@ -56,6 +56,23 @@ async def test_every_route_needs_the_token(tmp_path):
         assert body["engines"][0]["running"] is False and body["engines"][0]["launches"] == 0
 
 
+async def test_a_token_header_that_is_not_utf8_is_a_401_like_any_wrong_token(tmp_path):
+    """Raw bytes that are not UTF-8 (aiohttp's client would not send them) were a 500."""
+    async with serving(stub_engines(tmp_path)) as (agent, _), await anyio.connect_tcp("127.0.0.1", agent.port) as stream:
+        await stream.send(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer \xff\xfe\r\n"
+                          b"Connection: close\r\n\r\n")
+        answer = b""
+        with anyio.fail_after(30):
+            try:
+                while True:
+                    answer += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                pass
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401 "), answer[:300]
+    assert "agent.token" in json.loads(body)["error"]
+
+
 async def test_bad_requests_get_a_400_that_says_what_and_the_agent_stays_up(tmp_path, weights):
     launch = "/engines/engine-0/launch"
     cases = [
@@ -65,6 +82,13 @@ async def test_bad_requests_get_a_400_that_says_what_and_the_agent_stays_up(tmp_
         (launch, json.dumps({"weights": str(weights), "version": -1}).encode(), "version"),
         (launch, json.dumps({"weights": str(weights), "version": 0, "gpus": 8}).encode(), "gpus"),
         (launch, json.dumps({"weights": str(weights), "version": 0, "extra_args": ["--host=0.0.0.0"]}).encode(), "--host"),
+        # vLLM's parser takes abbreviations and `_` for `-`: each of these set --host or --api-key.
+        (launch, json.dumps({"weights": str(weights), "version": 0, "extra_args": ["--hos", "0.0.0.0"]}).encode(),
+         "vLLM's --host, which the agent decides"),
+        (launch, json.dumps({"weights": str(weights), "version": 0, "extra_args": ["--api_key=evil"]}).encode(),
+         "vLLM's --api-key, which the agent decides"),
+        (launch, json.dumps({"weights": str(weights), "version": 0, "extra_args": ["--api-ke", "evil"]}).encode(),
+         "vLLM's --api-key, which the agent decides"),
         (launch, json.dumps({"weights": str(weights), "version": 0, "worker_extension": "os; rm"}).encode(), "dotted"),
         (launch, json.dumps({"weights": str(weights / "missing"), "version": 0}).encode(), "not a directory"),
     ]

@@ -198,3 +198,43 @@ def test_vllm_processes_nap_instead_of_spinning_on_cpu():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["naps"] == ([NAP_S] if seen["cpu"] else [])
+
+
+def test_vllm_reads_the_refused_spellings_as_reserved_options_and_grpods_server_takes_none():
+    """grpod.config's reading of a reserved option against vLLM's real parser: every vLLM option
+    grpod reserves exists, each refused spelling sets it in vLLM's stock parser (abbreviated, `_`
+    for `-`), no other vLLM option is refused, and grpod's server parser takes no abbreviation."""
+    code = textwrap.dedent(
+        """
+        import json
+        import vllm.entrypoints.launchers.cli_args as cli_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from grpod.config import RESERVED_VLLM_OPTIONS, reserved_vllm_option
+        from grpod.inference.server import _options_in_full
+
+        def parse(parser, extra):
+            try:
+                return vars(parser.parse_args(["--model", "m", *extra]))
+            except SystemExit:
+                return None
+
+        stock = cli_args.make_arg_parser(FlexibleArgumentParser())
+        options = {o for a in stock._actions for o in a.option_strings if o.startswith("--")}
+        spellings = {"--hos": "host", "--api_ke": "api_key", "--api-k": "api_key", "--por": "port", "--ud": "uds",
+                     "--served_model": "served_model_name"}
+        _options_in_full()
+        strict = cli_args.make_arg_parser(FlexibleArgumentParser())  # as vLLM's launcher looks it up
+        print(json.dumps({
+            "missing": sorted(set(RESERVED_VLLM_OPTIONS) - options),
+            "refused": sorted(o for o in options if reserved_vllm_option(o) and o not in RESERVED_VLLM_OPTIONS),
+            "stock": {s: reserved_vllm_option(s) and (parse(stock, [s, "7000"]) or {}).get(d) for s, d in spellings.items()},
+            "strict": {s: parse(strict, [s, "7000"]) for s in spellings},
+            "in_full": parse(strict, ["--host", "h", "--max-num-seqs", "2"])["host"],
+        }))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["missing"] == [] and seen["refused"] == []
+    assert all(value in ("7000", 7000, ["7000"]) for value in seen["stock"].values()), seen["stock"]
+    assert seen["strict"] == dict.fromkeys(seen["strict"]) and seen["in_full"] == "h"
