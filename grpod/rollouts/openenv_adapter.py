@@ -26,7 +26,8 @@ Where the environment runs:
   also when cancelled. `cfg.path` directories go first on the child's import path. The class is
   served with up to `MAX_SESSIONS` concurrent episodes when it declares
   `SUPPORTS_CONCURRENT_SESSIONS = True` (OpenEnv refuses more than one otherwise: mark your class
-  if its instances share no state).
+  if its instances share no state); the route says how many (`session_capacity`), and a run that
+  plays more episodes at once is refused at start.
 
 An episode is one session on OpenEnv's WebSocket endpoint (`/ws`), through OpenEnv's own client
 (`openenv.core.generic_client.GenericEnvClient`: `reset`, `step`, `close`):
