@@ -42,7 +42,7 @@ class SamplingStats(SourceStats):
     def step_metrics(self) -> dict[str, Any]:
         # Since this process started: completion tokens sampled for training (the generation
         # rate), and the groups dynamic sampling threw away (where the rest of them went).
-        return {"sampled_tokens": self.sampled_tokens, "dynamic_filtered": self.dynamic_filtered}
+        return {**super().step_metrics(), "sampled_tokens": self.sampled_tokens, "dynamic_filtered": self.dynamic_filtered}
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,10 @@ class SourceStats:
     exhausted: bool = False
 
     def step_metrics(self) -> dict[str, Any]:
-        """What the source adds to every step record (`metrics.jsonl`); kinds override it."""
-        return {}
+        """What the source adds to every step record (`metrics.jsonl`); kinds add their own. Since
+        this process started: the groups the source dropped, and how many for each reason
+        (`source_drops/<reason>`: environment_crash, reward_timeout, ...)."""
+        return {"source_dropped": self.dropped, **{f"source_drops/{reason}": n for reason, n in self.drop_reasons.items()}}
 
     def drop(self, reason: str) -> None:
         self.dropped += 1

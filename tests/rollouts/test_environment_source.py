@@ -118,6 +118,9 @@ async def test_an_opening_longer_than_the_episode_budget_drops_the_group(tokeniz
     source = source_over(solver(tokenizer), tokenizer, KnownAnswers(cfg.source.environment), cfg)
     assert await source.generate_group() is None
     assert source.stats.drop_reasons == {"prompt_too_long": 1} and "128" in source.stats.last_error
+    # Every step record says what the source dropped so far, by reason (metrics.jsonl had none of it).
+    metrics = source.stats.step_metrics()
+    assert metrics["source_dropped"] == 1 and metrics["source_drops/prompt_too_long"] == 1
 
 
 async def test_a_resumed_source_continues_the_task_stream(tokenizer):
