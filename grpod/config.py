@@ -666,6 +666,13 @@ class EnvironmentConfig(_Section):
         120.0, gt=0, description="How long an environment process grpod starts may take to answer its health check."
     )
     task_seed: int = Field(1234, description="Seed of the task stream (task i of a run is a function of it and i).")
+    memory_mb: int = Field(
+        8192, ge=0,
+        description="openenv (a server grpod starts) and verifiers: the environment process's memory cap (RLIMIT_DATA), "
+        "in MiB: an allocation past it fails in the environment's code (its episode's environment_error, or a crash "
+        "and a restart) rather than growing until the kernel's OOM killer picks a process, perhaps the daemon. 0: none "
+        "(an environment that maps GPU memory may need it).",
+    )
 
 
 class EnvironmentSourceConfig(_SamplingSourceCommon):

@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import inspect
 import itertools
 import json
 import math
@@ -239,7 +240,8 @@ class EnvironmentServer:
         return "starting" if self._starting else "up"
 
     def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", __name__, "serve", self.cfg.name, "--args", json.dumps(self.cfg.args)]
+        argv = [sys.executable, "-m", __name__, "serve", self.cfg.name, "--args", json.dumps(self.cfg.args),
+                "--memory-mb", str(self.cfg.memory_mb)]
         for directory in self.cfg.path:
             argv += ["--path", str(Path(directory).resolve())]
         return argv + ["--fd", str(self._socket.fileno())]
@@ -557,18 +559,50 @@ def action_observation_classes(env_cls: type) -> tuple[type, type]:
     )
 
 
-def serve(name: str, args: dict[str, Any], path: list[str], *, fd: int | None, host: str, port: int) -> None:
+def _errors_named(env_cls: type, base: type) -> type:
+    """`env_cls` whose reset and step (sync or async, where it defines them) raise what they raise
+    with its type in the message: OpenEnv answers an error with its str() alone, and a
+    MemoryError's (past source.environment.memory_mb) is empty. Signatures are kept
+    (`functools.wraps`), and a method the class does not define is not added: OpenEnv calls
+    `step_async` only where a class overrides it."""
+
+    def wrapped(method_name: str):
+        method = getattr(env_cls, method_name)
+        if inspect.iscoroutinefunction(method):
+            @functools.wraps(method)
+            async def call(self, *args, **kwargs):
+                try:
+                    return await method(self, *args, **kwargs)
+                except Exception as exc:
+                    raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
+        else:
+            @functools.wraps(method)
+            def call(self, *args, **kwargs):
+                try:
+                    return method(self, *args, **kwargs)
+                except Exception as exc:
+                    raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
+        return call
+
+    own = [m for m in ("reset", "step", "reset_async", "step_async") if getattr(env_cls, m) is not getattr(base, m, None)]
+    return type(env_cls.__name__, (env_cls,), {m: wrapped(m) for m in own})
+
+
+def serve(name: str, args: dict[str, Any], path: list[str], *, fd: int | None, host: str, port: int,
+          memory_mb: int = 0) -> None:
     """Serve the Environment class `name` with OpenEnv's app until SIGTERM."""
     import uvicorn
     from openenv.core.env_server import create_fastapi_app
 
     from openenv.core.env_server.interfaces import Environment
 
-    from grpod.rollouts.reward_worker import die_with_parent
+    from grpod.rollouts.reward_worker import cap_memory, die_with_parent
     from grpod.rollouts.rewards import RewardLoadError, import_function
 
     if fd is not None:  # started by an adapter: it dies with the daemon
         die_with_parent()
+    if memory_mb:
+        cap_memory(memory_mb)
     sys.path[:0] = path
     try:
         env_cls = import_function(name)
@@ -580,7 +614,7 @@ def serve(name: str, args: dict[str, Any], path: list[str], *, fd: int | None, h
     sessions = MAX_SESSIONS if getattr(env_cls, "SUPPORTS_CONCURRENT_SESSIONS", False) else 1
     if sessions == 1:
         print(f"{name}: SUPPORTS_CONCURRENT_SESSIONS is not set: one episode at a time", file=sys.stderr)
-    factory = functools.partial(env_cls, **args)
+    factory = functools.partial(_errors_named(env_cls, Environment), **args)
     app = create_fastapi_app(factory, action_cls, observation_cls, max_concurrent_envs=sessions)
     parallel = 1 if getattr(env_cls, "REQUIRES_SINGLE_THREAD_EXECUTOR", False) else sessions
     app.get(SESSIONS_ROUTE)(lambda: {"sessions": parallel, "capacity": sessions})
@@ -600,8 +634,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--fd", type=int, help="a listening socket to serve on (what grpod passes)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8010)
+    p.add_argument("--memory-mb", type=int, default=0, help="cap the server's memory (RLIMIT_DATA), MiB; 0: none")
     ns = parser.parse_args(argv)
-    serve(ns.name, json.loads(ns.args), ns.path, fd=ns.fd, host=ns.host, port=ns.port)
+    serve(ns.name, json.loads(ns.args), ns.path, fd=ns.fd, host=ns.host, port=ns.port, memory_mb=ns.memory_mb)
     return 0
 
 

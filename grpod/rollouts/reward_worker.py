@@ -71,7 +71,10 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def _cap_memory(memory_mb: int) -> None:
+def cap_memory(memory_mb: int) -> None:
+    """Cap this process's data (RLIMIT_DATA: heap and private mappings) at `memory_mb` MiB: an
+    allocation past it fails (MemoryError in Python code) instead of growing until the kernel's
+    OOM killer picks a victim, perhaps the daemon. The reward workers' and the environments'."""
     limit = memory_mb * 1024 * 1024
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     if hard != resource.RLIM_INFINITY:
@@ -141,7 +144,7 @@ def main(argv: list[str]) -> int:
     specs, memory_mb = json.loads(argv[0]), int(argv[1])
     requests, replies = protocol_channel()
     try:
-        _cap_memory(memory_mb)
+        cap_memory(memory_mb)
         calls = _Calls(_load(specs))
     except BaseException as exc:  # noqa: BLE001 — a module that raises or exits at import
         write_reply(replies, ("load_error", str(exc) or repr(exc)))

@@ -282,6 +282,7 @@ class VerifiersAdapter:
             "args": {k: v for k, v in self.cfg.args.items() if k != "eval"},
             "eval_args": self.cfg.args.get("eval") or {},
             "path": [str(Path(p).absolute()) for p in self.cfg.path],
+            "memory_mb": self.cfg.memory_mb,
         }
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as stderr:

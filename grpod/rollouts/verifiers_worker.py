@@ -2,7 +2,7 @@
 side of grpod's episodes, in the verifiers venv (`make verifiers`; it cannot share grpod's).
 
 Run as `<verifiers venv>/bin/python path/to/verifiers_worker.py '<json spec>'` with the spec
-{"name", "args", "eval_args", "path"}. It imports only the standard library, verifiers and
+{"name", "args", "eval_args", "path", "memory_mb"} (its memory cap, `cap_memory`). It imports only the standard library, verifiers and
 `grpod.rollouts.reward_worker` (stdlib only: the frame format and `protocol_channel`, i.e.
 PR_SET_PDEATHSIG, are shared with the reward workers). Frames both ways are an 8-byte length and a body: a pickle of plain data from
 the daemon, JSON back. First frame: ("ready", env id) or ("load_error", why); then requests
@@ -57,7 +57,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from grpod.rollouts.reward_worker import protocol_channel, read_request, write_reply  # noqa: E402
+from grpod.rollouts.reward_worker import cap_memory, protocol_channel, read_request, write_reply  # noqa: E402
 
 # How long the worker waits for an episode's env code to reach its next turn, or to finish,
 # before it answers anyway; the daemon's own bound (source.environment.timeout_s) is what a user
@@ -370,6 +370,8 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     requests, replies = protocol_channel()
     try:
+        if spec.get("memory_mb"):
+            cap_memory(spec["memory_mb"])
         host = EnvironmentHost(spec)
     except BaseException as exc:  # noqa: BLE001 — an environment that raises or exits at import
         write_reply(replies, ("load_error", "".join(traceback.format_exception(exc)[-4:])[:4000]))

@@ -388,3 +388,27 @@ async def test_a_class_serving_one_session_is_refused_at_start_for_a_run_of_grou
     async with AsyncExitStack() as stack:
         adapter = await prepare_environment(source("concurrent"), tmp_path / "run", stack)
         assert adapter.session_capacity == 1024
+
+
+async def test_a_server_past_its_memory_cap_fails_that_step_and_serves_on(tmp_path):
+    """source.environment.memory_mb: a step that allocates past it fails in the environment's code
+    (environment_error naming the MemoryError) instead of growing the server until the OOM killer
+    picks a process; the server lives on and the next episode plays (it reached 5 GB, uncapped)."""
+    text = textwrap.dedent(STUCK_ENV).replace(
+        "        time.sleep(60)\n        return Heard(prompt=\"too late\")",
+        "        if action.message == 'hog':\n            HELD.append(bytearray(1500 << 20))\n"
+        "        return Heard(prompt='fine')",
+    ).replace("class Say(Action):", "HELD = []\n\n\nclass Say(Action):")
+    (tmp_path / "hog_env.py").write_text(text)
+    cfg = _cfg(name="hog_env:StuckEnvironment", path=[tmp_path], memory_mb=1024)
+    async with OpenEnvAdapter(cfg, run_dir=tmp_path / "run") as adapter:
+        pid = adapter.health()["pid"]
+        _, episode = await adapter.open(1, "train")
+        with pytest.raises(EnvironmentFailure) as failure:
+            await episode.respond("hog")
+        assert failure.value.reason == "environment_error" and "MemoryError" in str(failure.value), failure.value
+        await episode.aclose()
+        _, episode = await adapter.open(2, "train")
+        assert await episode.respond("small") == [{"role": "user", "content": "fine"}]
+        await episode.aclose()
+        assert adapter.health()["pid"] == pid and psutil.Process(pid).memory_info().rss < 1024 << 20

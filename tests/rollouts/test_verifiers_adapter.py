@@ -27,16 +27,17 @@ pytestmark = [
 ]
 
 # Task 0 sleeps 2 s (awaiting) before its next turn, task 1 awaits forever, task 2 blocks the
-# worker's event loop, task 3 answers with a 270 MB tool output.
+# worker's event loop, task 3 answers with a 270 MB tool output, task 4 allocates 2 GiB.
 SLOW_ENV = '''
 import asyncio
 import time
 import verifiers.v1 as vf
 
+HELD = []
 
 class SlowTaskset(vf.Taskset[vf.Task, vf.TasksetConfig]):
     def load(self):
-        for kind in ("slow", "hang", "block", "big"):
+        for kind in ("slow", "hang", "block", "big", "hog"):
             yield vf.Task(vf.TaskData(prompt=kind))
 
 
@@ -54,6 +55,8 @@ class SlowEnv(vf.Env[SlowEnvConfig]):
                 time.sleep(3600)
             elif task.data.prompt == "big":
                 await interaction.turn("x" * 270_000_000)  # over the 256 MiB a frame may carry
+            elif task.data.prompt == "hog":
+                HELD.append(bytearray(2048 << 20))
             else:
                 await asyncio.sleep(2.0)
             await interaction.turn("slept")
@@ -61,7 +64,7 @@ class SlowEnv(vf.Env[SlowEnvConfig]):
 
 __all__ = ["SlowEnv", "SlowTaskset"]
 '''
-SLOW, HANG, BLOCK, BIG = 0, 1, 2, 3
+SLOW, HANG, BLOCK, BIG, HOG = 0, 1, 2, 3, 4
 
 
 @pytest.fixture
@@ -130,9 +133,9 @@ async def test_a_killed_worker_fails_its_episode_and_the_next_open_works(tmp_pat
         assert caught.value.reason == "environment_crash"
 
 
-def slow_env(tmp_path: Path, timeout_s: float) -> EnvironmentConfig:
+def slow_env(tmp_path: Path, timeout_s: float, **overrides) -> EnvironmentConfig:
     (tmp_path / "vf_slow.py").write_text(textwrap.dedent(SLOW_ENV))
-    return calculator(name="vf_slow", path=[tmp_path], timeout_s=timeout_s)
+    return calculator(name="vf_slow", path=[tmp_path], timeout_s=timeout_s, **overrides)
 
 
 async def test_episodes_play_concurrently_in_one_worker(tmp_path):
@@ -212,6 +215,23 @@ async def test_a_reply_too_large_to_send_fails_its_call_and_nothing_else(tmp_pat
         assert adapter.worker.pid == pid and adapter.health()["restarts"] == 0
         await big.aclose()
         await sibling.aclose()
+
+
+async def test_an_environment_past_its_memory_cap_fails_that_call_and_the_worker_goes_on(tmp_path):
+    """source.environment.memory_mb caps the worker: an episode that allocates 2 GiB under a 1 GiB
+    cap fails as environment_error (MemoryError), and the worker plays on; uncapped, it grows
+    until the OOM killer picks a process, perhaps the daemon."""
+    async with VerifiersAdapter(slow_env(tmp_path, timeout_s=60.0, memory_mb=1024), run_dir=tmp_path) as adapter:
+        pid = adapter.worker.pid
+        _, hog = await adapter.open(HOG, "train")
+        with pytest.raises(EnvironmentFailure) as failure:
+            await hog.respond("hello")
+        assert failure.value.reason == "environment_error" and "MemoryError" in str(failure.value), failure.value
+        await hog.aclose()
+        _, slow = await adapter.open(SLOW, "train")
+        assert await slow.respond("hello") == [{"role": "user", "content": "slept"}]
+        await slow.aclose()
+        assert adapter.worker.pid == pid
 
 
 async def test_a_cancel_that_reaches_an_answered_open_closes_its_episode(tmp_path):
