@@ -158,23 +158,29 @@ async def test_episodes_play_concurrently_in_one_worker(tmp_path):
     assert elapsed < 4.0, elapsed
 
 
+async def _respond_together(**episodes) -> dict:
+    """Each episode's reply to "hello", its turns played at once; a failure is its outcome."""
+    outcome = {}
+
+    async def turn(name, episode) -> None:
+        try:
+            outcome[name] = await episode.respond("hello")
+        except EnvironmentFailure as failure:
+            outcome[name] = failure
+
+    async with anyio.create_task_group() as tg:
+        for name, episode in episodes.items():
+            tg.start_soon(turn, name, episode)
+    return outcome
+
+
 async def test_a_call_past_its_timeout_is_cancelled_and_the_worker_goes_on(tmp_path):
     async with VerifiersAdapter(slow_env(tmp_path, timeout_s=3.0), run_dir=tmp_path) as adapter:
         pid = adapter.worker.pid
         _, stuck = await adapter.open(HANG, "train")
         _, sibling = await adapter.open(SLOW, "train")
-        outcome = {}
-
-        async def turn(name, episode) -> None:
-            try:
-                outcome[name] = await episode.respond("hello")
-            except EnvironmentFailure as failure:
-                outcome[name] = failure
-
         started = time.monotonic()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(turn, "stuck", stuck)
-            tg.start_soon(turn, "sibling", sibling)
+        outcome = await _respond_together(stuck=stuck, sibling=sibling)
         assert outcome["sibling"] == [{"role": "user", "content": "slept"}]
         failure = outcome["stuck"]
         assert isinstance(failure, EnvironmentFailure) and failure.reason == "environment_timeout"
@@ -197,17 +203,7 @@ async def test_a_reply_too_large_to_send_fails_its_call_and_nothing_else(tmp_pat
         pid = adapter.worker.pid
         _, big = await adapter.open(BIG, "train")
         _, sibling = await adapter.open(SLOW, "train")
-        outcome = {}
-
-        async def turn(name, episode) -> None:
-            try:
-                outcome[name] = await episode.respond("hello")
-            except EnvironmentFailure as failure:
-                outcome[name] = failure
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(turn, "big", big)
-            tg.start_soon(turn, "sibling", sibling)
+        outcome = await _respond_together(big=big, sibling=sibling)
         failure = outcome["big"]
         assert isinstance(failure, EnvironmentFailure) and failure.reason == "environment_error", failure
         assert "cannot be sent to grpod" in str(failure) and "over the 256 MiB a frame may carry" in str(failure)
