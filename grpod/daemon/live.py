@@ -75,6 +75,11 @@ def plan_changes(current: GrpodConfig, wanted: dict[str, Any], origin: str) -> t
     Raises RefusedChange naming every key that is not live, and ConfigError for a bad value.
     """
     tree = current.model_dump(mode="json")
+    flat = _flatten(tree)
+    unknown = [key for key in wanted if key not in flat and not any(k.startswith(f"{key}.") for k in flat)]
+    if unknown:
+        raise RefusedChange(f"{origin}: {', '.join(sorted(unknown))}: no such key in the running config; "
+                            f"live keys: {', '.join(LIVE_KEYS)}")
     refused = [key for key in wanted if key not in LIVE_KEYS]
     if refused:
         raise RefusedChange(

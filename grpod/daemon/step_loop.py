@@ -329,7 +329,7 @@ class StepLoop:
         await self.bridge.settled()  # the checkpoint's policy version is the trainer's weights'
         self.heartbeat.busy()
         began = time.perf_counter()
-        accepted = self.buffer.accepted  # what the snapshot holds: groups accepted up to now
+        state = self.checkpoint_state()  # what the snapshot holds: groups accepted up to now...
         snapshot = RunSnapshot(
             step=self.progress.step,
             policy_version=self.bridge.policy.version,
@@ -346,10 +346,13 @@ class StepLoop:
         self.heartbeat.progress()
         self.reporter.checkpoint_alarm.written(snapshot.step)
         info = {"path": str(path), "step": snapshot.step, "seconds": round(time.perf_counter() - began, 3)}
-        self.progress.last_checkpoint = {
-            "path": str(path), "step": snapshot.step, "time": time.time(), "accepted": accepted,
-        }
+        self.progress.last_checkpoint = {"path": str(path), "step": snapshot.step, "time": time.time(), "state": state}
         return info
+
+    def checkpoint_state(self) -> list:
+        """What a checkpoint holds that changes between checkpoints: the step, the groups accepted,
+        the policy version (a `ctl sync` moves it) and the operator's `ctl set` values."""
+        return [self.progress.step, self.buffer.accepted, self.bridge.policy.version, sorted(self.desk.operator_values.items())]
 
     async def fetch(self) -> None:
         """Keep the buffer filled (overlap mode) until cancelled, drained or the source ends."""

@@ -153,6 +153,7 @@ class Supervisor:
 
                     await tg.start(serve_metrics, self.status, self.cfg.metrics.prometheus_host, self.cfg.metrics.prometheus_port)
                 tg.start_soon(self._signals)
+                tg.start_soon(self.logs.run)  # from the start: an engine or environment may print while it starts
                 if await self._start():
                     await self._train(tg)
                 else:
@@ -201,7 +202,6 @@ class Supervisor:
         tg.start_soon(self._watch_bridge)
         tg.start_soon(self._watch_source)
         tg.start_soon(self.memory.run)
-        tg.start_soon(self.logs.run)
         self.reporter.announce_inference()
         self.notifier.ready(f"step {self.progress.step}/{self.cfg.train.steps}, vLLM ready")
         self.progress.phase = RunPhase.RUNNING
@@ -222,10 +222,12 @@ class Supervisor:
         self.desk.fail_requests("the daemon is stopping")
         parts = self.parts
         if parts is not None and parts.bridge.available and self.progress.exit_code == 0:
-            await parts.loop.evaluations.run("end", None)  # in line: the run's last one
-        # A checkpoint of this very state exists: nothing trained and no group accepted since.
+            # In line: the run's last one (the last result again if it measured these weights).
+            await parts.loop.evaluations.run("end", None, version=parts.bridge.policy.version)
+        # A checkpoint of this very state exists: nothing trained, no group accepted, no sync and
+        # no `ctl set` since (a stop after `ctl checkpoint`, `ctl sync`, `ctl set` lost the set).
         last = self.progress.last_checkpoint
-        already = last is not None and (last["step"], last["accepted"]) == (self.progress.step, self.buffer.accepted)
+        already = parts is not None and last is not None and last["state"] == parts.loop.checkpoint_state()
         if parts is not None and self.cfg.checkpoint.at_shutdown and self.progress.step > 0 and not already:
             with anyio.CancelScope(shield=True):
                 await parts.loop.checkpoint()

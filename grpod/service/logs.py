@@ -189,7 +189,8 @@ def cut_log(path: Path, max_bytes: int) -> int:
     """Cut `path` to its last lines (half of `max_bytes`, at most LOG_KEEP_MAX) when it is over
     `max_bytes`, headed by a line saying so; the bytes cut, 0 if none. Its writers (this process,
     children given it as stdout or stderr) hold it open for appending, so what they write next goes
-    to the new end. A line written between the read and the truncation is lost."""
+    to the new end. A line written between the read and the truncation is lost, and one written
+    between the truncation and the rewrite comes before the line saying so."""
     try:
         size = path.stat().st_size
         if size <= max_bytes:

@@ -25,6 +25,11 @@ def test_plan_changes_validates_and_refuses():
     assert {(c.key, c.new) for c in changes} == {("train.lr", 1e-3), ("train.loss.clip_high", 0.3)}
     with pytest.raises(RefusedChange, match="bridge.mode: cannot change while running"):
         plan_changes(cfg, {"bridge.mode": "shared"}, "test")
+    # A key the config does not have is not "needs a restart": it is no key at all.
+    with pytest.raises(RefusedChange, match="nonsense.key: no such key in the running config"):
+        plan_changes(cfg, {"nonsense.key": 1}, "test")
+    with pytest.raises(RefusedChange, match="train: cannot change while running"):
+        plan_changes(cfg, {"train": 1}, "test")
     with pytest.raises(ConfigError, match="train.lr"):
         plan_changes(cfg, {"train.lr": -1}, "test")
     assert cfg.train.lr == load_config(None).train.lr, "planning never mutates the running config"

@@ -230,3 +230,20 @@ def test_gradient_tokens_count_the_completion_tokens_trained_with_a_non_zero_adv
     first, second = daemon.metrics.read()
     assert first["gradient_tokens"] == 16 and first["gradient_token_share"] == 16 / 40
     assert second["gradient_tokens"] == 16 and second["gradient_token_share"] == 32 / 64
+
+
+def test_the_last_checkpoint_knows_whether_it_still_holds_the_run(daemon):
+    """The stop's checkpoint is skipped only when the last one holds the run as it is: a `ctl set`
+    or a `ctl sync` after a `ctl checkpoint` changes what a checkpoint would hold (a stop after
+    them wrote nothing, and the restart lost the set value and the version)."""
+    rng = random.Random(12)
+    anyio.run(daemon.step, [_group("a", 10, rng)])
+    anyio.run(daemon.checkpoint)
+    assert daemon.progress.last_checkpoint["state"] == daemon.checkpoint_state()
+    anyio.run(daemon.desk.ctl_set, {"key": "train.lr", "value": 5e-4})
+    assert daemon.progress.last_checkpoint["state"] != daemon.checkpoint_state()
+    anyio.run(daemon.checkpoint)
+    assert daemon.progress.last_checkpoint["state"] == daemon.checkpoint_state()
+    anyio.run(lambda: daemon.bridge.sync_now(forced=True))
+    assert daemon.progress.last_checkpoint["state"] != daemon.checkpoint_state()
+    json.dumps(daemon.status()["last_checkpoint"])  # what `ctl status` sends

@@ -74,3 +74,37 @@ def test_a_failed_evaluation_is_logged_with_what_failed_inside_its_task_group():
     [failed] = [entry for entry in logs if entry["event"] == "eval_failed"]
     assert failed["error"] == "ValueError: a reward function's module is gone", failed
     assert evaluations.describe() is None
+
+
+def test_an_evaluation_of_the_version_just_evaluated_records_that_result_again():
+    """A stop during a periodic evaluation waits for it, then asks for the run's last one: of the
+    same weights, it is that result again (`reused`), not a second decode."""
+    from grpod.config import EvalConfig
+    from grpod.daemon.evaluation import Evaluations
+    from grpod.daemon.progress import RunProgress
+
+    progress = RunProgress(steps=10)
+    decoded = []
+
+    class Source:
+        async def evaluate(self, size, max_tokens):
+            decoded.append(size)
+            return {"eval_accuracy": 0.25, "eval_size": size, "policy_version": 8 + len(decoded) - 1}
+
+    class Reporter:
+        records = []
+
+        def eval_done(self, result, when, *, step):
+            progress.last_eval = {**result, "when": when, "step": step, "finished_step": progress.step}
+            self.records.append(progress.last_eval)
+
+    evaluations = Evaluations(EvalConfig(size=4), source=Source(), reporter=Reporter(), progress=progress,
+                              beside_training=False)
+    progress.step = 6
+    anyio.run(lambda: evaluations.run("periodic", None, version=7))
+    progress.step = 7
+    anyio.run(lambda: evaluations.run("end", None, version=8))
+    assert decoded == [4] and Reporter.records[-1]["when"] == "end" and Reporter.records[-1]["reused"] == "periodic"
+    assert Reporter.records[-1]["step"] == 6 and Reporter.records[-1]["eval_accuracy"] == 0.25
+    anyio.run(lambda: evaluations.run("end", None, version=9))  # new weights: decoded
+    assert decoded == [4, 4] and "reused" not in Reporter.records[-1]
