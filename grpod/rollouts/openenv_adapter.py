@@ -79,6 +79,7 @@ from grpod.inference import release
 from grpod.inference.process import LaunchLog, exit_code_of
 from grpod.rollouts.chat_turns import Message
 from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split, checked_reply
+from grpod.rollouts.reward_worker import parent_env
 
 log = structlog.get_logger(__name__)
 
@@ -322,7 +323,7 @@ class EnvironmentServer:
 
     async def _launch(self) -> None:
         argv = self.argv()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTHONUNBUFFERED="1", **parent_env())
         with self.log.open_for_launch(argv) as log_file:
             # From the event loop's thread on purpose: PR_SET_PDEATHSIG fires when the thread that
             # forked the child ends, and a worker thread of anyio's pool ends when idle.

@@ -41,7 +41,7 @@ import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from grpod.errors import first_error
-from grpod.rollouts.reward_worker import HEADER, MAX_FRAME
+from grpod.rollouts.reward_worker import HEADER, MAX_FRAME, parent_env
 from grpod.service.race import first_of
 
 log = structlog.get_logger(__name__)
@@ -251,7 +251,7 @@ class RewardPool:
 
     async def _add_worker(self) -> None:
         command = [sys.executable, "-m", "grpod.rollouts.reward_worker", json.dumps(self.specs), str(self.memory_mb)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **parent_env())
         stderr = open(self.log_path, "ab") if self.log_path is not None else None  # noqa: SIM115 — the child keeps it
         try:
             process = await anyio.open_process(command, stdin=PIPE, stdout=PIPE, stderr=stderr, env=env,

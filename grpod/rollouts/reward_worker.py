@@ -36,6 +36,7 @@ HEADER = struct.Struct(">Q")
 # A frame larger than this is a broken protocol, not a reward (a group's kwargs are kilobytes).
 MAX_FRAME = 256 * 1024 * 1024
 PR_SET_PDEATHSIG = 1
+PARENT_PID_ENV = "GRPOD_PARENT_PID"
 
 
 def write_reply(stream: BinaryIO, message: Any) -> None:
@@ -62,12 +63,23 @@ def read_request(stream: BinaryIO) -> Any | None:
     return pickle.loads(data)
 
 
+def parent_env() -> dict[str, str]:
+    """What a process that starts a worker adds to its environment: its own PID, for
+    `die_with_parent`."""
+    return {PARENT_PID_ENV: str(os.getpid())}
+
+
 def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the daemon that started it dies, and exit now if
+    it died already (before the prctl took effect): the parent is then no longer the one that
+    named itself in PARENT_PID_ENV (`parent_env`). Not "the parent is PID 1": grpod may be a
+    container's first process, and every worker then exited at once."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the closed stdin still ends an idle worker
         pass
-    if os.getppid() == 1:  # the daemon died before the prctl took effect
+    expected = os.environ.pop(PARENT_PID_ENV, None)  # not passed on to what this process starts
+    if expected is not None and os.getppid() != int(expected):
         os._exit(1)
 
 

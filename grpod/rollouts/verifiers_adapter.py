@@ -45,7 +45,7 @@ from grpod.config import EnvironmentConfig
 from grpod.rollouts.chat_turns import Message
 from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split
 from grpod.rollouts.reward_pool import PIPE_ERRORS, _read_reply, _Worker, kill_worker
-from grpod.rollouts.reward_worker import HEADER
+from grpod.rollouts.reward_worker import HEADER, parent_env
 
 log = structlog.get_logger(__name__)
 
@@ -287,7 +287,7 @@ class VerifiersAdapter:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as stderr:
             process = await anyio.open_process([str(python), str(WORKER), json.dumps(spec)], stdin=PIPE, stdout=PIPE,
-                                               stderr=stderr, start_new_session=True)
+                                               stderr=stderr, start_new_session=True, env={**os.environ, **parent_env()})
         worker = _Worker(process, BufferedByteReceiveStream(process.stdout))
         self.channel = channel = _Channel(worker)
         self.generation += 1

@@ -27,6 +27,7 @@ SIGTERM.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import statistics
 import subprocess
@@ -377,3 +378,26 @@ def test_a_function_failing_on_every_group_raises_the_alarm_once_and_fail_after_
     row.recovery_s, row.data_lost = finished.seconds, "none (nothing trained)"
     row.notes = (f"exit 1 after {finished.seconds:.0f} s (start-up included); 1 alarm line and "
                  f"{len(failed)} reward_failed line(s) on the console for every group failing")
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare(1) to make a PID namespace")
+def test_grpod_as_a_containers_first_process_starts_its_reward_workers(tmp_path, fault_model_dir, fault_case):
+    """grpod run as PID 1 (a container's first process, no init): a reward worker took "my parent
+    is PID 1" for "my parent died" and exited at once, so check-config and start failed on every
+    dataset run ("a reward worker did not start: exited with status 1")."""
+    row = fault_case("26.13 grpod as PID 1 of its PID namespace (a container): reward workers start")
+    (tmp_path / "rewards.py").write_text(GOOD)
+    data = tmp_path / "train.jsonl"
+    data.write_text(GOOD_ROWS)
+    config = _config(tmp_path / "grpod.toml", _settings(tmp_path, fault_model_dir, tmp_path / "run", data),
+                     f"{tmp_path / 'rewards.py'}:reward")
+    started = time.monotonic()
+    check = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                            "import os, sys; from grpod.cli import main; assert os.getpid() == 1; "
+                            f"sys.exit(main(['check-config', {str(config)!r}]))"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if check.returncode != 0 and "Operation not permitted" in check.stderr:
+        pytest.skip(f"no PID namespace here: {check.stderr.strip()[:200]}")
+    assert check.returncode == 0, check.stderr[-3000:]
+    row.recovery_s, row.data_lost = time.monotonic() - started, "none"
+    row.notes = "check-config as PID 1: the reward workers started and answered the probe"
