@@ -1462,6 +1462,11 @@ class GrpodConfig(_Section):
         return self.control.socket or self.run.dir / "grpod.sock"
 
     @property
+    def agent_dir(self) -> Path:
+        """Where `grpod agent` writes its grpod.log and its engines' logs and launch records."""
+        return self.agent.dir or self.run.dir / "agent"
+
+    @property
     def socket_key(self) -> str:
         """The key an error about `socket_path` names."""
         return "control.socket" if self.control.socket is not None else "run.dir (the socket is <run.dir>/grpod.sock)"

@@ -199,7 +199,7 @@ def agent_engines(cfg: GrpodConfig) -> list[SupervisedInference]:
         inference = InferenceConfig.model_validate(cfg.inference.model_dump() | {"engines": count})
     except ValidationError as exc:
         raise ConfigError(f"agent.engines = {count}: {exc.errors()[0]['msg']}") from None
-    directory = cfg.agent.dir or cfg.run.dir / "agent"
+    directory = cfg.agent_dir
     gpu = release.nvidia_gpu_count() > 0
     engines = []
     for index in range(count):
@@ -275,7 +275,6 @@ def run_agent(cfg: GrpodConfig) -> int:
             "this node; the leader sends the same secret as cluster.token"
         )
     engines = agent_engines(cfg)
-    directory = cfg.agent.dir or cfg.run.dir / "agent"
-    configure_logging(directory, cfg.run.log_level)
-    logs = LogLimit(directory, cfg.run.log_max_bytes)
+    configure_logging(cfg.agent_dir, cfg.run.log_level)
+    logs = LogLimit(cfg.agent_dir, cfg.run.log_max_bytes)
     return anyio.run(Agent(engines, token=token, host=cfg.agent.host, port=cfg.agent.port, logs=logs).run)

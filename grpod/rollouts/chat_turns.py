@@ -105,15 +105,20 @@ class ChatTurns:
                     return self.closing[len(written) :]
         return self.closing
 
+    @staticmethod
+    def chars(messages: Sequence[Message]) -> int:
+        """The characters of `messages`' contents (what `too_long` weighs)."""
+        total = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else message
+            total += len(content) if isinstance(content, str) else len(str(content))
+        return total
+
     def too_long(self, messages: Sequence[Message], room: int) -> bool:
         """Whether `messages` certainly need more than `room` ids: their text is longer than `room`
         of the vocabulary's longest tokens. (A tokenizer whose normaliser collapses runs of spaces
         could fit such a text; an environment's message that long is refused as too long anyway.)"""
-        chars = 0
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else message
-            chars += len(content) if isinstance(content, str) else len(str(content))
-        return chars > room * self.max_token_chars
+        return self.chars(messages) > room * self.max_token_chars
 
     def after_model_turn(self, sampled_ids: Sequence[int], messages: Sequence[Message]) -> list[int]:
         """The ids to append after a model turn that sampled `sampled_ids` when `messages` follow

@@ -99,7 +99,7 @@ class EpisodeRunner:
         if self.turns.too_long(messages, limits.max_episode_tokens):
             raise EnvironmentFailure(
                 "prompt_too_long",
-                f"the episode's opening is {sum(len(str(m.get('content'))) for m in messages)} characters: more than "
+                f"the episode's opening is {self.turns.chars(messages)} characters: more than "
                 f"{limits.max_episode_tokens} tokens of any text (model.max_seq_len / source.environment.max_episode_tokens)",
             )
         episode = Episode.start(self._ids("opening", self.turns.prompt, messages))

@@ -79,7 +79,7 @@ from grpod.inference import release
 from grpod.inference.process import LaunchLog, exit_code_of
 from grpod.rollouts.chat_turns import Message
 from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split, checked_reply
-from grpod.rollouts.reward_worker import parent_env
+from grpod.rollouts.reward_worker import cap_memory, die_with_parent, parent_env
 
 log = structlog.get_logger(__name__)
 
@@ -597,7 +597,6 @@ def serve(name: str, args: dict[str, Any], path: list[str], *, fd: int | None, h
 
     from openenv.core.env_server.interfaces import Environment
 
-    from grpod.rollouts.reward_worker import cap_memory, die_with_parent
     from grpod.rollouts.rewards import RewardLoadError, import_function
 
     if fd is not None:  # started by an adapter: it dies with the daemon

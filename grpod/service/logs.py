@@ -187,23 +187,24 @@ CUT_MARK = "=== grpod: cut {cut} bytes from the head of this file (over run.log_
 
 def cut_log(path: Path, max_bytes: int) -> int:
     """Cut `path` to its last lines (half of `max_bytes`, at most LOG_KEEP_MAX) when it is over
-    `max_bytes`, headed by a line saying so; the bytes cut, 0 if none. Its writers (this process,
-    children given it as stdout or stderr) hold it open for appending, so what they write next goes
-    to the new end. A line written between the read and the truncation is lost, and one written
-    between the truncation and the rewrite comes before the line saying so."""
+    `max_bytes`, headed by a line saying so; the bytes cut, 0 if none. The kept lines are written
+    over the file's head and the file truncated after them, so the line saying so is always first.
+    Its writers (this process, children given it as stdout or stderr) hold it open for appending, so
+    what they write next goes to the new end; a line written while the file is cut is lost."""
     try:
         size = path.stat().st_size
         if size <= max_bytes:
             return 0
         keep = min(max_bytes // 2, LOG_KEEP_MAX)
-        with path.open("rb") as f:
+        with path.open("r+b") as f:
             f.seek(size - keep)
             tail = f.read(keep)
-        newline = tail.find(b"\n")
-        tail = tail[newline + 1:] if newline >= 0 else tail
-        os.truncate(path, 0)
-        with path.open("ab") as f:
-            f.write(CUT_MARK.format(cut=size - len(tail), limit_mb=max_bytes / (1 << 20)).encode() + tail)
+            # Whole lines only: from the first line that starts in the tail to the last that ends.
+            tail = tail[tail.find(b"\n") + 1:tail.rfind(b"\n") + 1]
+            kept = CUT_MARK.format(cut=size - len(tail), limit_mb=max_bytes / (1 << 20)).encode() + tail
+            f.seek(0)
+            f.write(kept)  # over bytes the cut drops: the tail was read from past them
+            f.truncate(len(kept))
         return size - len(tail)
     except OSError as exc:  # gone, or not ours to cut: the next check tries again
         log.warning("log_cut_failed", path=str(path), error=str(exc))
