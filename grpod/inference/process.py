@@ -17,11 +17,14 @@ Guarantees:
 - Each launch gets a scratch directory as its TMPDIR and ZMQ socket base, where vLLM leaves its
   IPC sockets and `vllm_dist_*` rendezvous files; `stop` removes it with the group's vLLM-named
   /dev/shm segments (only those its processes map: seen once it is healthy, and again at stop).
+- The server stops with the process that launched it: once that process is gone (SIGKILL, OOM)
+  it sends itself SIGTERM and its group SIGKILL after `stop_grace_s`, as `stop` would have
+  (`grpod.service.children.stop_group_with_parent`).
 - A launch is recorded in `<run>/vllm.launch.json` (pgid, scratch directory) until its stop
-  completes. If a previous grpod of the same run directory was killed (SIGKILL, OOM) and left
-  its vLLM running, the next `start` stops that group first — only the processes that are in
-  the recorded group AND carry the recorded scratch directory in their environment, so a
-  recycled PID can never make it signal a stranger.
+  completes. If a previous grpod of the same run directory was killed (SIGKILL, OOM) and its vLLM
+  is still there (still stopping, or not stopping on SIGTERM), the next `start` stops that group
+  first — only the processes that are in the recorded group AND carry the recorded scratch
+  directory in their environment, so a recycled PID can never make it signal a stranger.
 - Every launch gets a random token (`GRPOD_LAUNCH_TOKEN`) that grpod's server echoes on every
   answer; the clients `client()` makes check it, so readiness, health probes and the alignment
   probe only ever count answers from this launch. A server grpod did not launch answering on the
@@ -57,6 +60,7 @@ from grpod.inference import release
 from grpod.inference.client import ForeignServerError, InferenceClient
 from grpod.inference.routes import FORK_ENGINE_CORE_ENV, LAUNCH_TOKEN_ENV, SERVED_MODEL_NAME
 from grpod.inference.threads_ext import THREADS_EXTENSION
+from grpod.service.children import parent_env
 
 log = structlog.get_logger(__name__)
 
@@ -336,15 +340,18 @@ class LaunchLog:
 
 class LaunchRecord:
     """`<run>/vllm.launch.json`: the process group and scratch directory of the launch running
-    now, kept until its stop completes, so the next start of the same run can stop what a killed
-    predecessor left — only the processes in that group AND carrying that scratch directory in
-    their environment, so a recycled PID never makes it signal a stranger."""
+    now, and once it is healthy its processes (pid and start time), kept until its stop completes,
+    so the next start of the same run can stop what a killed predecessor left — only the processes
+    in that group that carry that scratch directory in their environment or are one of those
+    recorded, so a recycled PID never makes it signal a stranger. (vLLM's EngineCore renames
+    itself, which overwrites the environment /proc shows: found by its record, not its env.)"""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def write(self, pgid: int, scratch: Path) -> None:
-        self.path.write_text(json.dumps({"pgid": pgid, "scratch": str(scratch)}))
+    def write(self, pgid: int, scratch: Path, members: list[psutil.Process] = ()) -> None:
+        known = [identity for identity in map(_identity, members) if identity is not None]
+        self.path.write_text(json.dumps({"pgid": pgid, "scratch": str(scratch), "members": known}))
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -353,13 +360,15 @@ class LaunchRecord:
         try:
             record = json.loads(self.path.read_text())
             pgid, scratch = int(record["pgid"]), str(record["scratch"])
+            known = {(int(pid), float(started)) for pid, started in record.get("members", [])}
         except FileNotFoundError:
             return
         except (ValueError, KeyError, TypeError):
             log.warning("launch_record_unreadable", path=str(self.path))
             self.clear()
             return
-        ours = [p for p in release.group_members(pgid) if release.process_env(p, "VLLM_RPC_BASE_PATH") == scratch]
+        ours = [p for p in release.group_members(pgid)
+                if release.process_env(p, "VLLM_RPC_BASE_PATH") == scratch or _identity(p) in known]
         if ours:
             log.warning("inference_left_behind", pgid=pgid, processes=len(ours), scratch=scratch)
             for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
@@ -373,6 +382,14 @@ class LaunchRecord:
                     break
         shutil.rmtree(scratch, ignore_errors=True)
         self.clear()
+
+
+def _identity(proc: psutil.Process) -> tuple[int, float] | None:
+    """(pid, start time): a process no recycled PID can pass for; None once it is gone."""
+    try:
+        return proc.pid, round(proc.create_time(), 2)
+    except psutil.Error:
+        return None
 
 
 def launch_scratch() -> tuple[Path, dict[str, str]]:
@@ -528,16 +545,19 @@ class InferenceProcess:
             await self.stop()
             raise
         log.info("inference_healthy", pid=self.pid, port=self._port, elapsed_s=round(time.monotonic() - started, 2))
+        members = await anyio.to_thread.run_sync(release.group_members, self.pgid)
         # The /dev/shm segments vLLM's processes map once started: removed at stop even when the
         # processes are gone by then (a crash, a SIGKILL) and can no longer be asked.
-        self._segments = await anyio.to_thread.run_sync(release.vllm_shm_segments, release.group_members(self.pgid))
+        self._segments = await anyio.to_thread.run_sync(release.vllm_shm_segments, members)
+        self._record.write(self.pgid, self._scratch, members)
 
     def _launch(self, argv: list[str]) -> None:
         """Spawn the server in a new session (its own process group), output appended to the log."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         scratch, scratch_env = launch_scratch()
         self._launch_token = secrets.token_hex(16)
-        env = {**os.environ, **scratch_env, **self.build_env(), LAUNCH_TOKEN_ENV: self._launch_token}
+        env = {**os.environ, **scratch_env, **self.build_env(), LAUNCH_TOKEN_ENV: self._launch_token,
+               **parent_env(self.cfg.stop_grace_s)}
         try:
             with self.log.open_for_launch(argv) as log_file:
                 self._popen = subprocess.Popen(

@@ -31,6 +31,10 @@ editing installed files:
   leaves the dev routes (`/pause`, `/collective_rpc`, ...) and `/generate` open.
 - Options in full only: the parser takes no abbreviation (`--hos` is not `--host`), behind grpod's
   own refusal of the options it decides (`grpod.config.reserved_vllm_option`).
+- Stops with the process that launched it (the daemon or the agent), killed or OOM-killed too:
+  SIGTERM to itself, SIGKILL to its process group after `inference.stop_grace_s`
+  (`grpod.service.children.stop_group_with_parent`), so a killed daemon leaves no vLLM holding
+  the port, the memory and the accelerator.
 
 Route paths, the launch-token header and the `/generate` translation live in the vLLM-free
 `grpod.inference.routes`; this module serves them (`router`).
@@ -59,6 +63,7 @@ from grpod.inference.routes import (
     atropos_response,
     completion_request_body,
 )
+from grpod.service.children import stop_group_with_parent
 
 
 def _bad_request(message: str) -> JSONResponse:
@@ -298,6 +303,7 @@ def _options_in_full() -> None:
 
 
 def main() -> None:
+    stop_group_with_parent()
     import vllm.entrypoints.launchers.api_server.entry as launcher
 
     _nap_while_waiting()

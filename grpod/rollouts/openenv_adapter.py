@@ -79,7 +79,7 @@ from grpod.inference import release
 from grpod.inference.process import LaunchLog, exit_code_of
 from grpod.rollouts.chat_turns import Message
 from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split, checked_reply
-from grpod.rollouts.reward_worker import cap_memory, die_with_parent, parent_env
+from grpod.service.children import cap_memory, die_with_parent, parent_env
 
 log = structlog.get_logger(__name__)
 

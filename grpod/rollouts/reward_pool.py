@@ -41,7 +41,8 @@ import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from grpod.errors import first_error
-from grpod.rollouts.reward_worker import HEADER, MAX_FRAME, parent_env
+from grpod.rollouts.reward_worker import HEADER, MAX_FRAME
+from grpod.service.children import parent_env
 from grpod.service.race import first_of
 
 log = structlog.get_logger(__name__)

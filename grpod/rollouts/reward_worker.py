@@ -21,22 +21,19 @@ What the process does so that user code cannot hurt the daemon or the protocol:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import inspect
 import json
 import os
 import pickle
-import resource
-import signal
 import struct
 import sys
 from typing import Any, BinaryIO
 
+from grpod.service.children import cap_memory, die_with_parent
+
 HEADER = struct.Struct(">Q")
 # A frame larger than this is a broken protocol, not a reward (a group's kwargs are kilobytes).
 MAX_FRAME = 256 * 1024 * 1024
-PR_SET_PDEATHSIG = 1
-PARENT_PID_ENV = "GRPOD_PARENT_PID"
 
 
 def write_reply(stream: BinaryIO, message: Any) -> None:
@@ -61,37 +58,6 @@ def read_request(stream: BinaryIO) -> Any | None:
     if len(data) < size:
         return None
     return pickle.loads(data)
-
-
-def parent_env() -> dict[str, str]:
-    """What a process that starts a worker adds to its environment: its own PID, for
-    `die_with_parent`."""
-    return {PARENT_PID_ENV: str(os.getpid())}
-
-
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when the daemon that started it dies, and exit now if
-    it died already (before the prctl took effect): the parent is then no longer the one that
-    named itself in PARENT_PID_ENV (`parent_env`). Not "the parent is PID 1": grpod may be a
-    container's first process, and every worker then exited at once."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the closed stdin still ends an idle worker
-        pass
-    expected = os.environ.pop(PARENT_PID_ENV, None)  # not passed on to what this process starts
-    if expected is not None and os.getppid() != int(expected):
-        os._exit(1)
-
-
-def cap_memory(memory_mb: int) -> None:
-    """Cap this process's data (RLIMIT_DATA: heap and private mappings) at `memory_mb` MiB: an
-    allocation past it fails (MemoryError in Python code) instead of growing until the kernel's
-    OOM killer picks a victim, perhaps the daemon. The reward workers' and the environments'."""
-    limit = memory_mb * 1024 * 1024
-    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 
 
 def _describe(exc: BaseException) -> str:

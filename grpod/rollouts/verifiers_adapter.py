@@ -45,7 +45,8 @@ from grpod.config import EnvironmentConfig
 from grpod.rollouts.chat_turns import Message
 from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split
 from grpod.rollouts.reward_pool import PIPE_ERRORS, _read_reply, _Worker, kill_worker
-from grpod.rollouts.reward_worker import HEADER, parent_env
+from grpod.rollouts.reward_worker import HEADER
+from grpod.service.children import parent_env
 
 log = structlog.get_logger(__name__)
 

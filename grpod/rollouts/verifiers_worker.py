@@ -57,7 +57,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from grpod.rollouts.reward_worker import cap_memory, protocol_channel, read_request, write_reply  # noqa: E402
+from grpod.rollouts.reward_worker import protocol_channel, read_request, write_reply  # noqa: E402
+from grpod.service.children import cap_memory  # noqa: E402
 
 # How long the worker waits for an episode's env code to reach its next turn, or to finish,
 # before it answers anyway; the daemon's own bound (source.environment.timeout_s) is what a user
