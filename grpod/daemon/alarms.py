@@ -20,9 +20,13 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
+
+from grpod.run.checkpoint import CheckpointDiskFull
+from grpod.run.store import BrokenTrainerState
 
 log = structlog.get_logger(__name__)
 
@@ -131,8 +135,9 @@ class SourceErrorAlarm:
 
 
 class CheckpointAlarm:
-    """A checkpoint that failed for want of disk space (`CheckpointDiskFull`) does not end the run
-    when it was a periodic or an operator's one: training goes on and the next checkpoint retries.
+    """A periodic or an operator's checkpoint that failed (no disk space: `CheckpointDiskFull`; a
+    read-only or failing filesystem) does not end the run: training goes on and the next checkpoint
+    retries. (The shutdown checkpoint's failure is the run's exit status.)
     Until one succeeds the alarm is up: logged, printed on the console, in `ctl status`
     (`alarms.checkpoint`) and in Prometheus (`grpod_alarm{alarm="checkpoint"}`)."""
 
@@ -158,6 +163,19 @@ class CheckpointAlarm:
             self.active, self.since_step = False, None
             log.info("checkpoint_alarm_cleared", step=step)
             print(f"grpod: checkpoint written at step {step} (alarm cleared)", file=sys.stderr, flush=True)
+
+    async def guard(self, step: int, checkpoint: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[dict[str, Any] | None, str | None]:
+        """(what `checkpoint()` wrote, None), or (None, why it failed) with the alarm raised.
+        BrokenTrainerState (weights not worth keeping) raises, alarm or not: the run stops."""
+        try:
+            return await checkpoint(), None
+        except BrokenTrainerState:
+            raise
+        except Exception as exc:  # noqa: BLE001 — a failed checkpoint is the alarm's, the run goes on
+            log.exception("checkpoint_failed")
+            error = str(exc) if isinstance(exc, CheckpointDiskFull) else f"{type(exc).__name__}: {exc}"
+            self.failed(step, error)
+            return None, error
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -168,7 +168,11 @@ class Reporter:
         if not self.cfg.run.progress:
             return
         p = self.progress
-        evals = [r for r in self.metrics.read() if r["kind"] == "eval"]
+        try:
+            evals = [r for r in self.metrics.read() if r.get("kind") == "eval"]
+        except (OSError, ValueError) as exc:  # a damaged metrics.jsonl costs these lines, not the exit status
+            log.warning("summary_without_metrics", error=f"{type(exc).__name__}: {exc}")
+            evals = []
         version = self.bridge.policy.version if self.bridge else "-"
         lines = [
             f"grpod: {p.stop_reason or 'stopped'} at step {p.step}/{p.steps} "

@@ -49,7 +49,6 @@ from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.replay import record_groups
 from grpod.rollouts.rewards import step_reward_metrics
-from grpod.run.checkpoint import CheckpointDiskFull
 from grpod.run.store import BrokenTrainerState, RunSnapshot
 from grpod.service.race import first_of
 
@@ -156,17 +155,11 @@ class StepLoop:
                 await self._carry_out(self.schedule.requested(), [request])
             for request in self.desk.take_requests("checkpoint"):
                 try:
-                    info = await self.checkpoint()
+                    info, error = await self.reporter.checkpoint_alarm.guard(self.progress.step, self.checkpoint)
                 except BrokenTrainerState as exc:
                     request.complete(error=f"checkpoint failed: {exc}")
                     raise  # the run stops: training on would only break more
-                except Exception as exc:  # noqa: BLE001 — reported to the operator, the run goes on
-                    log.exception("checkpoint_failed")
-                    if isinstance(exc, CheckpointDiskFull):
-                        self.reporter.checkpoint_alarm.failed(self.progress.step, str(exc))
-                    request.complete(error=f"checkpoint failed: {exc}")
-                else:
-                    request.complete(info)
+                request.complete(info) if error is None else request.complete(error=f"checkpoint failed: {error}")
             self.desk.settle()
             if not self.desk.paused:
                 return True
@@ -311,10 +304,7 @@ class StepLoop:
     async def periodic(self) -> None:
         step = self.progress.step
         if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0:
-            try:
-                await self.checkpoint()
-            except CheckpointDiskFull as exc:  # trains on; the next periodic checkpoint retries
-                self.reporter.checkpoint_alarm.failed(step, str(exc))
+            await self.reporter.checkpoint_alarm.guard(step, self.checkpoint)  # failed: trains on, the next retries
         if self.cfg.eval.every and step % self.cfg.eval.every == 0 and step < self.cfg.train.steps:
             # The evaluation measures this step's weights: the previous one ends first, and a sync
             # it held back runs now (without this, evaluations back to back held every sync: 8

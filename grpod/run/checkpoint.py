@@ -168,7 +168,18 @@ def _remove_out_of_view(path: Path, prefix: str) -> None:
     hidden = path.with_name(f"{prefix}{path.name}-{secrets.token_hex(4)}")
     os.rename(path, hidden)
     _fsync_path(path.parent)
-    shutil.rmtree(hidden)
+    _remove(hidden)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory; one that is a symbolic link (an operator moved a checkpoint
+    to another disk) loses the link only: what it points at is the operator's."""
+    if path.is_symlink():
+        target = os.readlink(path)
+        path.unlink()
+        log.info("checkpoint_link_removed", path=str(path), target=target, note="what it points at is left alone")
+    else:
+        shutil.rmtree(path)
 
 
 def write_checkpoint(
@@ -228,7 +239,7 @@ def write_checkpoint(
     os.rename(tmpdir, final)
     _fsync_path(root)
     if aside is not None:
-        shutil.rmtree(aside)
+        _remove(aside)
     log.info(
         "checkpoint_written",
         path=str(final),
@@ -408,7 +419,11 @@ def _prune(root: Path, *, keep_last: int, keep: Path) -> None:
     complete = list_checkpoints(root)
     doomed = [info for info in complete[:-keep_last] if info.path != keep] if len(complete) > keep_last else []
     for info in doomed:
-        _remove_out_of_view(info.path, ".del-")
+        try:
+            _remove_out_of_view(info.path, ".del-")
+        except OSError as exc:  # the checkpoint just written stands; the next prune tries again
+            log.warning("checkpoint_prune_failed", path=str(info.path), error=f"{type(exc).__name__}: {exc}")
+            continue
         log.info("checkpoint_pruned", path=str(info.path), step=info.step, keep_last=keep_last)
 
 
@@ -441,7 +456,11 @@ def clean_stale_temp(root: Path) -> list[Path]:
                     continue
         elif not entry.name.startswith((".tmp-", ".del-")):
             continue
-        shutil.rmtree(entry)
+        try:
+            _remove(entry)
+        except OSError as exc:  # left for the operator; it is out of every reader's view
+            log.warning("stale_checkpoint_temp_kept", path=str(entry), error=f"{type(exc).__name__}: {exc}")
+            continue
         removed.append(entry)
         log.info("stale_checkpoint_temp_removed", path=str(entry))
     return removed

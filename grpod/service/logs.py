@@ -26,23 +26,91 @@ log = structlog.get_logger(__name__)
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
-class _Tee:
-    """Writes each rendered event to the JSON file and, rendered for humans, to the console."""
+class LineFile:
+    """A file of lines that only grows by whole lines: grpod.log and metrics.jsonl.
 
-    def __init__(self, file: TextIO | None, console: TextIO, console_level: int) -> None:
+    A write that fails (ENOSPC, EIO) cuts the file back to where its line began and raises, so
+    a full disk never leaves half a record that a later line would run into; a last line cut off
+    by a kill is removed when the file is opened (and said: `cut`, its bytes)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self.cut = 0
+
+    def append(self, text: str) -> None:
+        if self._fd is None:
+            self._fd = self._open()
+        data = text.encode()
+        start = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError:
+                pass
+            raise
+
+    def _open(self) -> int:
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        size = os.fstat(fd).st_size
+        if size:
+            tail = os.pread(fd, min(size, 1 << 20), max(0, size - (1 << 20)))
+            if not tail.endswith(b"\n"):
+                end = tail.rfind(b"\n")
+                keep = size - len(tail) + end + 1 if end >= 0 else (0 if size <= len(tail) else size)
+                self.cut = size - keep
+                os.ftruncate(fd, keep)
+        return fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class _Tee:
+    """Writes each rendered event to the JSON file and, rendered for humans, to the console.
+
+    The file outlives a full disk: an event it cannot take is counted, not raised into whatever
+    was logging (a train step, a stop), and once writes succeed again a `log_lines_lost` event
+    says how many and why. The console still shows them."""
+
+    def __init__(self, file: LineFile | None, console: TextIO, console_level: int) -> None:
         self.file = file
         self.console = console
         self.console_level = console_level
         self.pretty = structlog.dev.ConsoleRenderer(colors=False)
+        self.lost = 0
+        self.lost_error = ""
 
     def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> str:
         if self.file is not None:
-            self.file.write(json.dumps(event, default=str) + "\n")
-            self.file.flush()
+            self._write(event)
         if _LEVELS.get(event.get("level", "info"), logging.INFO) >= self.console_level:
             self.console.write(self.pretty(logger, method, dict(event)) + "\n")
             self.console.flush()
         return ""
+
+    def _write(self, event: dict[str, Any]) -> None:
+        line = json.dumps(event, default=str) + "\n"
+        if self.lost:
+            note = {"event": "log_lines_lost", "level": "warning", "lines": self.lost, "error": self.lost_error,
+                    "timestamp": event.get("timestamp")}
+            line = json.dumps(note) + "\n" + line
+        try:
+            self.file.append(line)
+        except OSError as exc:
+            if not self.lost:
+                self.console.write(f"grpod: cannot write {self.file.path} ({exc}); events go to the console only "
+                                   "until it can\n")
+            self.lost += 1
+            self.lost_error = f"{type(exc).__name__}: {exc}"
+        else:
+            self.lost = 0
 
 
 class _Console:
@@ -107,7 +175,7 @@ def configure_logging(run_dir: Path | None, level: str = "info", console: TextIO
     file = None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        file = open(run_dir / "grpod.log", "a", buffering=1)  # noqa: SIM115 — lives as long as the process
+        file = LineFile(run_dir / "grpod.log")  # lives as long as the process
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -239,22 +307,52 @@ class LogLimit:
 
 
 class MetricsLog:
+    """<run>/metrics.jsonl, one record a line (`LineFile`). Records that cannot be written now (a
+    full disk) wait in memory, up to MAX_PENDING, and are written in order by the first write that
+    succeeds; the run goes on meanwhile."""
+
+    MAX_PENDING = 100_000
+
     def __init__(self, path: Path, wandb: WandbSink | None = None) -> None:
         self.path = path
         self.wandb = wandb
+        self._file = LineFile(path)
+        self._pending: list[str] = []
+        self.dropped = 0  # records past MAX_PENDING while the file could not be written
 
     def write(self, kind: str, step: int, values: dict[str, Any], *, log_step: int | None = None) -> None:
         """Append one record at `step`; W&B logs it at `log_step` (default `step`: W&B keeps
         only steps in increasing order)."""
         record = {**values, "kind": kind, "step": step, "time": time.time()}
-        if not self.path.parent.is_dir():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(json_ready(record), default=float) + "\n")
+        self._pending.append(json.dumps(json_ready(record), default=float) + "\n")
+        if len(self._pending) > self.MAX_PENDING:
+            del self._pending[0]
+            self.dropped += 1
+        self._flush()
         if self.wandb is not None:
             self.wandb.log(kind, step if log_step is None else log_step, values)
 
+    def _flush(self) -> None:
+        waited = len(self._pending) - 1
+        try:
+            if not self.path.parent.is_dir():
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file.append("".join(self._pending))
+        except OSError as exc:
+            if not waited:
+                log.warning("metrics_write_failed", path=str(self.path), error=f"{type(exc).__name__}: {exc}",
+                            note="records wait in memory until the file can be written")
+            return
+        if self._file.cut:
+            log.warning("metrics_line_cut", path=str(self.path), bytes=self._file.cut,
+                        note="the last line was cut off (a kill or a full disk while it was written)")
+            self._file.cut = 0
+        if waited:
+            log.info("metrics_written_late", path=str(self.path), records=waited, dropped=self.dropped)
+        self._pending.clear()
+
     def close(self) -> None:
+        self._file.close()
         if self.wandb is not None:
             wandb, self.wandb = self.wandb, None
             wandb.close()

@@ -18,6 +18,7 @@ corrupt checkpoints at start) need no vLLM and run in seconds.
   30.7  a second `grpod start` on the run directory is refused (exit 2, the first one's pid)
   30.8  a periodic checkpoint on a full disk: alarm, training goes on, the next one succeeds
   30.9  every checkpoint corrupt: `grpod start` refuses (exit 2, naming each and why)
+  30.10 a periodic checkpoint on a read-only file system: alarm, training goes on, then it succeeds
   30.P  property: random and hostile request lines and live settings, the daemon trains on
 """
 
@@ -356,6 +357,30 @@ def test_a_periodic_checkpoint_on_a_full_disk(run, fault_case):
     row.recovery_s, row.data_lost = time.monotonic() - began, "none"
     row.notes = (f"{status['alarms']['checkpoint']['failures']} checkpoints failed, training went on; written again at "
                  f"step {status['last_checkpoint']['step']}")
+
+
+@pytest.mark.timeout(300)
+def test_a_periodic_checkpoint_on_a_read_only_file_system(run, fault_case):
+    row = fault_case("30.10 periodic checkpoint on a read-only file system (remounted ro), then rw again")
+    if not run.tmpfs:
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    began = time.monotonic()
+    before = (run.status()["alarms"].get("checkpoint") or {}).get("failures", 0)
+    remount = ["mount", "-o", "remount,{}", str(run.checkpoints)]
+    subprocess.run([part.format("ro") for part in remount], check=True, capture_output=True, timeout=30)
+    try:
+        status = status_until(run.daemon, lambda s: (s["alarms"].get("checkpoint") or {}).get("active"), 120,
+                              "the checkpoint alarm")
+        error = status["alarms"]["checkpoint"]["last_error"]
+        assert error.startswith("OSError: [Errno 30] Read-only file system"), error
+        status = run.trains_on(CHECKPOINT_EVERY + 1)  # the run goes on past the next one, which fails again
+        assert status["alarms"]["checkpoint"]["failures"] >= before + 2, status["alarms"]["checkpoint"]
+    finally:
+        subprocess.run([part.format("rw") for part in remount], check=True, capture_output=True, timeout=30)
+    status = status_until(run.daemon, lambda s: not s["alarms"]["checkpoint"]["active"], 120, "the alarm cleared")
+    row.recovery_s, row.data_lost = time.monotonic() - began, "none"
+    row.notes = (f"{status['alarms']['checkpoint']['failures']} checkpoints failed (EROFS), training went on; "
+                 f"written again at step {status['last_checkpoint']['step']}")
 
 
 @pytest.mark.timeout(300)

@@ -432,3 +432,22 @@ def test_a_failure_with_space_left_is_not_called_disk_full(tmp_path: Path, monke
     _full_filesystem(monkeypatch, free=10 << 30)
     with pytest.raises(RuntimeError, match="unexpected pos"):
         write_checkpoint(tmp_path, 2, populate, {}, keep_last=3)
+
+
+def test_a_checkpoint_moved_to_another_disk_behind_a_link_is_pruned_by_its_link(tmp_path: Path) -> None:
+    """An operator moved step 1 elsewhere and left a symbolic link: pruning it (keep_last = 1)
+    removes the link, never what it points at, and the run goes on; so does a start that finds
+    a link left half-pruned."""
+    root, elsewhere = tmp_path / "ckpt", tmp_path / "other-disk"
+    moved = _write(root, 1)
+    elsewhere.mkdir()
+    os.rename(moved, elsewhere / moved.name)
+    moved.symlink_to(elsewhere / moved.name, target_is_directory=True)
+    assert [info.step for info in list_checkpoints(root)] == [1]
+    _write(root, 2, keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step-000002"]
+    assert verify_checkpoint(elsewhere / moved.name), "the moved checkpoint itself is left alone"
+    # A prune killed between its rename and its delete left a hidden link: the next start tidies it.
+    (root / ".del-step-000001-0badf00d").symlink_to(elsewhere / moved.name, target_is_directory=True)
+    assert clean_stale_temp(root) == [root / ".del-step-000001-0badf00d"]
+    assert (elsewhere / moved.name).is_dir()

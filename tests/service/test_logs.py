@@ -3,13 +3,17 @@ caller (logging or printing), and the event log still gets every event."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
-from grpod.service.logs import _Console
+import pytest
+
+from grpod.service.logs import LineFile, MetricsLog, _Console, read_metrics
 
 
 def test_a_console_whose_reader_exited_drops_its_lines_and_says_why(tmp_path):
@@ -117,3 +121,90 @@ def test_no_limit_cuts_nothing_and_a_file_under_it_is_left_alone(tmp_path):
     LogLimit(tmp_path, None).check()
     assert cut_log(path, 7000) == 0 and path.stat().st_size == 7000
     assert cut_log(path, 6999) > 0 and path.stat().st_size < 6999
+
+
+# ---- a full disk under the run directory (a real one: a small tmpfs) ------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs and a filler that fills it; the filler is removed to free the space."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                                           capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+
+
+def _fill(mount: Path) -> Path:
+    filler = mount / "filler"
+    with open(filler, "ab", buffering=0) as fh:
+        with pytest.raises(OSError) as full:
+            while True:
+                fh.write(b"\0" * 4096)
+    assert full.value.errno == errno.ENOSPC
+    return filler
+
+
+def test_a_line_that_does_not_fit_leaves_the_file_as_it_was(small_disk):
+    lines = LineFile(small_disk / "metrics.jsonl")
+    lines.append('{"a": 1}\n')
+    filler = _fill(small_disk)
+    big = json.dumps({"b": "x" * 200_000}) + "\n"  # more than the bytes the filler left over
+    with pytest.raises(OSError):
+        lines.append(big)
+    assert (small_disk / "metrics.jsonl").read_text() == '{"a": 1}\n', "no part of the failed line stays"
+    filler.unlink()
+    lines.append(big)
+    assert read_metrics(small_disk / "metrics.jsonl") == [{"a": 1}, {"b": "x" * 200_000}]
+
+
+def test_metrics_wait_in_memory_while_the_disk_is_full_and_are_written_in_order(small_disk):
+    metrics = MetricsLog(small_disk / "metrics.jsonl")
+    metrics.write("step", 1, {"loss": 1.0})
+    filler = _fill(small_disk)
+    for step in range(2, 40):  # a run that goes on: no write raises
+        metrics.write("step", step, {"loss": 1.0, "pad": "x" * 5000})  # more than a page: needs space
+    assert [r["step"] for r in read_metrics(small_disk)] == [1]
+    filler.unlink()
+    metrics.write("step", 40, {"loss": 1.0})
+    assert [r["step"] for r in read_metrics(small_disk)] == list(range(1, 41))
+
+
+def test_the_event_log_outlives_a_full_disk_and_says_what_it_lost(small_disk):
+    script = textwrap.dedent(f"""
+        import errno, structlog
+        from pathlib import Path
+        from grpod.service.logs import configure_logging
+        run = Path({str(small_disk)!r})
+        configure_logging(run, "error")
+        log = structlog.get_logger("t")
+        log.info("before")
+        with open(run / "filler", "ab", buffering=0) as fh:
+            try:
+                while True:
+                    fh.write(b"0" * 4096)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+        for i in range(50):
+            log.info("while_full", i=i, pad="x" * 2000)
+        (run / "filler").unlink()
+        log.info("after")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "cannot write" in done.stderr and "No space left" in done.stderr
+    events = [json.loads(line) for line in (small_disk / "grpod.log").read_text().splitlines()]
+    names = [e["event"] for e in events]
+    assert names[0] == "before" and names[-2:] == ["log_lines_lost", "after"], names
+    assert names.count("while_full") + events[-2]["lines"] == 50 and events[-2]["lines"] > 0
+
+
+def test_a_last_line_cut_off_by_a_kill_is_removed_before_the_next_record(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "step", "step": 1}\n{"kind": "step", "st')
+    MetricsLog(path).write("step", 2, {"loss": 0.5})
+    assert [r["step"] for r in read_metrics(path)] == [1, 2], "no half line in the middle of the file"
