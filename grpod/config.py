@@ -110,8 +110,9 @@ class RunConfig(_Section):
     seed: int = Field(0, description="Seed of the trainer (and of the tiny built-in model when grpod builds it).")
     resume: str = Field(
         "auto",
-        description='"auto": resume from the newest complete checkpoint in run.dir; "never"; or the path of a '
-        "checkpoint directory.",
+        description='"auto": resume from the newest complete checkpoint in run.dir; "never": start afresh; or the '
+        "path of a checkpoint directory, applied once (later starts resume what was trained since). \"never\" and a "
+        "path move the run directory's newer checkpoints to superseded/.",
     )
     resume_mismatch: Literal["refuse", "allow"] = Field(
         "refuse",

@@ -496,6 +496,74 @@ def resolve_resume(root: Path, resume: str) -> CheckpointInfo | None:
         raise ResumeError(f"run.resume = {resume!r}: cannot resume from it: {exc}") from None
 
 
+ORIGIN_NAME = ".origin.json"
+SUPERSEDED_DIR = "superseded"
+
+
+def resume_from(root: Path, resume: str) -> tuple[CheckpointInfo | None, bool]:
+    """`resolve_resume`, except that a `run.resume = PATH` applied already is not applied again;
+    (the checkpoint or None, whether `begin_line` must follow once the start is accepted).
+
+    A start from PATH (or from step 0: "never") begins a new line of checkpoints in `root`. A
+    later start with the same PATH — the config file still says it, systemd restarted the daemon —
+    resumes that line's newest checkpoint, not PATH again: a restart never throws away what the
+    new line trained (nor fails because rotation pruned PATH since). "never" means what it says
+    at every start."""
+    root = Path(root)
+    if resume not in ("auto", "never"):
+        origin = _read_origin(root)
+        if origin is not None and origin.get("resume") == _resolved(resume):
+            latest = latest_checkpoint(root)
+            if latest is not None and latest.step > origin.get("step", 0):
+                log.info("resume_line_continued", resume=resume, checkpoint=str(latest.path), step=latest.step,
+                         note=f"run.resume = PATH was applied at {origin.get('at')}; this resumes the newest "
+                         "checkpoint written since (run.resume = 'auto' says the same)")
+                return latest, False
+    return resolve_resume(root, resume), resume != "auto"
+
+
+def begin_line(root: Path, resume: str, info: CheckpointInfo | None) -> list[Path]:
+    """A start with `run.resume` = "never" or a PATH (`resume_from`) was accepted: every
+    checkpoint of `root` newer than the start (every one, for a fresh start) belongs to the run
+    that was left and is moved out of view, to `<root>/superseded/<time>/`, so no later "auto"
+    start resumes it and rotation never prunes the new line for it; the start is recorded
+    (`.origin.json`). Returns where the moved checkpoints went."""
+    root = Path(root)
+    start = info.step if info is not None else -1
+    kept = info.path.resolve() if info is not None else None
+    newer = [path for step, path in _step_dirs(root) if step > start and path.resolve() != kept]
+    moved = []
+    if newer:
+        aside = root / SUPERSEDED_DIR / datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+        aside.mkdir(parents=True)
+        for path in newer:
+            os.rename(path, aside / path.name)
+            moved.append(aside / path.name)
+        _fsync_path(root)
+        log.warning("checkpoints_superseded", moved=[p.name for p in moved], to=str(aside),
+                    note=f"run.resume = {resume!r} starts a new line at step {max(start, 0)}; the newer "
+                    "checkpoints of the run it left are kept there, out of view: delete them when not needed")
+    root.mkdir(parents=True, exist_ok=True)
+    record = {"resume": "never" if resume == "never" else _resolved(resume), "step": max(start, 0),
+              "at": datetime.now(UTC).isoformat(timespec="seconds")}
+    written = root / f".tmp-{ORIGIN_NAME}"
+    written.write_text(json.dumps(record))
+    os.replace(written, root / ORIGIN_NAME)
+    return moved
+
+
+def _resolved(resume: str) -> str:
+    return str(Path(resume).expanduser().resolve())
+
+
+def _read_origin(root: Path) -> dict | None:
+    try:
+        record = json.loads((Path(root) / ORIGIN_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step", 0), int) else None
+
+
 def _none_usable(root: Path) -> str:
     lines = []
     for _step, path in _step_dirs(root):

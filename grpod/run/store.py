@@ -24,11 +24,12 @@ from grpod.config import GrpodConfig, ModelConfig
 from grpod.rollouts.group import RolloutGroup
 from grpod.run.checkpoint import (
     CheckpointError,
+    begin_line,
     clean_stale_temp,
     latest_checkpoint,
     load_json,
     load_tensors_state,
-    resolve_resume,
+    resume_from,
     save_json,
     save_tensors_state,
     write_checkpoint,
@@ -190,11 +191,14 @@ class RunStore:
         """The newest complete checkpoint's run state (identity checked), or a fresh start. The
         trainer and the RNG streams come back in `load_trainer`."""
         clean_stale_temp(self.root)
-        info = resolve_resume(self.root, self.cfg.run.resume)
+        info, new_line = resume_from(self.root, self.cfg.run.resume)
+        state = load_json(info.path, "run_state.json") if info is not None else None
+        if info is not None:
+            check_identity(info.path, state.get("identity"), self.cfg)
+        if new_line:
+            begin_line(self.root, self.cfg.run.resume, info)
         if info is None:
             return Restored()
-        state = load_json(info.path, "run_state.json")
-        check_identity(info.path, state.get("identity"), self.cfg)
         return Restored(
             step=state["step"],
             policy_version=state["policy_version"],

@@ -21,12 +21,14 @@ from grpod.run.checkpoint import (
     CheckpointError,
     CorruptCheckpointError,
     ResumeError,
+    begin_line,
     clean_stale_temp,
     latest_checkpoint,
     list_checkpoints,
     load_json,
     load_tensors_state,
     resolve_resume,
+    resume_from,
     save_json,
     save_tensors_state,
     verify_checkpoint,
@@ -451,3 +453,48 @@ def test_a_checkpoint_moved_to_another_disk_behind_a_link_is_pruned_by_its_link(
     (root / ".del-step-000001-0badf00d").symlink_to(elsewhere / moved.name, target_is_directory=True)
     assert clean_stale_temp(root) == [root / ".del-step-000001-0badf00d"]
     assert (elsewhere / moved.name).is_dir()
+
+
+def test_a_fresh_start_moves_the_run_it_leaves_out_of_view(tmp_path: Path) -> None:
+    """run.resume = "never" on a run directory with checkpoints of steps 14-17: they go to
+    superseded/, so the new line's checkpoints are the newest (a later "auto" start resumes them,
+    not step 17) and rotation prunes among them only."""
+    root = tmp_path / "ckpt"
+    for step in (14, 16, 17):
+        _write(root, step)
+    info, new_line = resume_from(root, "never")
+    assert info is None and new_line
+    moved = begin_line(root, "never", info)
+    assert [p.name for p in moved] == ["step-000014", "step-000016", "step-000017"]
+    assert all(verify_checkpoint(p) for p in moved), "kept whole, out of view"
+    for step in (2, 4, 5):
+        _write(root, step, keep_last=2)
+    assert [i.step for i in list_checkpoints(root)] == [4, 5]
+    assert resume_from(root, "auto") == (latest_checkpoint(root), False) and latest_checkpoint(root).step == 5
+
+
+def test_a_start_from_an_older_checkpoint_is_applied_once(tmp_path: Path) -> None:
+    """run.resume = PATH (step 6 of this run, 8 and 10 after it): 8 and 10 are moved out of view;
+    once the new line has checkpoints, a restart with the same setting resumes the line's newest,
+    also after rotation pruned PATH itself."""
+    root = tmp_path / "ckpt"
+    for step in (6, 8, 10):
+        _write(root, step)
+    path = str(root / "step-000006")
+    info, new_line = resume_from(root, path)
+    assert info.step == 6 and new_line
+    assert [p.name for p in begin_line(root, path, info)] == ["step-000008", "step-000010"]
+    # Restarted before the new line wrote anything: PATH again.
+    again, new_line = resume_from(root, path)
+    assert again.step == 6 and new_line
+    begin_line(root, path, again)
+    for step in (7, 9):
+        _write(root, step, keep_last=1)
+    assert [i.step for i in list_checkpoints(root)] == [9], "rotation pruned PATH"
+    continued, new_line = resume_from(root, path)
+    assert continued.step == 9 and not new_line
+    # Another PATH is a new instruction: applied, the newer checkpoints out of view again.
+    other = _write(tmp_path / "elsewhere", 3)
+    info, new_line = resume_from(root, str(other))
+    assert info.step == 3 and new_line
+    assert [p.name for p in begin_line(root, str(other), info)] == ["step-000009"]
