@@ -116,8 +116,10 @@ class RunConfig(_Section):
     )
     resume_mismatch: Literal["refuse", "allow"] = Field(
         "refuse",
-        description="A checkpoint whose model, source kind or task differs from the config: \"refuse\" (exit 1, "
-        "both named) or \"allow\" (resumed anyway, with a warning).",
+        description="A checkpoint whose model, source kind or task differs from the config: \"refuse\" (exit 2, "
+        "both named) or \"allow\" (resumed anyway, with a warning). Likewise a checkpoint of another "
+        "train.optimizer (\"allow\": its optimizer state is dropped and the optimizer starts afresh); one whose "
+        "LoRA settings differ (train.lora, rank, alpha, target modules) is refused either way.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Console level; the JSON log (<run.dir>/grpod.log) always has everything."
@@ -941,7 +943,10 @@ class TrainConfig(_Section):
         description="Learning rate. At most 1: an optimizer step that moves every weight by more than 1 destroys "
         "any model.",
     )
-    weight_decay: float = Field(0.0, ge=0, description="The optimizer's weight decay.")
+    weight_decay: float = Field(
+        0.0, ge=0, description="The optimizer's weight decay; on resume the config's value replaces the checkpoint's "
+        "(logged), as train.lr does."
+    )
     warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up.")
     schedule: Literal["constant", "cosine"] = Field(
         "constant",
@@ -950,7 +955,9 @@ class TrainConfig(_Section):
     )
     grad_clip: float = Field(1.0, gt=0, description="Max gradient norm.")
     optimizer: Literal["adamw", "adamw_8bit", "adafactor"] = Field(
-        "adamw", description='"adamw" (fp32 states), "adafactor" or "adamw_8bit" (CUDA + bitsandbytes).'
+        "adamw",
+        description='"adamw" (fp32 states), "adafactor" or "adamw_8bit" (CUDA + bitsandbytes). A checkpoint of '
+        'another optimizer is refused on resume (run.resume_mismatch = "allow": the optimizer starts afresh).',
     )
     micro_batch_tokens: int = Field(
         4096, ge=16, description="Padded tokens per micro-batch (gradient accumulation beyond)."
@@ -1028,7 +1035,11 @@ class TrainConfig(_Section):
     advantages: AdvantageConfig = Field(
         AdvantageConfig(), description="How scores become advantages (grpod/training/advantages.py)."
     )
-    lora_config: LoraConfig = Field(LoraConfig(), description="The LoRA adapter (with train.lora = true).")
+    lora_config: LoraConfig = Field(
+        LoraConfig(),
+        description="The LoRA adapter (with train.lora = true). Its rank, alpha and target modules are the run's: a "
+        "checkpoint whose adapter has others (or that holds full weights) is refused on resume.",
+    )
 
     @model_validator(mode="after")
     def _dr_grpo_scale(self) -> TrainConfig:

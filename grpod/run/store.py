@@ -5,7 +5,9 @@ modes), the trainer state (optimizer, scheduler, step; trainer ranks under torch
 optimizer, with the model, in `sharded/`: each rank's shards, written with
 torch.distributed.checkpoint, which reshards them on load at any world size), every RNG stream
 (rank 0's), and `run_state.json`:
-step, policy version, the rollout source's cursor, and the accepted-but-untrained rollout groups.
+step, policy version, the rollout source's cursor, and the accepted-but-untrained rollout groups,
+and what a config must share with it to resume it (the run's identity, the training shape:
+`grpod.run.compatibility`, asked before anything launches).
 Restoring all of it is what makes a resume exact: the stream continues where it stopped and no
 accepted group is lost or trained twice. The write itself (temp dir, fsync, manifest last,
 atomic rename) lives once, in `grpod.run.checkpoint`.
@@ -34,6 +36,7 @@ from grpod.run.checkpoint import (
     save_tensors_state,
     write_checkpoint,
 )
+from grpod.run.compatibility import TrainingShape, check_identity, check_training_shape, run_identity
 from grpod.run.rng import capture_rng, restore_rng
 
 log = structlog.get_logger(__name__)
@@ -52,6 +55,9 @@ class Restored:
     source_cursor: dict[str, Any] | None = None
     checkpoint: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # The checkpoint's optimizer state is another optimizer's, let through by
+    # run.resume_mismatch = "allow": the optimizer starts afresh (grpod.run.compatibility).
+    fresh_optimizer: bool = False
 
     @property
     def weights(self) -> Path | None:
@@ -112,45 +118,6 @@ def _weight_tensors(model_dir: Path):
                 yield f"{path.relative_to(model_dir.parent)}: {name}", fh.get_tensor(name)
 
 
-class ResumeMismatch(RuntimeError):
-    """The checkpoint to resume belongs to another run: a different model, source kind or task."""
-
-
-def run_identity(cfg: GrpodConfig) -> dict[str, str]:
-    """What a checkpoint must share with the config to be resumed by it."""
-    source = cfg.source
-    task = {
-        "builtin": lambda: f"arithmetic, task_seed {source.task_seed}",
-        "atropos": lambda: f"atropos at {source.atropos_url}",
-        "replay": lambda: f"replay of {source.replay_path}",
-        "dataset": lambda: f"dataset {source.dataset.path}",
-        "environment": lambda: (
-            f"environment {source.environment.adapter} {source.environment.name or source.environment.url or ''}"
-            f", task_seed {source.environment.task_seed}"
-        ),
-    }[source.kind]()
-    return {"model": str(Path(cfg.model.path).resolve()), "source_kind": source.kind, "task": task}
-
-
-def check_identity(checkpoint: Path, recorded: dict[str, str] | None, cfg: GrpodConfig) -> None:
-    """Refuse (ResumeMismatch naming both sides) to resume a checkpoint of another run, unless
-    `run.resume_mismatch = "allow"`. Checkpoints written before identities were recorded pass."""
-    if recorded is None:
-        return
-    wanted = run_identity(cfg)
-    differ = {key: (recorded.get(key), value) for key, value in wanted.items() if recorded.get(key) != value}
-    if not differ:
-        return
-    described = "; ".join(f"{key}: checkpoint {old!r}, config {new!r}" for key, (old, new) in differ.items())
-    if cfg.run.resume_mismatch == "allow":
-        log.warning("resume_mismatch_allowed", checkpoint=str(checkpoint), differences=described)
-        return
-    raise ResumeMismatch(
-        f"{checkpoint} belongs to another run ({described}); use another run.dir, run.resume = \"never\", "
-        f"or run.resume_mismatch = \"allow\" to resume it anyway"
-    )
-
-
 def model_dir_problem(model: ModelConfig) -> str | None:
     """Why `model.path` can be neither loaded nor built into (None: it holds a model, or grpod
     builds the tiny one there); `grpod check-config` and the start ask before anything launches."""
@@ -188,13 +155,17 @@ class RunStore:
         init_model(path, seed=self.cfg.run.seed)
 
     def resume_point(self) -> Restored:
-        """The newest complete checkpoint's run state (identity checked), or a fresh start. The
-        trainer and the RNG streams come back in `load_trainer`."""
+        """The newest complete checkpoint's run state (its identity and training shape checked
+        against the config: `grpod.run.compatibility`), or a fresh start. The trainer and the RNG
+        streams come back in `load_trainer`."""
         clean_stale_temp(self.root)
         info, new_line = resume_from(self.root, self.cfg.run.resume)
-        state = load_json(info.path, "run_state.json") if info is not None else None
-        if info is not None:
+        if info is not None:  # checked before a new line moves anything
+            state = load_json(info.path, "run_state.json")
             check_identity(info.path, state.get("identity"), self.cfg)
+            fresh_optimizer = check_training_shape(
+                info.path, state.get("training"), self.cfg, sharded=(info.path / SHARDED_STATE).is_dir()
+            )
         if new_line:
             begin_line(self.root, self.cfg.run.resume, info)
         if info is None:
@@ -206,11 +177,13 @@ class RunStore:
             source_cursor=state.get("source_cursor"),
             checkpoint=info.path,
             extra=state.get("extra", {}),
+            fresh_optimizer=fresh_optimizer,
         )
 
     def load_trainer(self, restored: Restored):
-        """The trainer, fresh or as `restored` left it (weights, optimizer, schedule, step), and
-        then every RNG stream as the checkpoint recorded it."""
+        """The trainer, fresh or as `restored` left it (weights, optimizer unless
+        `restored.fresh_optimizer`, schedule, step), and then every RNG stream as the checkpoint
+        recorded it."""
         from grpod.training.trainer import build_trainer
 
         build = self._build_trainer or build_trainer
@@ -223,8 +196,11 @@ class RunStore:
             trainer = build(self.cfg, restored.weights)
         sharded = restored.checkpoint / SHARDED_STATE
         if sharded.is_dir():  # written by trainer ranks (any number of them)
-            trainer.load_sharded(sharded)
-        trainer.load_state_dict(load_tensors_state(restored.checkpoint, "trainer_state.pt"))
+            trainer.load_sharded(sharded, not restored.fresh_optimizer)
+        state = load_tensors_state(restored.checkpoint, "trainer_state.pt")
+        if restored.fresh_optimizer:
+            state.pop("optimizer", None)
+        trainer.load_state_dict(state)
         restore_rng(load_json(restored.checkpoint, "rng.json"))
         return trainer
 
@@ -257,6 +233,7 @@ class RunStore:
                     "buffered": [g.to_json() for g in snapshot.buffered],
                     "extra": snapshot.extra,
                     "identity": run_identity(self.cfg),
+                    "training": TrainingShape.of(self.cfg.train).to_json(),
                 },
             )
 

@@ -552,9 +552,9 @@ class DistributedTrainer(Trainer):
         with self._call("save_sharded", str(path)):
             save_sharded_state(self.model, self.optimizer, Path(path))
 
-    def load_sharded(self, path: Path) -> None:
-        with self._call("load_sharded", str(path)):
-            load_sharded_state(self.model, self.optimizer, Path(path))
+    def load_sharded(self, path: Path, with_optimizer: bool = True) -> None:
+        with self._call("load_sharded", str(path), with_optimizer):
+            load_sharded_state(self.model, self.optimizer if with_optimizer else None, Path(path))
 
 
 def build_distributed_trainer(

@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 
 def save_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -24,17 +29,24 @@ def save_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
 
 
-def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) -> None:
     """Load what `save_sharded_state` wrote, at any world size (DCP reshards), one process
-    without a process group included."""
+    without a process group included; the model only when `optimizer` is None (one of another
+    kind starts afresh)."""
     import torch.distributed.checkpoint as dcp
 
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
     with warnings.catch_warnings():  # one process: DCP warns that it reads every shard itself
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def by_parameter_name(model: torch.nn.Module, optimizer_state: dict[str, Any]) -> dict[str, Any]:

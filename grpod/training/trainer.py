@@ -28,8 +28,10 @@ weights and `step` untouched and reports `skipped = 1`.
 
 Resuming: the weights come back through the constructor (`model_path` = saved full weights, or
 `adapter_path` = a saved adapter over the base at `model_path`), the optimizer, schedule and step
-counter through `load_state_dict`. A `train.lr` that differs from the checkpoint's is applied (the
-config file is what a restart means) and logged.
+counter through `load_state_dict`. A `train.lr`, `train.weight_decay` or other optimizer setting
+(`grpod.training.optim.hyperparameters`) that differs from the checkpoint's is applied (the config
+file is what a restart means) and logged. Whether the checkpoint's adapter and optimizer state fit
+the config at all is asked before the trainer is built (`grpod.run.compatibility`).
 """
 
 from __future__ import annotations
@@ -61,7 +63,13 @@ from grpod.training.batching import (
 )
 from grpod.training.forward import batch_logprobs, micro_batch_loss, sequence_logprobs
 from grpod.training.loss import LossStats, StepNormalizer
-from grpod.training.optim import build_optimizer, build_scheduler, set_peak_lr
+from grpod.training.optim import (
+    apply_hyperparameters,
+    build_optimizer,
+    build_scheduler,
+    follow_schedule,
+    set_peak_lr,
+)
 from grpod.training.sharded import load_sharded_state
 
 log = structlog.get_logger(__name__)
@@ -506,21 +514,27 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """What `state_dict` returned; without "optimizer" when the optimizer came from a sharded
-        checkpoint (`load_sharded`)."""
+        checkpoint (`load_sharded`), or starts afresh (a checkpoint of another optimizer resumed
+        with run.resume_mismatch = "allow"). The config's optimizer settings win over the
+        checkpoint's, each change logged."""
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        follow_schedule(self.optimizer, self.scheduler)
         self.step = int(state["step"])
         self.updates = int(state.get("updates", self.step))
+        for key, old, new in apply_hyperparameters(self.optimizer, self.train_cfg):
+            setting = f"train.{key}" if key in TrainConfig.model_fields else f"{self.train_cfg.optimizer} {key}"
+            log.warning("optimizer_setting_from_config", key=setting, checkpoint=old, config=new)
         saved_lr = self.scheduler.base_lrs[0]
         if not math.isclose(saved_lr, self.train_cfg.lr, rel_tol=1e-9):
             log.warning("learning_rate_from_config", checkpoint_lr=saved_lr, config_lr=self.train_cfg.lr)
             self.set_learning_rate(self.train_cfg.lr)
 
-    def load_sharded(self, path: Path) -> None:
-        """Weights and optimizer state from the sharded checkpoint of trainer ranks under torchrun
-        (`grpod.training.sharded`), gathered into this one process."""
-        load_sharded_state(self.model, self.optimizer, path)
+    def load_sharded(self, path: Path, with_optimizer: bool = True) -> None:
+        """Weights and (unless not `with_optimizer`) optimizer state from the sharded checkpoint of
+        trainer ranks under torchrun (`grpod.training.sharded`), gathered into this one process."""
+        load_sharded_state(self.model, self.optimizer if with_optimizer else None, path)
 
 
 def build_trainer(cfg: GrpodConfig, model_path: Path | None = None, *, adapter_path: Path | None = None) -> Trainer:

@@ -117,3 +117,29 @@ def test_a_run_directory_that_cannot_be_made_is_refused_with_exit_2(tmp_path, ca
     err = capsys.readouterr().err
     assert f"run.dir {tmp_path / 'afile' / 'run'}: Not a directory" in err, err
     assert daemon.progress.exit_code == 2
+
+
+def test_a_checkpoint_the_config_cannot_resume_is_refused_with_exit_2_before_anything_launches(tmp_path, capsys, monkeypatch):
+    """Review 7: train.lora = true on a full run's checkpoint launched vLLM, then failed at the
+    trainer load with exit 1 (systemd's Restart=on-failure started it into the same failure); a
+    checkpoint of another run (identity) exited 1 too."""
+    import grpod.daemon.components
+    from grpod.models.tiny import build_model, save_model
+    from grpod.run.store import RunSnapshot, RunStore
+    from grpod.training.trainer import build_trainer
+
+    save_model(*build_model(seed=0), tmp_path / "model")
+    base = [f"run.dir={str(tmp_path / 'run')!r}", f"model.path={str(tmp_path / 'model')!r}", "train.threads=1"]
+    cfg = load_config(None, base)
+    RunStore(cfg, cfg.run.dir).save(build_trainer(cfg), RunSnapshot(3, 1, [], {"kind": "builtin", "next_index": 9}, {}))
+
+    def launched(*args, **kwargs):
+        raise AssertionError("engines built for a resume that cannot work")
+
+    monkeypatch.setattr(grpod.daemon.components, "build_engines", launched)
+    for change, named in [(["train.lora=true", "bridge.mode=lora_only"], "train.lora: checkpoint false, config true"),
+                          (["source.task_seed=7"], "belongs to another run")]:
+        daemon = Supervisor(load_config(None, [*base, *change]))
+        assert anyio.run(daemon.run) == 2, daemon.progress.stop_reason
+        err = capsys.readouterr().err
+        assert str(tmp_path / "run" / "checkpoints" / "step-000003") in err and named in err, err

@@ -9,7 +9,8 @@ from grpod.config import load_config
 from grpod.models.tiny import build_model, save_model
 from grpod.rollouts.kinds import make_source
 from grpod.rollouts.validation import RejectionCounter
-from grpod.run.store import ResumeMismatch, RunSnapshot, RunStore
+from grpod.run.compatibility import ResumeMismatch
+from grpod.run.store import RunSnapshot, RunStore
 from grpod.training.trainer import build_trainer
 
 

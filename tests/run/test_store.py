@@ -4,7 +4,8 @@ import pytest
 
 from grpod.config import load_config
 from grpod.models.tiny import build_model, save_model
-from grpod.run.store import ResumeMismatch, RunSnapshot, RunStore
+from grpod.run.compatibility import ResumeMismatch
+from grpod.run.store import RunSnapshot, RunStore
 from grpod.training.trainer import build_trainer
 
 
@@ -82,3 +83,30 @@ def test_a_broken_trainer_is_never_checkpointed(run, broken):
     assert "step-000003" in message, "names the checkpoint that stays the newest"
     assert latest_checkpoint(store.root).step == 3
     assert sorted(p.name for p in store.root.iterdir()) == ["step-000003"], "nothing of the refused write is left"
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+def test_the_configs_optimizer_settings_win_on_resume_each_change_logged_once(tmp_path, optimizer):
+    """Review 6: a changed train.weight_decay was silently replaced by the checkpoint's (the
+    optimizer's param groups come back with the state); train.lr already won."""
+    import structlog
+
+    save_model(*build_model(seed=0), tmp_path / "model")
+    base = [f"run.dir={str(tmp_path / 'run')!r}", f"model.path={str(tmp_path / 'model')!r}", "train.threads=1",
+            f"train.optimizer={optimizer}", "train.weight_decay=0.0"]
+    cfg = load_config(None, base)
+    RunStore(cfg, cfg.run.dir).save(build_trainer(cfg), RunSnapshot(3, 1, [], {"kind": "builtin", "next_index": 9}, {}))
+
+    changed = load_config(None, [*base, "train.weight_decay=0.1"])
+    store = RunStore(changed, changed.run.dir)
+    with structlog.testing.capture_logs() as logs:
+        trainer = store.load_trainer(store.resume_point())
+    assert [group["weight_decay"] for group in trainer.optimizer.param_groups] == [0.1] * len(trainer.optimizer.param_groups)
+    lines = [e for e in logs if e["event"] == "optimizer_setting_from_config"]
+    assert [(e["key"], e["checkpoint"], e["config"]) for e in lines] == [("train.weight_decay", 0.0, 0.1)]
+
+    same = RunStore(cfg, cfg.run.dir)
+    with structlog.testing.capture_logs() as logs:
+        trainer = same.load_trainer(same.resume_point())
+    assert trainer.optimizer.param_groups[0]["weight_decay"] == 0.0
+    assert not [e for e in logs if e["event"] == "optimizer_setting_from_config"]

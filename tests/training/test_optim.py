@@ -6,9 +6,14 @@ import torch
 
 from grpod.config import TrainConfig
 from grpod.training.optim import (
+    ADAMW_BETAS,
+    ADAMW_EPS,
     OptimizerUnavailable,
+    apply_hyperparameters,
     build_optimizer,
     build_scheduler,
+    follow_schedule,
+    hyperparameters,
     lr_factor,
 )
 
@@ -71,3 +76,39 @@ def test_adamw_8bit_refuses_a_cpu_device(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "bitsandbytes" else real(n, *a))
     with pytest.raises(OptimizerUnavailable, match="runs on CUDA only, but train.device = 'cpu'"):
         build_optimizer([torch.nn.Parameter(torch.ones(2))], TrainConfig(optimizer="adamw_8bit", device="cpu"))
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_the_optimizer_is_built_with_its_hyperparameters(name):
+    cfg = TrainConfig(optimizer=name, weight_decay=0.05)
+    group = build_optimizer([torch.nn.Parameter(torch.ones(2))], cfg).param_groups[0]
+    assert {key: group[key] for key in hyperparameters(cfg)} == hyperparameters(cfg)
+    assert group["weight_decay"] == 0.05
+
+
+def test_a_checkpoints_optimizer_settings_give_way_to_the_configs_and_each_change_is_reported():
+    """What a resume does after loading the checkpoint's param groups (`Trainer.load_state_dict`)."""
+    cfg = TrainConfig(weight_decay=0.1)
+    params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))]
+    saved = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=1e-3, weight_decay=0.0,
+                              betas=[0.8, 0.99], eps=ADAMW_EPS)
+    changed = apply_hyperparameters(saved, cfg)
+    assert sorted(changed) == [("betas", (0.8, 0.99), ADAMW_BETAS), ("weight_decay", 0.0, 0.1)], "once each, not per group"
+    assert all(g["weight_decay"] == 0.1 and g["betas"] == ADAMW_BETAS for g in saved.param_groups)
+    assert apply_hyperparameters(saved, cfg) == []
+
+
+def test_an_optimizer_under_a_loaded_schedule_follows_it():
+    cfg = TrainConfig(lr=1e-3, warmup_steps=4)
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = build_optimizer([param], cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    fresh = build_optimizer([param], cfg)
+    resumed = build_scheduler(fresh, cfg)
+    resumed.load_state_dict(scheduler.state_dict())
+    assert fresh.param_groups[0]["lr"] == pytest.approx(2.5e-4), "a fresh optimizer is at step 0's rate"
+    follow_schedule(fresh, resumed)
+    assert fresh.param_groups[0]["lr"] == pytest.approx(7.5e-4) == optimizer.param_groups[0]["lr"]
