@@ -510,8 +510,7 @@ class InferenceProcess:
     def _resolve_port(self) -> int:
         host = self.cfg.host
         if self.fixed_port == 0:
-            # A relaunch (restart modes, crash recovery) keeps the port the first launch picked
-            # while it is free, so environments keep their URL.
+            # A relaunch keeps the port the first launch picked while it is free: environments keep their URL.
             if self._port is not None and release.port_is_free(host, self._port):
                 return self._port
             return release.free_port(host)
@@ -546,8 +545,7 @@ class InferenceProcess:
             raise
         log.info("inference_healthy", pid=self.pid, port=self._port, elapsed_s=round(time.monotonic() - started, 2))
         members = await anyio.to_thread.run_sync(release.group_members, self.pgid)
-        # The /dev/shm segments vLLM's processes map once started: removed at stop even when the
-        # processes are gone by then (a crash, a SIGKILL) and can no longer be asked.
+        # Its /dev/shm segments, removed at stop even when its processes are gone (crash, SIGKILL).
         self._segments = await anyio.to_thread.run_sync(release.vllm_shm_segments, members)
         self._record.write(self.pgid, self._scratch, members)
 

@@ -513,10 +513,8 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """What `state_dict` returned; without "optimizer" when the optimizer came from a sharded
-        checkpoint (`load_sharded`), or starts afresh (a checkpoint of another optimizer resumed
-        with run.resume_mismatch = "allow"). The config's optimizer settings win over the
-        checkpoint's, each change logged."""
+        """What `state_dict` returned, without "optimizer" when it came from `load_sharded` or starts
+        afresh (resume_mismatch = "allow"); the config's optimizer settings win, each change logged."""
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
