@@ -5,8 +5,9 @@ killed one's vLLM (issue #16, holes 1 and 2).
 once: vLLM is never waited for until healthy, its process group is stopped, grpod exits 0 and
 writes no checkpoint.
 
-12: grpod A is SIGKILLed while its vLLM loads; grpod B (another run directory, the same fixed
-`inference.port`) starts at once. Whichever way the race for the port goes, B never serves from
+12: grpod A is SIGKILLed while its vLLM loads, that vLLM frozen first (SIGSTOP: one that does not
+stop itself with its grpod); grpod B (another run directory, the same fixed `inference.port`)
+starts at once. Whichever way the race for the port goes, B never serves from
 A's orphan: either B fails with an error naming the port and the process that holds it, leaving
 nothing of its own behind and A's orphan untouched, or B's own vLLM won the port (the server B
 declared healthy is one B launched; A's orphan is nobody's to supervise but the test's) and B
@@ -16,6 +17,7 @@ server answering /health while this launch still loads) is in tests/inference/te
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
@@ -129,9 +131,12 @@ def test_a_killed_grpods_vllm_on_the_port_is_never_adopted(tmp_path, fault_model
     a = DaemonProcess(config_a, run_a)
     try:
         wait_until(lambda: _launched(run_a), 120, "grpod A's vLLM launched")
+        (orphan,) = launched_pgids(run_a)
+        # A vLLM stops itself once its grpod is gone; one too hung to do so (frozen here) is the
+        # orphan under test.
+        os.killpg(orphan, signal.SIGSTOP)
         a.proc.send_signal(signal.SIGKILL)
         a.proc.wait(timeout=30)
-        (orphan,) = launched_pgids(run_a)
         assert group_processes(orphan), "A's vLLM outlives A (the situation under test)"
         finished = run_to_exit(config_b, timeout_s=360)
         b_pgids = launched_pgids(run_b)
