@@ -143,10 +143,25 @@ class RemoteInference(InferenceEngine):
         await self._serve(answer, version, weights)
 
     async def _ask_launch(self, weights: Path, version: int, launch_kwargs: dict[str, Any]) -> LaunchAnswer:
+        """The agent's launch; an agent that cannot be reached (restarting: systemd's RestartSec)
+        is asked again, backing off, for up to `inference.start_timeout_s`."""
         request = LaunchRequest(weights=str(weights), version=version, **_plain(launch_kwargs))
         self._asked = True
-        async with self._agent() as agent:
-            return await self._contact(agent.launch(self.agent_engine, request, timeout_s=self._change_timeout_s))
+        deadline = time.monotonic() + self._change_timeout_s
+        unreachable_until = time.monotonic() + self.cfg.start_timeout_s
+        delay = self.cfg.health_interval_s
+        while True:
+            try:
+                async with self._agent() as agent:
+                    left = max(deadline - time.monotonic(), 1.0)
+                    return await self._contact(agent.launch(self.agent_engine, request, timeout_s=left))
+            except AgentRequestError as exc:
+                if exc.status is not None or time.monotonic() + delay >= min(deadline, unreachable_until):
+                    raise
+                log.warning("agent_unreachable", engine=self.name, agent=self.agent_url, error=str(exc)[:300],
+                            note="the launch is asked again until its timeout")
+            await anyio.sleep(delay)
+            delay = min(delay * 2, AGENT_RETRY_MAX_S)
 
     async def _serve(self, answer: LaunchAnswer, version: int, weights: Path) -> None:
         """Take the agent's launch: its URL and token, then the client (which checks the token)."""

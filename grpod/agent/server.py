@@ -204,7 +204,8 @@ def agent_engines(cfg: GrpodConfig) -> list[SupervisedInference]:
     engines = []
     for index in range(count):
         try:
-            process = InferenceProcess(inference, cfg.model, directory, gpu=gpu, index=index, env=engine_env(inference, index, gpu))
+            process = InferenceProcess(inference, cfg.model, directory, gpu=gpu, index=index,
+                                       env=engine_env(inference, index, gpu), outlives_launcher=True)
         except UnsafeBindError as exc:
             raise ConfigError(str(exc)) from None
         engines.append(SupervisedInference(process, inference, name=f"engine-{index}"))

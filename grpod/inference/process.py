@@ -17,9 +17,10 @@ Guarantees:
 - Each launch gets a scratch directory as its TMPDIR and ZMQ socket base, where vLLM leaves its
   IPC sockets and `vllm_dist_*` rendezvous files; `stop` removes it with the group's vLLM-named
   /dev/shm segments (only those its processes map: seen once it is healthy, and again at stop).
-- The server stops with the process that launched it: once that process is gone (SIGKILL, OOM)
-  it sends itself SIGTERM and its group SIGKILL after `stop_grace_s`, as `stop` would have
-  (`grpod.service.children.stop_group_with_parent`).
+- The server stops with the daemon that launched it: once that process is gone (SIGKILL, OOM)
+  it sends its group SIGTERM, and SIGKILL after `stop_grace_s`, as `stop` would have
+  (`grpod.service.children.stop_group_with_parent`). An agent's engines do not: they serve on
+  while the agent restarts, whose start stops them by their launch record.
 - A launch is recorded in `<run>/vllm.launch.json` (pgid, scratch directory) until its stop
   completes. If a previous grpod of the same run directory was killed (SIGKILL, OOM) and its vLLM
   is still there (still stopping, or not stopping on SIGTERM), the next `start` stops that group
@@ -420,12 +421,14 @@ class InferenceProcess:
         gpu: bool | None = None,
         index: int = 0,
         env: dict[str, str] | None = None,
+        outlives_launcher: bool = False,
     ) -> None:
         """`gpu`: size the KV cache for an NVIDIA GPU (None = detect with NVML). `index`: which
         engine of the run this is (its log and launch record are `vllm.log` / `vllm.launch.json`
         for engine 0, `vllm-<index>.log` / `vllm-<index>.launch.json` after) and, with a fixed
         `inference.port`, its port (`port + index`). `env`: variables for this engine only (its
-        CPU cores or GPU), added after `inference.env`."""
+        CPU cores or GPU), added after `inference.env`. `outlives_launcher`: the server does not
+        stop when this process dies (an agent's engines serve on while the agent restarts)."""
         if not is_loopback(cfg.host) and not cfg.api_key:
             raise UnsafeBindError(
                 f"inference.host = {cfg.host!r} is not a loopback address and inference.api_key is not set: "
@@ -443,6 +446,7 @@ class InferenceProcess:
         self._scratch: Path | None = None
         self._segments: set[Path] = set()
         self.fixed_port = cfg.port + index if cfg.port else 0
+        self.outlives_launcher = outlives_launcher
         self.engine_env = dict(env or {})
         suffix = f"-{index}" if index else ""
         self.log = LaunchLog(self.run_dir / f"vllm{suffix}.log")
@@ -555,7 +559,7 @@ class InferenceProcess:
         scratch, scratch_env = launch_scratch()
         self._launch_token = secrets.token_hex(16)
         env = {**os.environ, **scratch_env, **self.build_env(), LAUNCH_TOKEN_ENV: self._launch_token,
-               **parent_env(self.cfg.stop_grace_s)}
+               **({} if self.outlives_launcher else parent_env(self.cfg.stop_grace_s))}
         try:
             with self.log.open_for_launch(argv) as log_file:
                 self._popen = subprocess.Popen(

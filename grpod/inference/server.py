@@ -31,10 +31,10 @@ editing installed files:
   leaves the dev routes (`/pause`, `/collective_rpc`, ...) and `/generate` open.
 - Options in full only: the parser takes no abbreviation (`--hos` is not `--host`), behind grpod's
   own refusal of the options it decides (`grpod.config.reserved_vllm_option`).
-- Stops with the process that launched it (the daemon or the agent), killed or OOM-killed too:
-  SIGTERM to itself, SIGKILL to its process group after `inference.stop_grace_s`
-  (`grpod.service.children.stop_group_with_parent`), so a killed daemon leaves no vLLM holding
-  the port, the memory and the accelerator.
+- Stops with the daemon that launched it, killed or OOM-killed too: SIGTERM to its process group,
+  SIGKILL after `inference.stop_grace_s` (`grpod.service.children.stop_group_with_parent`), so a
+  killed daemon leaves no vLLM holding the port, the memory and the accelerator. (An agent's
+  engines serve on while their agent restarts.)
 
 Route paths, the launch-token header and the `/generate` translation live in the vLLM-free
 `grpod.inference.routes`; this module serves them (`router`).

@@ -40,9 +40,10 @@ def stub_engines(tmp_path: Path, count: int = 1, **cfg) -> list[SupervisedInfere
 
 
 @asynccontextmanager
-async def serving(engines: list[SupervisedInference]) -> AsyncIterator[tuple[Agent, str]]:
-    """The agent over `engines` on a free loopback port, its base URL; stopped (engines too) at exit."""
-    agent = Agent(engines, token=TOKEN, host="127.0.0.1", port=free_port("127.0.0.1"))
+async def serving(engines: list[SupervisedInference], port: int | None = None) -> AsyncIterator[tuple[Agent, str]]:
+    """The agent over `engines` on `port` (a free loopback one by default), its base URL; stopped
+    (engines too) at exit."""
+    agent = Agent(engines, token=TOKEN, host="127.0.0.1", port=port or free_port("127.0.0.1"))
     async with anyio.create_task_group() as tg:
         await tg.start(agent.serve)
         try:

@@ -124,9 +124,11 @@ async def test_a_wrong_token_and_an_absent_agent_are_errors_that_say_so(tmp_path
         with pytest.raises(AgentRequestError) as refused:
             await remote(url, token="not-the-token-0123456789").launch(weights, 0)
         assert refused.value.status == 401 and not local.process.running
-    gone = remote(f"http://127.0.0.1:{free_port('127.0.0.1')}")
-    with pytest.raises(AgentRequestError) as unreachable:
-        await gone.launch(weights, 0)
+    gone = RemoteInference(f"http://127.0.0.1:{free_port('127.0.0.1')}", TOKEN, FAST.model_copy(update={"start_timeout_s": 1.0}),
+                           engine="engine-0", name="gone/engine-0", gpu=False, request_timeout_s=10)
+    with anyio.fail_after(30):
+        with pytest.raises(AgentRequestError) as unreachable:
+            await gone.launch(weights, 0)  # asked again for inference.start_timeout_s, then the error
     assert unreachable.value.status is None
     assert await agents_memory([gone]) == {}, "an agent that does not answer leaves its engines out"
     await gone.shutdown()  # logged, never raised: the agent replaces what it runs at its next launch
@@ -147,3 +149,28 @@ def test_cluster_agents_become_remote_engines_beside_the_local_ones(tmp_path):
     assert [e.node for e in engines] == ["local"] + ["http://10.0.0.2:7900"] * 2 + ["http://10.0.0.3:7900"] * 2
     assert all(not e.process.running and e.describe()["base_url"] is None for e in engines)
     assert engines[1].describe()["agent"]["reachable"] is None, "not asked yet"
+
+
+async def test_a_launch_waits_for_an_agent_that_is_restarting(tmp_path, weights):
+    """The agent is down when the leader asks (systemd restarts it after RestartSec): the launch is
+    asked again until the agent answers, within inference.start_timeout_s, not failed at once."""
+    [local] = stub_engines(tmp_path)
+    port = free_port("127.0.0.1")
+    engine = remote(f"http://127.0.0.1:{port}")
+    answered = []
+
+    async def agent_back_later():
+        await anyio.sleep(2.0)
+        async with serving([local], port=port) as (_, url):
+            answered.append(url)
+            await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(agent_back_later)
+        try:
+            with anyio.fail_after(60):
+                await engine.launch(weights, 3)
+            assert answered and await engine.healthy() and engine.version == 3
+        finally:
+            await engine.shutdown()
+            tg.cancel_scope.cancel()

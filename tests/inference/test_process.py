@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import anyio
+import psutil
 import pytest
 from pydantic import ValidationError
 
@@ -29,6 +30,7 @@ from grpod.inference.process import (
     is_loopback,
 )
 from grpod.inference.release import group_members, port_is_free
+from grpod.service.children import GRACE_ENV, PARENT_PID_ENV
 from tests.harness import start_decoy
 
 STUB = Path(__file__).with_name("stub_server.py")
@@ -195,9 +197,9 @@ def test_network_host_with_key_passes_key_outside_argv():
 class StubProcess(InferenceProcess):
     """The real lifecycle code launching the stub server instead of vLLM."""
 
-    def __init__(self, run_dir: Path, *stub_flags: str, **cfg) -> None:
+    def __init__(self, run_dir: Path, *stub_flags: str, outlives_launcher: bool = False, **cfg) -> None:
         cfg = {"start_timeout_s": 20.0, "stop_grace_s": 0.5, "release_timeout_s": 10.0, "health_interval_s": 0.05} | cfg
-        super().__init__(InferenceConfig(**cfg), MODEL, run_dir, gpu=False)
+        super().__init__(InferenceConfig(**cfg), MODEL, run_dir, gpu=False, outlives_launcher=outlives_launcher)
         self.stub_flags = list(stub_flags)
 
     def build_args(self, model_path, **kw) -> list[str]:
@@ -363,3 +365,19 @@ def test_the_launch_tail_is_the_latest_launchs_after_the_log_was_cut(tmp_path):
     tail = launch_log.tail()
     assert tail[0].startswith("=== grpod: cut ") and tail[-1] == "after the cut"
     assert not any("first launch" in line for line in tail)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("agents", [False, True], ids=["daemon", "agent"])
+async def test_a_daemons_server_is_told_who_launched_it_an_agents_is_not(tmp_path, agents):
+    """A daemon's vLLM stops when the daemon dies (it watches the PID it is given:
+    `grpod.service.children.stop_group_with_parent`, whose own test kills real parents); an
+    agent's serves on while the agent restarts, so it is given none."""
+    proc = StubProcess(tmp_path, outlives_launcher=agents)
+    await proc.start("/models/none")
+    try:
+        told = psutil.Process(proc.pid).environ().get(PARENT_PID_ENV)
+        assert told == (None if agents else str(os.getpid()))
+        assert psutil.Process(proc.pid).environ().get(GRACE_ENV) == (None if agents else "0.5")
+    finally:
+        await proc.stop()
