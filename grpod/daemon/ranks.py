@@ -17,17 +17,21 @@ Signals: torchrun passes SIGTERM/SIGINT to every rank. Rank 0 treats them as alw
 the final checkpoint, then the engines). Ranks > 0 ignore them: rank 0's final checkpoint needs
 them, and they end when rank 0 releases them or exits. torchrun kills what is still running
 `--shutdown-timeout` seconds (default 30) after its SIGTERM: give the daemon time for its final
-checkpoint and its engines' stop (e.g. `--shutdown-timeout 120`).
+checkpoint and its engines' stop (e.g. `--shutdown-timeout 120`). A torchrun that is itself
+killed (SIGKILL, the OOM killer) sends nothing: rank 0 watches it and stops as on its SIGTERM
+(torchrun starts each rank in a session of its own, so nothing else would).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
 import structlog
 
 from grpod.config import GrpodConfig
+from grpod.service.children import watch_parent
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +51,9 @@ def run_rank(cfg: GrpodConfig, config_path: Path | None = None, overrides: list[
         if world.leads:
             from grpod.daemon.supervisor import run_daemon
 
+            launcher = os.getppid()
+            if launcher != 1:  # torchrun SIGKILLed or OOM-killed: stop as on its SIGTERM
+                watch_parent(launcher, lambda: os.kill(os.getpid(), signal.SIGTERM))
             try:
                 return run_daemon(cfg, config_path=config_path, overrides=overrides)
             finally:

@@ -7,6 +7,8 @@ workers, the environment workers and servers, and the vLLM servers the daemon an
 - `stop_group_with_parent`: a child that leads a process group of its own (grpod's vLLM server)
   stops its group when that process dies — SIGTERM, then SIGKILL after a grace — as the parent's
   own stop would have;
+- `watch_parent`: the general form (a trainer rank 0 stops as on torchrun's SIGTERM once torchrun
+  is gone);
 - `cap_memory`: the child caps its own data (RLIMIT_DATA).
 
 Standard library only: the environment workers import it before anything of grpod's.
@@ -20,6 +22,7 @@ import resource
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
 PARENT_PID_ENV = "GRPOD_PARENT_PID"
@@ -76,12 +79,22 @@ def stop_group_with_parent() -> None:
         else:
             os.kill(os.getpid(), sig)
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
+    def stop() -> None:
         signal_ours(signal.SIGTERM)
         time.sleep(grace_s)
         signal_ours(signal.SIGKILL)
+
+    watch_parent(parent, stop)
+
+
+def watch_parent(parent: int, when_gone: Callable[[], None]) -> None:
+    """Call `when_gone` (in a thread of its own) once this process's parent is no longer `parent`:
+    it died, and this process was handed to a reaper."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        when_gone()
 
     threading.Thread(target=watch, name="grpod-parent-watch", daemon=True).start()
 

@@ -22,6 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -153,3 +154,39 @@ def test_a_killed_follower_rank_restarts_the_job_which_resumes_from_the_sharded_
     assert differ == [], f"differ from the straight 2-rank run after the restart: {differ}"
     assert alive(daemon.vllm_pgids) == [], "no engine process of either attempt remains"
     assert len(daemon.vllm_pgids) >= 2, "the restarted daemon launched its own engine"
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_torchrun_stops_its_ranks_as_its_sigterm_would(tmp_path, workload, fault_case):
+    """torchrun itself SIGKILLed (its PID only; it starts each rank in a session of its own, so
+    nothing reaches them): rank 0 sees its launcher gone and stops as on torchrun's SIGTERM — the
+    final checkpoint, with its follower, then its engine — and releases the follower."""
+    row = fault_case("14b SIGKILL torchrun itself: rank 0 stops as on its SIGTERM, nothing left running")
+    model, replay = workload
+    run_dir = tmp_path / "run"
+    settings = {k: v for k, v in _settings(run_dir, model, replay).items() if k != "source.replay_path"}
+    # The builtin task: a source that never runs out, so only the stop can end the run.
+    settings |= {"source.kind": "builtin", "train.steps": 100000, "checkpoint.every": 0}
+    config = write_config(tmp_path / "grpod.toml", settings)
+    daemon = DaemonProcess(config, run_dir, launcher=torchrun(2))
+    try:
+        status = status_until(daemon, lambda s: s["state"] == "running" and s["step"] >= 2, 500, "two steps trained")
+        ranks = daemon.rank_processes()
+        assert sorted(ranks) == [0, 1]
+        daemon.proc.kill()  # torchrun only, not its ranks' sessions
+        killed_at = time.monotonic()
+        daemon.proc.wait(timeout=30)
+        gone = psutil.wait_procs(list(ranks.values()), timeout=180)[1] == []
+        row.recovery_s = time.monotonic() - killed_at
+        assert gone, f"ranks still running 180 s after torchrun was killed: {[p.pid for p in ranks.values() if p.is_running()]}"
+        assert alive(daemon.vllm_pgids) == [], "rank 0 stopped its engine"
+    finally:
+        daemon.close()
+    stopped = log_events(run_dir, "daemon_stopped")
+    assert stopped and stopped[-1]["exit_code"] == 0, stopped
+    assert stopped[-1]["reason"] != "source exhausted", stopped
+    final = checkpoint_steps(run_dir)[-1]  # no periodic checkpoints: the stop's
+    assert final >= status["step"] and temp_checkpoints(run_dir) == []
+    assert (run_dir / "checkpoints" / f"step-{final:06d}" / "sharded" / "__1_0.distcp").exists(), "both ranks' shards"
+    row.data_lost = "none"
+    row.notes = f"killed at step {status['step']}; rank 0's final checkpoint at step {final}, follower released"
