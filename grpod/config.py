@@ -242,7 +242,9 @@ class InferenceConfig(_Section):
     )
     health_interval_s: float = Field(0.5, gt=0, description="/health probe period while serving.")
     health_failures: int = Field(
-        3, ge=1, description="Consecutive failed /health probes before the engine is declared dead and relaunched."
+        3, ge=1, description="Consecutive failed /health probes before the engine is declared dead and relaunched. "
+        "A probe fails when /health answers anything but 200 or does not answer within request_timeout_s: a "
+        "process that exited is seen at once, a frozen one after health_failures x request_timeout_s.",
     )
     kv_cache_bytes: str = Field(
         "64M",

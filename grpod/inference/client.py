@@ -220,6 +220,11 @@ class InferenceClient(SessionClient):
                 f"({'no' if echoed is None else 'another'} {LAUNCH_HEADER} header): "
                 "the port is served by a process this grpod did not launch",
             )
+        if status == 401:
+            raise InferenceRequestError(
+                route, status, f"{text[:BODY_EXCERPT_CHARS]} from {self.base_url}: its API key is not the one grpod "
+                "sends (inference.api_key, or VLLM_API_KEY in inference.env; an agent's engines take the agent's)",
+            )
         if status != 200:
             raise InferenceRequestError(route, status, text[:BODY_EXCERPT_CHARS])
         if not text:

@@ -53,6 +53,9 @@ async def failing_server():
         await asyncio.sleep(1)
         return web.json_response({"weight_version": "1"})
 
+    async def update_weight_version(request: web.Request) -> web.Response:  # vLLM started with another key
+        return web.json_response({"error": "Unauthorized"}, status=401)
+
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
@@ -60,6 +63,7 @@ async def failing_server():
     app.router.add_get("/is_paused", is_paused)
     app.router.add_post("/grpod/pause", pause)
     app.router.add_get("/weight_info", weight_info)
+    app.router.add_post("/update_weight_version", update_weight_version)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port("127.0.0.1")
@@ -83,6 +87,15 @@ async def test_http_error_names_route_status_and_body(failing_server):
     # every sampling parameter the trainer does not replicate is stated neutral
     assert (seen[0]["top_k"], seen[0]["min_p"], seen[0]["repetition_penalty"]) == (0, 0.0, 1.0)
     assert (seen[0]["presence_penalty"], seen[0]["frequency_penalty"]) == (0.0, 0.0)
+
+
+async def test_a_key_vllm_refuses_names_the_engine_and_the_setting(failing_server):
+    url, _ = failing_server
+    async with InferenceClient(url, 5.0, api_key="not-its-key") as client:
+        with pytest.raises(InferenceRequestError) as err:
+            await client._request("POST", "/update_weight_version", json_body={"version": "2"})
+    assert err.value.status == 401
+    assert url in str(err.value) and "inference.api_key" in str(err.value), str(err.value)
 
 
 async def test_timeout_is_an_error_with_the_timeout_and_the_setting_that_bounds_it(failing_server):
