@@ -52,7 +52,7 @@ def _settings(run_dir, model_dir, replay) -> dict:
 
 
 @pytest.mark.timeout(1200)
-def test_the_trainer_killed_mid_broadcast_leaves_the_engine_alive_and_the_restart_repairs_it(
+def test_the_trainer_killed_mid_broadcast_takes_its_engine_along_and_the_restart_repairs_it(
     tmp_path, fault_model_dir, fault_case
 ):
     row = fault_case("17 SIGKILL the trainer mid-broadcast (the engine stops itself; the restart launches and probes a new one)")

@@ -181,6 +181,9 @@ def test_a_killed_torchrun_stops_its_ranks_as_its_sigterm_would(tmp_path, worklo
         assert gone, f"ranks still running 180 s after torchrun was killed: {[p.pid for p in ranks.values() if p.is_running()]}"
         assert alive(daemon.vllm_pgids) == [], "rank 0 stopped its engine"
     finally:
+        for rank in (locals().get("ranks") or {}).values():  # sessions of their own: close() misses them
+            if rank.is_running():
+                rank.kill()
         daemon.close()
     stopped = log_events(run_dir, "daemon_stopped")
     assert stopped and stopped[-1]["exit_code"] == 0, stopped
