@@ -50,9 +50,19 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):  # not Linux
         pass
-    expected = os.environ.pop(PARENT_PID_ENV, None)  # not passed on to what this process starts
-    if expected is not None and os.getppid() != int(expected):
+    _named_parent()
+
+
+def _named_parent() -> int | None:
+    """The PID the starting process named (`parent_env`), taken out of the environment so that
+    what this process starts does not inherit it; exits now if that process is gone already (this
+    process was handed to a reaper before it could watch). None when no parent was named."""
+    expected = os.environ.pop(PARENT_PID_ENV, None)
+    if expected is None:
+        return None
+    if os.getppid() != int(expected):
         os._exit(1)
+    return int(expected)
 
 
 def stop_group_with_parent() -> None:
@@ -65,13 +75,10 @@ def stop_group_with_parent() -> None:
     for its HTTP server's background tasks, and nothing came after. Left behind: a group member
     that ignores SIGTERM when the leader does not (the leader's thread is the one that would kill
     it). Nothing happens without PARENT_PID_ENV."""
-    expected = os.environ.pop(PARENT_PID_ENV, None)
-    if expected is None:
-        return
-    parent = int(expected)
     grace_s = float(os.environ.pop(GRACE_ENV, "5"))
-    if os.getppid() != parent:  # gone before this process got here: nothing is started yet
-        os._exit(1)
+    parent = _named_parent()
+    if parent is None:
+        return
 
     def signal_ours(sig: int) -> None:
         if os.getpgrp() == os.getpid():

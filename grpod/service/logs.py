@@ -41,17 +41,17 @@ class LineFile:
     def append(self, text: str) -> None:
         if self._fd is None:
             self._fd = self._open()
-        data = text.encode()
-        start = os.fstat(self._fd).st_size
+        view = memoryview(text.encode())
+        written = 0
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view):]
+            while written < len(view):
+                written += os.write(self._fd, view[written:])
         except OSError:
-            try:
-                os.ftruncate(self._fd, start)
-            except OSError:
-                pass
+            if written:  # the only writer: the file ends with this line's first `written` bytes
+                try:
+                    os.ftruncate(self._fd, os.fstat(self._fd).st_size - written)
+                except OSError:
+                    pass
             raise
 
     def _open(self) -> int:
