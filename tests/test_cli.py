@@ -36,6 +36,8 @@ def test_check_config_refuses_what_this_host_cannot_run_naming_the_key(tmp_path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(live))
     listener.listen(1)
+    taken = socket.create_server(("127.0.0.1", 0))
+    taken_port = taken.getsockname()[1]
     cases = [
         (f"run.dir={str(tmp_path / 'afile')!r}", "run.dir: ", "exists and is not a directory"),
         ("run.dir=''", "run.dir", "an empty path: name one"),
@@ -47,6 +49,9 @@ def test_check_config_refuses_what_this_host_cannot_run_naming_the_key(tmp_path)
         ("train.device='cuda:7'", "train.device", "CUDA"),
         ("inference.kv_cache_bytes='banana'", "inference.kv_cache_bytes", "banana"),
         ("inference.kv_cache_bytes='1.5G'", "inference.kv_cache_bytes", "1.5G"),
+        # Found at the first sync, minutes into the run, before.
+        (f"bridge={{mode='broadcast', port={taken_port}}}", "bridge.port", f"127.0.0.1:{taken_port} is taken"),
+        ("bridge={mode='broadcast', port=29999, host='192.0.2.1'}", "bridge.host", "not an address of this machine"),
     ]
     try:
         for override, key, why in cases:
@@ -55,6 +60,7 @@ def test_check_config_refuses_what_this_host_cannot_run_naming_the_key(tmp_path)
             assert "Traceback" not in proc.stderr, proc.stderr
     finally:
         listener.close()
+        taken.close()
     replay = _check(tmp_path, f"run.dir={str(tmp_path / 'run')!r}", "source.kind='replay'",
                     f"source.replay_path={str(tmp_path / 'gone.jsonl')!r}")
     assert replay.returncode == 2 and "source.replay_path: " in replay.stderr and "gone.jsonl" in replay.stderr

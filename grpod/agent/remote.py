@@ -171,18 +171,22 @@ class RemoteInference(InferenceEngine):
                  adopted=answer.adopted, agent_phases=answer.phases)
 
     async def shutdown(self) -> None:
-        """Close the gate and the client, ask the agent to stop the engine (bounded)."""
+        """Close the gate and the client, ask the agent to stop the engine (bounded). A stop may
+        take the agent minutes (`_change_timeout_s`), so the agent is first asked its status
+        within `cluster.request_timeout_s`: a silent one (frozen, its node gone) is not waited for."""
         await self._close_client()
         if not self._asked:
             return
         with anyio.CancelScope(shield=True):
             try:
                 async with self._agent() as agent:
+                    await self._contact(agent.status())
                     answer = await self._contact(agent.stop(self.agent_engine, timeout_s=self._change_timeout_s))
                 self.process.ended(answer.get("exit_code"))
                 self._asked = False
             except AgentRequestError as exc:
-                log.error("remote_engine_stop_failed", engine=self.name, error=str(exc))
+                log.error("remote_engine_stop_failed", engine=self.name, agent=self.agent_url, error=str(exc),
+                          note="the engine was not stopped: its agent stops it at its own shutdown")
                 self.process.ended(None)
 
     # ---- the watch --------------------------------------------------------------------------

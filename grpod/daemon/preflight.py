@@ -1,23 +1,25 @@
 """What this machine says about a config, checked by `grpod check-config` and by `grpod start`
 before anything is launched: the run directory, the control socket, the model directory, the
-trainer's device, a replay file. Parsing (`grpod.config`) checks what a config means anywhere;
+trainer's device, a replay file, a fixed `bridge.port`. Parsing (`grpod.config`) checks what a config means anywhere;
 these are the facts of one host, each refused as a ConfigError naming the key, the path and why,
 where they used to surface as a traceback or an `OSError` after vLLM had started.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 from grpod.config import ConfigError, GrpodConfig
 from grpod.daemon.control import socket_alive
+from grpod.inference.release import port_is_free
 from grpod.run.store import model_dir_problem
 
 
 def check_host(cfg: GrpodConfig) -> None:
     """ConfigError with every problem found (one line each); nothing when the host can run `cfg`."""
-    problems = [*_run_dir(cfg.run.dir), *_socket(cfg), *_device(cfg.train.device)]
+    problems = [*_run_dir(cfg.run.dir), *_socket(cfg), *_device(cfg.train.device), *_bridge_port(cfg)]
     if model := model_dir_problem(cfg.model):
         problems.append(model)
     replay = getattr(cfg.source, "replay_path", None)
@@ -69,3 +71,21 @@ def _device(device: str) -> list[str]:
     if wanted.type == "cuda" and wanted.index is not None and wanted.index >= torch.cuda.device_count():
         return [f"train.device: {device!r}, but this host has {torch.cuda.device_count()} CUDA devices"]
     return []
+
+
+def _bridge_port(cfg: GrpodConfig) -> list[str]:
+    """A fixed `bridge.port` is bound only at the first sync, minutes into a run: a taken one, or a
+    `bridge.host` that is not this machine's, is refused here instead."""
+    bridge = cfg.bridge
+    if bridge.mode != "broadcast" or bridge.port == 0:
+        return []
+    where = f"{bridge.host}:{bridge.port}"
+    try:
+        if port_is_free(bridge.host, bridge.port):
+            return []
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return [f"bridge.host: {bridge.host} is not an address of this machine (trainer rank 0 listens there)"]
+        return [f"bridge.port: cannot listen on {where} ({exc.strerror or exc})"]
+    return [f"bridge.port: {where} is taken by another process (the first sync would fail to form the weight group); "
+            "free it, pick another, or 0 for a free one"]

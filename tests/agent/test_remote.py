@@ -174,3 +174,30 @@ async def test_a_launch_waits_for_an_agent_that_is_restarting(tmp_path, weights)
         finally:
             await engine.shutdown()
             tg.cancel_scope.cancel()
+
+
+async def test_a_stop_does_not_wait_minutes_for_a_silent_agent(tmp_path, weights):
+    """An agent frozen (or its node gone) after the launch: `ctl stop` used to wait the whole stop
+    timeout for it (760 s with the defaults); now one status request within
+    `cluster.request_timeout_s` tells, and the daemon stops without it."""
+    import socket
+    import time
+
+    [local] = stub_engines(tmp_path)
+    async with serving([local]) as (_, url):
+        engine = RemoteInference(url, TOKEN, FAST, engine="engine-0", name="frozen/engine-0", gpu=False,
+                                 request_timeout_s=2)
+        await engine.launch(weights, 1)
+        assert engine._change_timeout_s > 60
+        # What a SIGSTOPped agent is on the wire: the kernel accepts the connection, nobody answers.
+        silent = socket.create_server(("127.0.0.1", 0))
+        engine.agent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        try:
+            started = time.monotonic()
+            await engine.shutdown()
+            waited = time.monotonic() - started
+        finally:
+            silent.close()
+        assert waited < 10, f"waited {waited:.1f} s for a silent agent"
+        assert not engine.process.running and engine.describe()["agent"]["reachable"] is False
+        assert local.process.running, "not stopped: the agent stops its engines at its own shutdown"
