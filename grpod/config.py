@@ -1134,7 +1134,13 @@ class BroadcastBridgeConfig(_BridgeCommon):
         description="Where trainer rank 0 listens for the engines' workers: 127.0.0.1 for engines on this "
         "machine, an address of the trainer the agents reach for engines on other nodes (cluster.agents).",
     )
-    port: int = Field(0, ge=0, le=65535, description="Rank 0's port (0 = a free one).")
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Rank 0's port (0 = a free one). A fixed one (opened in a firewall for the agents' nodes) "
+        "serves every weight group in turn: a new group waits up to timeout_s for the last one to let it go.",
+    )
     chunk_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Bytes per broadcast chunk.")
     inflight_chunks: int = Field(
         2, ge=1, description="Chunks the engines receive ahead of the one they load (double buffering)."

@@ -47,6 +47,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from grpod.inference.client import InferenceClient
+from grpod.inference.release import ReleaseTimeoutError, wait_port_free
 from grpod.weights.group import (
     GlooGroup,
     WeightTransferCancelled,
@@ -784,6 +785,13 @@ async def open_weight_group(clients: Sequence[EngineWeightClient], cfg: Transfer
     """Form one weight-transfer group over `clients`' engines (opening the clients), yield it,
     and release both sides at exit. The engines must run the backend `cfg.transport` names."""
     cfg = cfg or TransferConfig()
+    if cfg.port:
+        # A fixed port: this process's last group on it keeps it until its release ends (at
+        # once; when a member died, after an operation stuck on it, gloo's timeout at most).
+        try:
+            await wait_port_free(cfg.host, cfg.port, cfg.timeout_s)
+        except ReleaseTimeoutError as exc:
+            raise WeightTransferError(f"bridge.port: {exc}") from None
     async with EngineFanout(clients) as fanout:
         sizes = await fanout.world_sizes()
         offsets = rank_offsets(sizes)

@@ -1,4 +1,5 @@
-"""Case 13: one of two engines SIGKILLed mid-step, under `bridge.mode = "broadcast"` (issue #15).
+"""Case 13: one of two engines SIGKILLed mid-step, under `bridge.mode = "broadcast"` on a fixed
+`bridge.port` (issue #15).
 
 One daemon, two local engines; the weights reach both at once through vLLM's weight-transfer API.
 While steps train, engine 1's API server (its process group's leader) is SIGKILLed. What must
@@ -16,6 +17,7 @@ import time
 
 import pytest
 
+from grpod.inference.release import free_port
 from grpod.service.logs import read_metrics
 from tests.faults.injection import alive, failure_reason, log_events, sigkill, status_until, vllm_api_server
 from tests.harness import DaemonProcess, base_settings, write_config
@@ -46,6 +48,9 @@ def test_one_of_two_engines_killed_mid_step_training_goes_on_and_it_rejoins(tmp_
         # The weight group's collectives take milliseconds on this model; a member killed while
         # the group forms is waited for this long before the broadcast is retried without it.
         "bridge.timeout_s": 60.0,
+        # A fixed port (review D4): the catch-up's group of its own took the port the members'
+        # group held, and the run ended with EADDRINUSE.
+        "bridge.port": free_port("127.0.0.1"),
     }
     daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", settings), run_dir)
     try:
