@@ -17,7 +17,9 @@ Signals: torchrun passes SIGTERM/SIGINT to every rank. Rank 0 treats them as alw
 the final checkpoint, then the engines). Ranks > 0 ignore them: rank 0's final checkpoint needs
 them, and they end when rank 0 releases them or exits. torchrun kills what is still running
 `--shutdown-timeout` seconds (default 30) after its SIGTERM: give the daemon time for its final
-checkpoint and its engines' stop (e.g. `--shutdown-timeout 120`). A torchrun that is itself
+checkpoint and its engines' stop (e.g. `--shutdown-timeout 120`). A rank that froze (SIGSTOP, a
+hung driver) is given up after `train.collective_timeout_s`: rank 0 ends its run, stops its
+engines and exits non-zero, and torchrun ends the job. A torchrun that is itself
 killed (SIGKILL, the OOM killer) sends nothing: rank 0 watches it and stops as on its SIGTERM
 (torchrun starts each rank in a session of its own, so nothing else would).
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import structlog
@@ -54,10 +57,14 @@ def run_rank(cfg: GrpodConfig, config_path: Path | None = None, overrides: list[
             launcher = os.getppid()
             if launcher != 1:  # torchrun SIGKILLed or OOM-killed: stop as on its SIGTERM
                 watch_parent(launcher, lambda: os.kill(os.getpid(), signal.SIGTERM))
+            code = 1
             try:
-                return run_daemon(cfg, config_path=config_path, overrides=overrides)
+                code = run_daemon(cfg, config_path=config_path, overrides=overrides)
+                return code
             finally:
                 stop_followers(world)
+                if world.broken is not None:
+                    _exit_past_stuck_collectives(code, world.broken)
         from grpod.service.logs import configure_logging
 
         configure_logging(None, cfg.run.log_level)
@@ -69,3 +76,16 @@ def run_rank(cfg: GrpodConfig, config_path: Path | None = None, overrides: list[
         return 0
     finally:
         leave_trainer_world()
+
+
+def _exit_past_stuck_collectives(code: int, why: str) -> None:
+    """Rank 0 with its ranks out of step, the daemon ended (engines stopped, logs written): exit
+    now. A call sent to a frozen rank leaves gloo work pending on the commands group, whose
+    deadline is the followers' (`FOLLOWER_WAIT`), and the process's exit would wait for it."""
+    log.warning("rank_0_exits_past_stuck_collectives", exit_code=code, out_of_step=why)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

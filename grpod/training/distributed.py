@@ -15,12 +15,13 @@ rank 0 does and then execute, in order, every call rank 0 makes:
     ...                                               ...
     (the daemon ends) -> send ("stop",)               receive -> return
 
-A command is one `broadcast_object_list` over a gloo group of its own, sent and then executed
-under one lock, so calls from different threads of rank 0 reach every rank in one order. Between
-commands the followers wait without a deadline (`FOLLOWER_WAIT`): rank 0 may wait minutes for
-vLLM or sit paused for hours. That wait ends at once when rank 0's process exits (its sockets
-close), and torchrun ends every rank of the job when any rank exits. Inside a command, every
-collective is bounded by `train.collective_timeout_s`.
+A command is two broadcasts (its size, its pickle) over a gloo group of its own, sent and then
+executed under one lock, so calls from different threads of rank 0 reach every rank in one order.
+Between commands the followers wait without a deadline (`FOLLOWER_WAIT`): rank 0 may wait minutes
+for vLLM or sit paused for hours. That wait ends at once when rank 0's process exits (its sockets
+close), and torchrun ends every rank of the job when any rank exits. Rank 0's sending of a
+command, and every collective inside one, is bounded by `train.collective_timeout_s`: a frozen
+follower (SIGSTOP, a hung driver) makes the ranks out of step, as a dead one does.
 
 Equal to one process. Each part of a batch (one optimizer update) is split across the ranks by
 whole sequences (longest first, to the rank with the fewest tokens); every rank micro-batches its
@@ -66,6 +67,7 @@ other than AdamW (`train.optimizer`: adafactor's factored state spans whole matr
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -125,6 +127,7 @@ class TrainerWorld:
     commands: Any
     objects: Any
     restarts: int = 0
+    timeout_s: float = 600.0  # train.collective_timeout_s: rank 0's wait for the followers to take a call
     # Why the ranks are out of step (a call failed on rank 0: a rank died, a collective timed
     # out); no call is sent any more, and the job must be restarted (torchrun --max-restarts).
     broken: str | None = None
@@ -139,19 +142,31 @@ class TrainerWorld:
                 "out_of_step": self.broken}
 
     def send(self, name: str, *args: Any) -> None:
-        """Rank 0: announce a call to every follower."""
+        """Rank 0: announce a call to every follower, each part within `timeout_s` (a frozen
+        follower does not take it: rank 0 would wait with the commands group's no-deadline)."""
         if self.broken is not None:
             raise TrainerRanksBroken(
                 f"{name}: the trainer ranks are out of step since {self.broken}; restart the job "
                 "(torchrun --max-restarts restarts every rank, rank 0 resumes from the last checkpoint)"
             )
-        dist.broadcast_object_list([(name, args)], src=0, group=self.commands)
+        payload = pickle.dumps((name, args))
+        parts = (torch.tensor([len(payload)], dtype=torch.int64), torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        for part in parts:
+            try:
+                dist.broadcast(part, src=0, group=self.commands, async_op=True).wait(timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                raise TrainerRanksBroken(
+                    f"{name}: a follower rank did not take the call (it died, or froze past "
+                    f"train.collective_timeout_s = {self.timeout_s:g} s): {str(exc).splitlines()[0][:200]}"
+                ) from None
 
     def receive(self) -> tuple[str, tuple]:
         """Ranks > 0: the next call rank 0 announces (waits as long as rank 0 lives)."""
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.commands)
-        return box[0]
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.commands)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.commands)
+        return pickle.loads(payload.numpy().tobytes())  # noqa: S301 — rank 0 of this job, as broadcast_object_list
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's `value`, in rank order, on every rank."""
@@ -206,7 +221,7 @@ def join_trainer_world(cfg: GrpodConfig) -> TrainerWorld:
     commands = dist.new_group(backend="gloo", timeout=FOLLOWER_WAIT)
     _WORLD = TrainerWorld(
         rank=dist.get_rank(), size=dist.get_world_size(), commands=commands, objects=objects,
-        restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), timeout_s=cfg.train.collective_timeout_s,
     )
     log.info("trainer_rank_joined", rank=_WORLD.rank, world_size=_WORLD.size, restarts=_WORLD.restarts,
              backend=dist.get_backend(), agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE"))
@@ -392,6 +407,12 @@ class DistributedTrainer(Trainer):
                 if outer and self.world.leads and self.world.broken is None:
                     self.world.broken = f"{name} failed ({type(exc).__name__}: {str(exc)[:200]})"
                     log.error("trainer_ranks_broken", call=name, error=str(exc)[:300])
+                    if isinstance(exc, Exception) and not isinstance(exc, TrainerRanksBroken):
+                        raise TrainerRanksBroken(
+                            f"{name}: the trainer ranks are out of step: {type(exc).__name__}: {str(exc)[:200]} "
+                            f"(a rank died, froze, or ran past train.collective_timeout_s = {self.world.timeout_s:g} s); "
+                            "restart the job (torchrun --max-restarts), rank 0 resumes from the last checkpoint"
+                        ) from exc
                 raise
             finally:
                 self._depth -= 1

@@ -193,3 +193,52 @@ def test_a_killed_torchrun_stops_its_ranks_as_its_sigterm_would(tmp_path, worklo
     assert (run_dir / "checkpoints" / f"step-{final:06d}" / "sharded" / "__1_0.distcp").exists(), "both ranks' shards"
     row.data_lost = "none"
     row.notes = f"killed at step {status['step']}; rank 0's final checkpoint at step {final}, follower released"
+
+
+FROZEN_TIMEOUT_S = 20.0  # train.collective_timeout_s of case 14c
+
+
+@pytest.mark.timeout(900)
+def test_a_frozen_follower_rank_ends_rank_0_within_the_collective_timeout(tmp_path, workload, fault_case):
+    """A follower rank SIGSTOPped (a hung driver, a debugger, a node swapping): rank 0 used to wait
+    for it in the next command without a deadline, so `ctl stop` never ended the run. Now every
+    call rank 0 sends, as every collective inside one, is bounded by `train.collective_timeout_s`:
+    the ranks are declared out of step, the stop's checkpoint is refused (the last complete one is
+    kept), rank 0 stops its engine and exits non-zero, and torchrun ends the frozen rank."""
+    row = fault_case("14c SIGSTOP a follower trainer rank: rank 0 ends within train.collective_timeout_s")
+    model, replay = workload
+    run_dir = tmp_path / "run"
+    settings = {k: v for k, v in _settings(run_dir, model, replay).items() if k != "source.replay_path"}
+    settings |= {"source.kind": "builtin", "train.steps": 100000, "checkpoint.every": 2,
+                 "train.collective_timeout_s": FROZEN_TIMEOUT_S}
+    config = write_config(tmp_path / "grpod.toml", settings)
+    daemon = DaemonProcess(config, run_dir, launcher=torchrun(2))
+    ranks: dict = {}
+    try:
+        status_until(daemon, lambda s: s["state"] == "running" and (s["last_checkpoint"] or {}).get("step", 0) >= 2,
+                     500, "a checkpoint of both ranks")
+        ranks = daemon.rank_processes()
+        ranks[1].suspend()
+        frozen_at = time.monotonic()
+        try:
+            daemon.ctl("stop", timeout_s=30)
+        except Exception:  # noqa: BLE001 — the daemon may already be ending on the frozen rank
+            pass
+        code = daemon.wait_exit(FROZEN_TIMEOUT_S * 3 + 120)
+        row.recovery_s = time.monotonic() - frozen_at
+        gone = psutil.wait_procs(list(ranks.values()), timeout=120)[1] == []
+    finally:
+        for rank in ranks.values():  # sessions of their own: close() misses them
+            if rank.is_running():
+                rank.kill()
+        daemon.close()
+    assert code != 0, "the run could not end cleanly: a rank never answered"
+    assert gone, "torchrun ended the frozen rank"
+    reason = failure_reason(run_dir)
+    assert "did not take the call" in reason and "train.collective_timeout_s = 20 s" in reason, reason
+    assert alive(daemon.vllm_pgids) == [], "rank 0 stopped its engine"
+    assert temp_checkpoints(run_dir) == [], "no half-written checkpoint"
+    kept = checkpoint_steps(run_dir)[-1]
+    assert (run_dir / "checkpoints" / f"step-{kept:06d}" / "sharded" / "__1_0.distcp").exists()
+    row.data_lost = "none (steps after the last checkpoint are retrained at resume)"
+    row.notes = f"torchrun exited {code} {row.recovery_s:.0f} s after the freeze; last checkpoint step {kept}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -154,14 +155,38 @@ def test_rank_0_sends_each_call_once_even_when_a_call_makes_another():
     assert sent == ["load_state_dict", "score"]
 
 
+class _Sent:
+    """`dist.broadcast` on rank 0: records each call's name (the pickled part) or fails its wait."""
+
+    def __init__(self, wait_error: str | None = None) -> None:
+        self.names: list[str] = []
+        self.wait_error = wait_error
+
+    def __call__(self, tensor, src, group, async_op):
+        assert src == 0 and async_op, "rank 0 never waits on a send without its deadline"
+        if tensor.dtype == torch.uint8:
+            self.names.append(pickle.loads(tensor.numpy().tobytes())[0])
+        sent = self
+
+        class Work:
+            def wait(self, timeout):
+                assert timeout.total_seconds() == 600.0, "train.collective_timeout_s bounds every part"
+                if sent.wait_error:
+                    raise RuntimeError(sent.wait_error)
+
+        return Work()
+
+
 def test_a_call_that_fails_on_rank_0_puts_the_ranks_out_of_step(monkeypatch):
-    sent = []
-    monkeypatch.setattr(distributed.dist, "broadcast_object_list", lambda boxed, src, group: sent.append(boxed[0][0]))
+    sent = _Sent()
+    monkeypatch.setattr(distributed.dist, "broadcast", sent)
     world = TrainerWorld(rank=0, size=2, commands=None, objects=None)
     trainer = RecordingTrainer(world)
-    with pytest.raises(RuntimeError, match="closed by peer"), trainer._call("prepare", [0]):
+    with pytest.raises(TrainerRanksBroken, match="prepare: the trainer ranks are out of step.*closed by peer"), \
+            trainer._call("prepare", [0]):
         raise RuntimeError("Connection closed by peer")  # what gloo says when a rank died
     assert world.broken.startswith("prepare failed")
+    sent = sent.names
     with pytest.raises(TrainerRanksBroken, match="restart the job"):
         trainer.score([1, 2])
     stop_followers(world)  # nothing to release: rank 0's exit ends the others
@@ -169,15 +194,25 @@ def test_a_call_that_fails_on_rank_0_puts_the_ranks_out_of_step(monkeypatch):
 
 
 def test_a_call_whose_announcement_fails_puts_the_ranks_out_of_step_too(monkeypatch):
-    def dead_rank(boxed, src, group):
+    def dead_rank(tensor, src, group, async_op):
         raise RuntimeError("Read error [127.0.0.1]:17074: Connection reset by peer")  # measured
 
-    monkeypatch.setattr(distributed.dist, "broadcast_object_list", dead_rank)
+    monkeypatch.setattr(distributed.dist, "broadcast", dead_rank)
     world = TrainerWorld(rank=0, size=2, commands=None, objects=None)
-    with pytest.raises(RuntimeError, match="reset by peer"):
+    with pytest.raises(TrainerRanksBroken, match="did not take the call.*reset by peer"):
         RecordingTrainer(world).score([1, 2])
     assert world.broken.startswith("score failed")
     stop_followers(world)  # sends nothing, raises nothing
+
+
+def test_a_frozen_follower_is_given_up_after_the_collective_timeout(monkeypatch):
+    """Rank 0 waits for a follower to take a call at most train.collective_timeout_s (the commands
+    group itself has no deadline: followers wait for rank 0 as long as it lives)."""
+    monkeypatch.setattr(distributed.dist, "broadcast", _Sent("Timed out waiting 600000ms for send operation to complete"))
+    world = TrainerWorld(rank=0, size=2, commands=None, objects=None)
+    with pytest.raises(TrainerRanksBroken, match="froze past train.collective_timeout_s = 600 s"):
+        RecordingTrainer(world).score([1, 2])
+    assert world.broken.startswith("score failed")
 
 
 def test_sequences_are_shared_by_tokens_longest_first_the_same_on_every_rank():
