@@ -275,10 +275,14 @@ class InferenceEngine:
         raise NotImplementedError
 
     async def _until_hung(self) -> str:
-        """Return once `/health` failed `inference.health_failures` times in a row with the gate open."""
+        """Return once `/health` failed `inference.health_failures` times in a row with the gate open,
+        or once this launch is marked stalled (a sync that met its silent core left it out)."""
         failures = 0
         while failures < self.cfg.health_failures:
             await anyio.sleep(self.cfg.health_interval_s)
+            if self.stalled:  # a change found its core silent (it left the sync): /health answers for it
+                return (f"vLLM's engine core did not answer within inference.stall_timeout_s = "
+                        f"{self.cfg.stall_timeout_s:g} s, though it answers /health")
             # A closed gate: its owner is changing the engine and meets failures itself; an
             # engine that left a sync (recovering) is watched all the same.
             if (not self._gate.is_set() and not self.recovering) or await self.healthy():

@@ -155,6 +155,39 @@ async def test_a_pause_its_core_leaves_unanswered_marks_an_engine_that_answers_h
     assert a.client.asked == asked
 
 
+async def test_an_engine_that_left_a_sync_with_a_silent_core_is_brought_back_by_its_watch():
+    """Review D1: the sync's pause met a core that does not answer while /health does; the engine
+    left the pool (gate shut) and its watch — /health fine, no token counters read with the gate
+    shut — never found it lost: it stayed out of the pool for the rest of the run."""
+    a, b = engine("a"), engine("b")
+    b.cfg = b.cfg.model_copy(update={"health_interval_s": 0.01})
+    never_exits = anyio.Event()
+
+    async def wait_exit():
+        await never_exits.wait()
+
+    b.process.wait_exit = wait_exit
+    brought_up = []
+    found = anyio.Event()
+
+    async def bring_up(engine, reason):
+        brought_up.append((engine.name, reason))
+        found.set()
+
+    pool = pool_of(a, b, bring_up=bring_up)
+    b.client.pause_status = None  # the core leaves the pause unanswered; /health stays 200
+    with pytest.raises(InferenceRequestError):
+        await b.pause()
+    lost = await pool.drop_dead([b], TimeoutError("pause"), version=1)
+    assert lost.left == [b] and b.recovering and b.stalled and await b.healthy()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(b.watch, pool.recover)
+        with anyio.move_on_after(5):
+            await found.wait()
+        tg.cancel_scope.cancel()
+    assert brought_up and brought_up[0][0] == "b" and "engine core did not answer" in brought_up[0][1], brought_up
+
+
 async def test_a_pool_syncs_on_while_one_engine_relaunches_and_the_only_engine_holds_the_turn():
     """`syncs_meanwhile` lets go of the turn for a pool's relaunch and takes it back after; the
     only engine's recovery keeps it (there is nothing to sync without it)."""
