@@ -235,7 +235,8 @@ def test_a_frozen_follower_rank_ends_rank_0_within_the_collective_timeout(tmp_pa
     assert code != 0, "the run could not end cleanly: a rank never answered"
     assert gone, "torchrun ended the frozen rank"
     reason = failure_reason(run_dir)
-    assert "did not take the call" in reason and "train.collective_timeout_s = 20 s" in reason, reason
+    # Frozen between calls: the next call is not taken; inside one: a collective of it times out.
+    assert "train.collective_timeout_s = 20 s" in reason and ("did not take the call" in reason or "out of step" in reason), reason
     assert alive(daemon.vllm_pgids) == [], "rank 0 stopped its engine"
     assert temp_checkpoints(run_dir) == [], "no half-written checkpoint"
     kept = checkpoint_steps(run_dir)[-1]
