@@ -85,6 +85,12 @@ class BridgeFailed(RuntimeError):
     """The bridge cannot keep the engines' weights in step; training must stop (checkpoint first)."""
 
 
+class SyncNotSaved(RuntimeError):
+    """A sync's weights could not be written (no disk space, a read-only or failing filesystem):
+    no engine was touched, they serve the last synced version; the bridge serves on and the next
+    sync retries (the daemon's sync alarm says so meanwhile)."""
+
+
 @dataclass
 class SyncRecord:
     version: int
@@ -359,6 +365,9 @@ class Bridge(ModeSteps):
                     staged = await self._save(new_version)
                 reference = await self._trainer_scores(phases) if self.pipelined else None
                 self._fire("SAVED")
+            except OSError as exc:  # disk full, read-only, I/O error: no engine was touched
+                self._fire("NOT_SAVED", error=str(exc))
+                raise SyncNotSaved(f"sync to version {new_version} not written: {exc}") from exc
             except Exception as exc:
                 raise self._failed(f"sync to version {new_version} failed: {exc}") from exc
         except BaseException:

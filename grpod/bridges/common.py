@@ -19,6 +19,7 @@ class Event(enum.Enum):
     PROBE_SKIP = "probe_skip"
     SYNC = "sync"
     SAVED = "saved"
+    NOT_SAVED = "not_saved"
     APPLIED = "applied"
     LOST = "lost"
     RECOVERED = "recovered"
@@ -67,12 +68,14 @@ def lifecycle_rows(S: type[enum.Enum], E: type[enum.Enum], sync_state: str) -> d
 
 def mode_table(S: type[enum.Enum], E: type[enum.Enum], sync_state: str) -> dict:
     """A mode's whole table: the lifecycle rows, and its sync path SERVING --SYNC--> SAVING
-    --SAVED--> <sync_state> --APPLIED--> PROBING (what a mode does in each step is its own)."""
+    --SAVED--> <sync_state> --APPLIED--> PROBING (what a mode does in each step is its own);
+    a write that fails (disk full, read-only) goes back to SERVING, no engine touched."""
     applying = S[sync_state]
     return {
         **lifecycle_rows(S, E, sync_state),
         (S.SERVING, E.SYNC): S.SAVING,
         (S.SAVING, E.SAVED): applying,
+        (S.SAVING, E.NOT_SAVED): S.SERVING,
         (applying, E.APPLIED): S.PROBING,
     }
 
@@ -84,5 +87,6 @@ def lifecycle_notes(sync_state: str) -> dict[tuple[str, str], str]:
         (sync_state, "LOST"): "vLLM died mid-sync: relaunch on the previous weights",
         ("RECOVERING", "RETRY"): "apply the same sync once more",
         ("FAILED", "SYNC"): "an operator's `ctl sync` retries",
+        ("SAVING", "NOT_SAVED"): "the write failed (disk): engines untouched, the next sync retries",
     }
 

@@ -1,7 +1,7 @@
 """The daemon's alarms: conditions that do not stop a run by themselves but must not go unnoticed.
 
-`CheckpointAlarm`: a checkpoint could not be written for want of disk space (the run trains on and
-retries at the next one).
+`CheckpointAlarm`, `SyncAlarm`: a checkpoint, or a sync's weights, could not be written (no disk
+space, a read-only filesystem): the run trains on and the next one retries.
 
 `LogprobGapAlarm`: the trainer and vLLM must compute the same logprobs; say so when they do not.
 
@@ -134,12 +134,14 @@ class SourceErrorAlarm:
         }
 
 
-class CheckpointAlarm:
-    """A periodic or an operator's checkpoint that failed (no disk space: `CheckpointDiskFull`; a
-    read-only or failing filesystem) does not end the run: training goes on and the next checkpoint
-    retries. (The shutdown checkpoint's failure is the run's exit status.)
-    Until one succeeds the alarm is up: logged, printed on the console, in `ctl status`
-    (`alarms.checkpoint`) and in Prometheus (`grpod_alarm{alarm="checkpoint"}`)."""
+class WriteAlarm:
+    """A write the run needs, failed (no disk space, a read-only or failing filesystem), that does
+    not end the run: training goes on and the next one retries. Until one succeeds the alarm is up:
+    logged, printed on the console, in `ctl status` (`alarms.<name>`) and in Prometheus
+    (`grpod_alarm{alarm="<name>"}`)."""
+
+    name = "write"
+    meanwhile = "training goes on and the next one retries"
 
     def __init__(self) -> None:
         self.active = False
@@ -154,15 +156,40 @@ class CheckpointAlarm:
         if not self.active:
             self.active, self.since_step = True, step
             self.raised += 1
-        log.error("checkpoint_alarm", step=step, error=error, failures=self.failures)
-        print(f"grpod: ALARM at step {step}: checkpoint failed, training goes on and the next checkpoint retries: {error}",
-              file=sys.stderr, flush=True)
+        log.error(f"{self.name}_alarm", step=step, error=error, failures=self.failures)
+        print(f"grpod: ALARM at step {step}: {self.name} failed, {self.meanwhile}: {error}", file=sys.stderr, flush=True)
 
     def written(self, step: int) -> None:
         if self.active:
             self.active, self.since_step = False, None
-            log.info("checkpoint_alarm_cleared", step=step)
-            print(f"grpod: checkpoint written at step {step} (alarm cleared)", file=sys.stderr, flush=True)
+            log.info(f"{self.name}_alarm_cleared", step=step)
+            print(f"grpod: {self.name} written at step {step} (alarm cleared)", file=sys.stderr, flush=True)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "active": self.active,
+            "since_step": self.since_step,
+            "failures": self.failures,
+            "last_error": self.last_error,
+            "raised": self.raised,
+        }
+
+
+class SyncAlarm(WriteAlarm):
+    """A sync whose weights could not be written (`SyncNotSaved`): the engines serve the last
+    synced version while the trainer moves on from it; the next sync retries."""
+
+    name = "sync"
+    meanwhile = "the engines serve the last synced version, training goes on and the next sync retries"
+
+
+class CheckpointAlarm(WriteAlarm):
+    """A periodic or an operator's checkpoint that failed (`CheckpointDiskFull`, a read-only or
+    failing filesystem); the next checkpoint retries. (The shutdown checkpoint's failure is the
+    run's exit status.)"""
+
+    name = "checkpoint"
+    meanwhile = "training goes on and the next checkpoint retries"
 
     async def guard(self, step: int, checkpoint: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[dict[str, Any] | None, str | None]:
         """(what `checkpoint()` wrote, None), or (None, why it failed) with the alarm raised.
@@ -176,12 +203,3 @@ class CheckpointAlarm:
             error = str(exc) if isinstance(exc, CheckpointDiskFull) else f"{type(exc).__name__}: {exc}"
             self.failed(step, error)
             return None, error
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "active": self.active,
-            "since_step": self.since_step,
-            "failures": self.failures,
-            "last_error": self.last_error,
-            "raised": self.raised,
-        }

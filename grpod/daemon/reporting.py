@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from grpod.config import LORA_MODES, GrpodConfig
-from grpod.daemon.alarms import CheckpointAlarm, LogprobGapAlarm, SourceErrorAlarm
+from grpod.daemon.alarms import CheckpointAlarm, LogprobGapAlarm, SourceErrorAlarm, SyncAlarm
 from grpod.daemon.desk import OperatorDesk
 from grpod.service.logs import MetricsLog
 from grpod.service.notify import Heartbeat, SystemdNotifier
@@ -58,6 +58,7 @@ class Reporter:
         self.logprob_gap = logprob_gap
         self.source_alarm = source_alarm
         self.checkpoint_alarm = CheckpointAlarm()
+        self.sync_alarm = SyncAlarm()
         self.run_dir = run_dir
         self.desk: OperatorDesk | None = None
         self.bridge = None
@@ -94,6 +95,7 @@ class Reporter:
         """One `sync` line per sync, written at the current step (W&B needs steps in order);
         `weights_step` is the step whose weights it carries."""
         self.metrics.write("sync", self.progress.step, {**sync.as_dict(), "weights_step": weights_step})
+        self.sync_alarm.written(weights_step)
 
     def eval_done(self, result: dict[str, Any], when: str, *, step: int) -> None:
         """One `eval` line: `step` is the step whose policy was evaluated (an evaluation beside

@@ -129,9 +129,10 @@ def _alarm_rows(alarms: dict | None, status: dict) -> Rows:
         text = (f"ACTIVE: failing for {source.get('failing_s')} s, {source.get('consecutive_errors')} errors in a row; "
                 f"last error: {(source.get('last_error') or '-')[:200]}")
     rows: Rows = [("logprob gap alarm", alarms.get("logprob_gap")), ("source alarm", text)]
-    checkpoint = alarms.get("checkpoint")
-    if checkpoint and checkpoint.get("active"):
-        rows.append(("checkpoint alarm", f"ACTIVE: {(checkpoint.get('last_error') or '-')[:200]}"))
+    for name in ("checkpoint", "sync"):
+        alarm = alarms.get(name)
+        if alarm and alarm.get("active"):
+            rows.append((f"{name} alarm", f"ACTIVE since step {alarm.get('since_step')}: {(alarm.get('last_error') or '-')[:200]}"))
     return rows
 
 
@@ -271,7 +272,8 @@ STATUS_FIELDS: tuple[StatusField, ...] = (
     StatusField("rejected", lambda r: r.rejections.as_dict(), _row("rejected groups")),
     StatusField("source", lambda r: _source_status(r.source), _source_rows),
     StatusField("alarms", lambda r: {"logprob_gap": r.logprob_gap.describe(), "source": r.source_alarm.describe(),
-                                     "checkpoint": r.checkpoint_alarm.describe()}, _alarm_rows),
+                                     "checkpoint": r.checkpoint_alarm.describe(), "sync": r.sync_alarm.describe()},
+                _alarm_rows),
     StatusField("staleness", lambda r: r.admission.staleness.as_dict() if r.admission else None),
     StatusField("heartbeat", lambda r: r.heartbeat.describe(), _heartbeat_rows),
     StatusField("last_checkpoint", lambda r: r.progress.last_checkpoint,

@@ -35,7 +35,7 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup
 
-from grpod.bridges.base import BridgeFailed, StagedSync, SyncRecord
+from grpod.bridges.base import BridgeFailed, StagedSync, SyncNotSaved, SyncRecord
 from grpod.config import GrpodConfig
 from grpod.daemon.desk import OperatorDesk
 from grpod.daemon.evaluation import Evaluations
@@ -272,14 +272,19 @@ class StepLoop:
         step = self.progress.step
         if decision is Sync.FORCED:
             await self.evaluations.idle()
-        elif decision is Sync.STEP and self.cfg.source.overlap and self.bridge.pipelined:
-            # The trainer half now; the engines apply and probe while the next step trains.
-            staged = await self.bridge.stage_sync()
-            assert self._work is not None
-            self._work.start_soon(self._finish_sync, staged, step)
-            return True
         try:
+            if decision is Sync.STEP and self.cfg.source.overlap and self.bridge.pipelined:
+                # The trainer half now; the engines apply and probe while the next step trains.
+                staged = await self.bridge.stage_sync()
+                assert self._work is not None
+                self._work.start_soon(self._finish_sync, staged, step)
+                return True
             record = await self.bridge.sync_now(forced=decision is Sync.FORCED)
+        except SyncNotSaved as exc:  # no engine touched: the alarm is up, training goes on, the next sync retries
+            self.reporter.sync_alarm.failed(step, str(exc))
+            for request in requests:
+                request.complete(error=str(exc))
+            return False
         except BridgeFailed as exc:
             for request in requests:
                 request.complete(error=str(exc))

@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from grpod.bridges.base import BridgeFailed
+from grpod.bridges.base import BridgeFailed, SyncNotSaved
 from grpod.bridges.none import NoneBridge
 from grpod.bridges.probe import ProbeMismatch
 from grpod.config import GrpodConfig
@@ -43,6 +43,8 @@ class Trainer:
     def save_weights(self, target):
         target.mkdir(parents=True)
         (target / "w").write_text(repr(self.weights))
+        if getattr(self, "disk_full", False):
+            raise OSError(28, "No space left on device", str(target / "model.safetensors"))
 
 
 class Vllm:
@@ -487,3 +489,30 @@ def test_the_only_engine_dying_while_probed_is_failed_with_the_reason(tmp_path):
 
     bridge = anyio.run(main)
     assert bridge.state == "FAILED"
+
+
+def test_a_sync_whose_weights_cannot_be_written_touches_no_engine_and_the_next_one_retries(tmp_path):
+    """Disk full (or read-only) under run.dir/weights: the sync is not written, the engines serve
+    the version they had, the bridge serves on (it used to be FAILED: the run ended), the pool's
+    turn is free and the half-written version is gone; the next sync, with space again, lands."""
+
+    async def main():
+        bridge = _pool(tmp_path)
+        await bridge.start()
+        bridge.trainer.weights, bridge.trainer.disk_full = 2.0, True
+        calls = [list(p.current.calls) for p in bridge.processes]
+        with pytest.raises(SyncNotSaved, match="sync to version 1 not written: .*No space left on device"):
+            await bridge.sync_now()
+        assert bridge.state == "SERVING" and bridge.policy.version == 0 and bridge.pool.turn.value == 1
+        assert [p.current.calls for p in bridge.processes] == calls, "no engine touched"
+        assert all(p.current.weights == 1.0 for p in bridge.processes)
+        assert all(e.available for e in bridge.engines)
+        assert not any((tmp_path / "run" / "weights").glob("*1*")), "no partial version left"
+        bridge.trainer.disk_full = False
+        record = await bridge.sync_now()
+        assert record.version == 1 and all(p.current.weights == 2.0 for p in bridge.processes)
+        return bridge
+
+    bridge = anyio.run(main)
+    events = [t.event for t in bridge.machine.history]
+    assert "NOT_SAVED" in events and "FAIL" not in events

@@ -84,7 +84,7 @@ class _Run:
 
     def __init__(self, tmp_path):
         from grpod.config import parse_config
-        from grpod.daemon.alarms import CheckpointAlarm, LogprobGapAlarm, SourceErrorAlarm
+        from grpod.daemon.alarms import CheckpointAlarm, LogprobGapAlarm, SourceErrorAlarm, SyncAlarm
         from grpod.daemon.progress import RunProgress
         from grpod.rollouts.buffer import RolloutBuffer
         from grpod.rollouts.validation import RejectionCounter
@@ -94,6 +94,7 @@ class _Run:
         self.progress, self.buffer, self.rejections = RunProgress(4), RolloutBuffer(4), RejectionCounter()
         self.heartbeat, self.run_dir = Heartbeat(60.0), tmp_path
         self.logprob_gap, self.source_alarm, self.checkpoint_alarm = LogprobGapAlarm(0.05), SourceErrorAlarm(60, None), CheckpointAlarm()
+        self.sync_alarm = SyncAlarm()
         self.desk = self.bridge = self.source = self.admission = self.world = self.evaluations = self.cores = None
         self.memory = None
 

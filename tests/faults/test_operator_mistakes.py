@@ -2,8 +2,8 @@
 
 One daemon (`daemon`, module scope: one vLLM launch for every case that needs a running run) is
 started with `--set train.lr=3e-5 --set metrics.prometheus_port=P` over a file that says
-`lr = 1e-4`, its checkpoints on a small tmpfs of their own (we run as root; without the mount the
-disk-full case is skipped and only its unit test in tests/run/test_checkpoint.py runs). Each case
+`lr = 1e-4`, its checkpoints and its synced weights each on a small tmpfs of their own (we run as
+root; without the mounts the disk-full and read-only cases are skipped and only its unit test in tests/run/test_checkpoint.py runs). Each case
 throws one mistake at it and checks that it is answered and that the daemon still trains after
 it; the last case stops it cleanly and starts `grpod start` again on the run directory, which
 resumes the final checkpoint and the values set with `ctl set` before it. The cases without a running daemon (a broken trainer's checkpoint,
@@ -19,6 +19,8 @@ corrupt checkpoints at start) need no vLLM and run in seconds.
   30.8  a periodic checkpoint on a full disk: alarm, training goes on, the next one succeeds
   30.9  every checkpoint corrupt: `grpod start` refuses (exit 2, naming each and why)
   30.10 a periodic checkpoint on a read-only file system: alarm, training goes on, then it succeeds
+  30.11 a sync's weights on a read-only file system: alarm, the engine serves the version it had,
+        training goes on, then a sync lands
   30.P  property: random and hostile request lines and live settings, the daemon trains on
 """
 
@@ -81,6 +83,8 @@ class Run:
         self.run_dir = tmp / "run"
         self.checkpoints = self.run_dir / "checkpoints"
         self.tmpfs = _mount_tmpfs(self.checkpoints, TMPFS_BYTES)
+        self.weights = self.run_dir / "weights"  # bridge mode "none": each sync's weights are written here
+        self.weights_tmpfs = _mount_tmpfs(self.weights, TMPFS_BYTES)
         self.metrics_port = _free_port()
         self.settings = base_settings(self.run_dir, model_dir) | {
             "train.steps": 100000,
@@ -133,8 +137,9 @@ class Run:
 
     def close(self) -> None:
         self.daemon.close()
-        if self.tmpfs:
-            subprocess.run(["umount", "-l", str(self.checkpoints)], capture_output=True, timeout=30)
+        for mounted, path in ((self.tmpfs, self.checkpoints), (self.weights_tmpfs, self.weights)):
+            if mounted:
+                subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -381,6 +386,35 @@ def test_a_periodic_checkpoint_on_a_read_only_file_system(run, fault_case):
     row.recovery_s, row.data_lost = time.monotonic() - began, "none"
     row.notes = (f"{status['alarms']['checkpoint']['failures']} checkpoints failed (EROFS), training went on; "
                  f"written again at step {status['last_checkpoint']['step']}")
+
+
+@pytest.mark.timeout(300)
+def test_a_sync_on_a_read_only_file_system(run, fault_case):
+    """The run ended here before (bridge FAILED, exit 1): now no engine is touched, the alarm is up
+    and training goes on; once the filesystem is writable again the next sync lands."""
+    row = fault_case("30.11 a sync's weights on a read-only file system (remounted ro), then rw again")
+    if not run.weights_tmpfs:
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    began = time.monotonic()
+    remount = ["mount", "-o", "remount,{}", str(run.weights)]
+    subprocess.run([part.format("ro") for part in remount], check=True, capture_output=True, timeout=30)
+    try:
+        status = status_until(run.daemon, lambda s: (s["alarms"].get("sync") or {}).get("active"), 120, "the sync alarm")
+        error = status["alarms"]["sync"]["last_error"]
+        assert "not written" in error and "Read-only file system" in error, error
+        served = status["policy_version"]
+        status = run.trains_on(4)  # past the next syncs, which fail again
+        assert status["alarms"]["sync"]["failures"] >= 2, status["alarms"]["sync"]
+        assert status["policy_version"] == served, "the engine serves the version it had"
+        assert status["bridge"]["state"] != "failed", status["bridge"]
+    finally:
+        subprocess.run([part.format("rw") for part in remount], check=True, capture_output=True, timeout=30)
+    status = status_until(run.daemon, lambda s: not s["alarms"]["sync"]["active"], 120, "the alarm cleared")
+    assert status["policy_version"] > served
+    assert "sync failed, the engines serve the last synced version" in run.daemon.tail(400)
+    row.recovery_s, row.data_lost = time.monotonic() - began, "none"
+    row.notes = (f"{status['alarms']['sync']['failures']} syncs not written (EROFS), training went on at version "
+                 f"{served}; synced again to version {status['policy_version']}")
 
 
 @pytest.mark.timeout(300)
