@@ -346,6 +346,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{manifest_path}: 'step' must be a non-negative integer, got {step!r}")
     if not isinstance(files, list):
         raise CorruptCheckpointError(f"{manifest_path}: 'files' must be a list, got {type(files).__name__}")
+    if not files:  # every checkpoint holds weights and state: an empty list verifies nothing
+        raise CorruptCheckpointError(f"{manifest_path}: 'files' lists no file")
     return manifest
 
 

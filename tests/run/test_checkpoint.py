@@ -165,8 +165,10 @@ def test_flipped_byte_is_skipped_with_a_warning_and_the_previous_is_used(tmp_pat
         (lambda p: (p / "manifest.json").unlink(), "manifest.json is missing"),
         (lambda p: (p / "manifest.json").write_text('{"format": 1, "step": '), "not valid JSON"),
         (lambda p: (p / "manifest.json").write_text('{"format": 99}'), "format 99"),
+        (lambda p: (p / "manifest.json").write_text(
+            json.dumps({**json.loads((p / "manifest.json").read_text()), "files": []})), "'files' lists no file"),
     ],
-    ids=["missing-file", "size", "no-manifest", "bad-json", "unknown-format"],
+    ids=["missing-file", "size", "no-manifest", "bad-json", "unknown-format", "no-files"],
 )
 def test_each_kind_of_damage_is_named_and_skipped(tmp_path: Path, damage, message: str) -> None:
     _write(tmp_path, 1)
