@@ -137,7 +137,9 @@ class AgentClient(SessionClient):
         try:
             answer = json.loads(text) if text else {}
         except ValueError:
-            answer = {"error": f"not JSON: {text[:BODY_EXCERPT_CHARS]}"}
+            # Another service on that address (a web server's HTML page, a proxy's error).
+            raise AgentRequestError(self.url, route, status, f"not a grpod agent's answer (not JSON, "
+                                    f"{response.content_type or 'no content type'}): {text[:BODY_EXCERPT_CHARS]}") from None
         if status != 200 or not isinstance(answer, dict):
             detail = answer.get("error") if isinstance(answer, dict) else None
             raise AgentRequestError(self.url, route, status, (detail or text)[:BODY_EXCERPT_CHARS])

@@ -201,3 +201,22 @@ async def test_a_stop_does_not_wait_minutes_for_a_silent_agent(tmp_path, weights
         assert waited < 10, f"waited {waited:.1f} s for a silent agent"
         assert not engine.process.running and engine.describe()["agent"]["reachable"] is False
         assert local.process.running, "not stopped: the agent stops its engines at its own shutdown"
+
+
+async def test_another_service_at_the_agents_address_is_named_as_such(tmp_path, weights):
+    """A web server's page where the agent should be (a wrong port in cluster.agents): the error
+    says it is not an agent's answer, where it said "malformed launch answer: Field required"."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", lambda request: web.Response(text="<html>It works!</html>", content_type="text/html"))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port("127.0.0.1")
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        with pytest.raises(AgentRequestError) as wrong:
+            await remote(f"http://127.0.0.1:{port}").launch(weights, 0)
+    finally:
+        await runner.cleanup()
+    assert "not a grpod agent's answer (not JSON, text/html): <html>It works!" in str(wrong.value), wrong.value
