@@ -258,7 +258,9 @@ def cut_log(path: Path, max_bytes: int) -> int:
     `max_bytes`, headed by a line saying so; the bytes cut, 0 if none. The kept lines are written
     over the file's head and the file truncated after them, so the line saying so is always first.
     Its writers (this process, children given it as stdout or stderr) hold it open for appending, so
-    what they write next goes to the new end; a line written while the file is cut is lost."""
+    what they write next goes to the new end. What they append while the file is cut is moved
+    after the kept lines too (read again until nothing new came); only a write landing between
+    that last read and the truncation, microseconds, is lost."""
     try:
         size = path.stat().st_size
         if size <= max_bytes:
@@ -268,11 +270,21 @@ def cut_log(path: Path, max_bytes: int) -> int:
             f.seek(size - keep)
             tail = f.read(keep)
             # Whole lines only: from the first line that starts in the tail to the last that ends.
+            end = size - keep + tail.rfind(b"\n") + 1
             tail = tail[tail.find(b"\n") + 1:tail.rfind(b"\n") + 1]
             kept = CUT_MARK.format(cut=size - len(tail), limit_mb=max_bytes / (1 << 20)).encode() + tail
             f.seek(0)
             f.write(kept)  # over bytes the cut drops: the tail was read from past them
-            f.truncate(len(kept))
+            length = len(kept)
+            while True:  # what was appended since (a half line included), after the kept lines
+                f.seek(end)
+                more = f.read()
+                if not more:
+                    break
+                f.seek(length)
+                f.write(more)  # ends before `end + len(more)`: nothing unread is overwritten
+                end, length = end + len(more), length + len(more)
+            f.truncate(length)
         return size - len(tail)
     except OSError as exc:  # gone, or not ours to cut: the next check tries again
         log.warning("log_cut_failed", path=str(path), error=str(exc))

@@ -123,6 +123,41 @@ def test_no_limit_cuts_nothing_and_a_file_under_it_is_left_alone(tmp_path):
     assert cut_log(path, 6999) > 0 and path.stat().st_size < 6999
 
 
+def test_lines_appended_while_a_log_is_cut_are_kept(tmp_path):
+    """A writer (vLLM's stdout, say) appends while the file is cut: its lines, and the half line
+    it was writing when the tail was read, follow the kept lines; they were lost before."""
+    import io
+
+    from grpod.service.logs import cut_log
+
+    path = tmp_path / "vllm.log"
+    path.write_bytes(b"".join(b"line %05d\n" % i for i in range(1000)) + b"line 01")  # a line being written
+    writer = os.open(path, os.O_WRONLY | os.O_APPEND)
+
+    class AppendedMeanwhile(io.FileIO):
+        reads = 0
+
+        def read(self, *args):
+            data = super().read(*args)
+            AppendedMeanwhile.reads += 1
+            if AppendedMeanwhile.reads <= 2:  # after the tail is read, and after the first catch-up
+                os.write(writer, b"000\n" if AppendedMeanwhile.reads == 1 else b"line 01001\n")
+            return data
+
+    class LogPath(type(path)):
+        def open(self, mode="r", *args, **kwargs):
+            return AppendedMeanwhile(str(self), "r+")
+
+    try:
+        assert cut_log(LogPath(path), 4000) > 0
+    finally:
+        os.close(writer)
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("=== grpod: cut") and lines[-2:] == ["line 01000", "line 01001"], lines[-3:]
+    numbers = [int(line.split()[1]) for line in lines[1:]]
+    assert numbers == list(range(numbers[0], 1002)), "no line lost, none twice"
+
+
 # ---- a full disk under the run directory (a real one: a small tmpfs) ------------------------
 
 @pytest.fixture
