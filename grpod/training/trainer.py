@@ -106,7 +106,11 @@ def _wrap_lora(base: PreTrainedModel, lcfg, adapter_path: Path | None, seed: int
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapter_path is not None:
-        return PeftModel.from_pretrained(base, adapter_path, is_trainable=True)
+        # The adapter's shape is the checkpoint's (a different one is refused before this:
+        # grpod.run.compatibility); its dropout, a training setting, is the config's.
+        saved = LoraConfig.from_pretrained(adapter_path)
+        saved.lora_dropout = lcfg.dropout
+        return PeftModel.from_pretrained(base, adapter_path, is_trainable=True, config=saved)
     peft_cfg = LoraConfig(
         r=lcfg.rank, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
         target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM",

@@ -372,6 +372,16 @@ def test_lora_trains_only_adapters_with_no_dropout_by_default(model_dir):
     assert dropouts and all(isinstance(m, torch.nn.Identity) for m in dropouts)
 
 
+def test_a_resumed_adapter_takes_the_configs_dropout(model_dir, tmp_path):
+    """The saved adapter's shape is kept; its dropout (a training setting, like the learning rate)
+    is the config's: it was the checkpoint's, so `train.lora_config.dropout` changed nothing."""
+    build_trainer(config(lora=True), model_dir).save_weights(tmp_path / "w")
+    resumed = build_trainer(config(lora=True, disable_dropout=False, lora_config={"dropout": 0.1}), model_dir,
+                            adapter_path=tmp_path / "w")
+    dropouts = [m for n, m in resumed.model.named_modules() if n.endswith("lora_dropout.default")]
+    assert dropouts and all(isinstance(m, torch.nn.Dropout) and m.p == 0.1 for m in dropouts)
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_resume_from_saved_weights_and_state_continues_identically(model_dir, tmp_path, lora):
     cfg = config(lora=lora, lr=1e-3, warmup_steps=3)
