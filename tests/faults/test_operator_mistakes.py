@@ -75,6 +75,20 @@ def _mount_tmpfs(path: Path, size: int) -> bool:
     return done.returncode == 0
 
 
+def _remount(path: Path, mode: str, timeout_s: float = 60.0) -> None:
+    """`mount -o remount,<mode>` of a tmpfs the daemon writes in: going read-only is refused while
+    a file on it is open for writing (a checkpoint or a sync being written: "busy"), so it is
+    tried again until the daemon is between two writes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done = subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], capture_output=True, text=True, timeout=30)
+        if done.returncode == 0:
+            return
+        if "busy" not in done.stderr or time.monotonic() > deadline:
+            raise AssertionError(f"remount,{mode} {path}: exit {done.returncode}: {done.stderr.strip()}")
+        time.sleep(0.01)
+
+
 class Run:
     """The shared daemon and what the cases need of it."""
 
@@ -371,8 +385,7 @@ def test_a_periodic_checkpoint_on_a_read_only_file_system(run, fault_case):
         pytest.skip("cannot mount a tmpfs here (not root?)")
     began = time.monotonic()
     before = (run.status()["alarms"].get("checkpoint") or {}).get("failures", 0)
-    remount = ["mount", "-o", "remount,{}", str(run.checkpoints)]
-    subprocess.run([part.format("ro") for part in remount], check=True, capture_output=True, timeout=30)
+    _remount(run.checkpoints, "ro")
     try:
         status = status_until(run.daemon, lambda s: (s["alarms"].get("checkpoint") or {}).get("active"), 120,
                               "the checkpoint alarm")
@@ -381,7 +394,7 @@ def test_a_periodic_checkpoint_on_a_read_only_file_system(run, fault_case):
         status = run.trains_on(CHECKPOINT_EVERY + 1)  # the run goes on past the next one, which fails again
         assert status["alarms"]["checkpoint"]["failures"] >= before + 2, status["alarms"]["checkpoint"]
     finally:
-        subprocess.run([part.format("rw") for part in remount], check=True, capture_output=True, timeout=30)
+        _remount(run.checkpoints, "rw")
     status = status_until(run.daemon, lambda s: not s["alarms"]["checkpoint"]["active"], 120, "the alarm cleared")
     row.recovery_s, row.data_lost = time.monotonic() - began, "none"
     row.notes = (f"{status['alarms']['checkpoint']['failures']} checkpoints failed (EROFS), training went on; "
@@ -396,8 +409,7 @@ def test_a_sync_on_a_read_only_file_system(run, fault_case):
     if not run.weights_tmpfs:
         pytest.skip("cannot mount a tmpfs here (not root?)")
     began = time.monotonic()
-    remount = ["mount", "-o", "remount,{}", str(run.weights)]
-    subprocess.run([part.format("ro") for part in remount], check=True, capture_output=True, timeout=30)
+    _remount(run.weights, "ro")
     try:
         status = status_until(run.daemon, lambda s: (s["alarms"].get("sync") or {}).get("active"), 120, "the sync alarm")
         error = status["alarms"]["sync"]["last_error"]
@@ -408,7 +420,7 @@ def test_a_sync_on_a_read_only_file_system(run, fault_case):
         assert status["policy_version"] == served, "the engine serves the version it had"
         assert status["bridge"]["state"] != "failed", status["bridge"]
     finally:
-        subprocess.run([part.format("rw") for part in remount], check=True, capture_output=True, timeout=30)
+        _remount(run.weights, "rw")
     status = status_until(run.daemon, lambda s: not s["alarms"]["sync"]["active"], 120, "the alarm cleared")
     assert status["policy_version"] > served
     assert "sync failed, the engines serve the last synced version" in run.daemon.tail(400)
