@@ -155,7 +155,10 @@ class BroadcastBridge(Bridge):
             await self._update(self.pool.members(), staged, version, phases, epoch_group=True)
         except (WeightTransferError, InferenceRequestError) as exc:
             # No engine reopens on a partial update. A dead one leaves the pool, or (the only
-            # engine) is relaunched; then a new group, and the whole update once more.
+            # engine) is relaunched; then a new group, and the whole update once more. The group
+            # is released as a broken one: a frozen engine's release is not waited for a minute.
+            if self.group is not None and self.group.broken is None:
+                self.group.broken = f"sync to version {version} failed: {type(exc).__name__}"
             await self._close_group()
             await self._meet_dead(self.pool.members(), exc, version, phases)
             log.warning("broadcast_retried", version=version, error=str(exc)[:300])
