@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 import structlog
@@ -83,6 +84,8 @@ def _exit_past_stuck_collectives(code: int, why: str) -> None:
     now. A call sent to a frozen rank leaves gloo work pending on the commands group, whose
     deadline is the followers' (`FOLLOWER_WAIT`), and the process's exit would wait for it."""
     log.warning("rank_0_exits_past_stuck_collectives", exit_code=code, out_of_step=why)
+    if sys.exc_info()[1] is not None:  # the daemon raised: say what, as the interpreter would have
+        traceback.print_exc()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
