@@ -1,8 +1,9 @@
 """What this machine says about a config, checked by `grpod check-config` and by `grpod start`
 before anything is launched: the run directory, the control socket, the model directory, the
-trainer's device, a replay file, a fixed `bridge.port`. Parsing (`grpod.config`) checks what a config means anywhere;
-these are the facts of one host, each refused as a ConfigError naming the key, the path and why,
-where they used to surface as a traceback or an `OSError` after vLLM had started.
+trainer's device, a replay file, a fixed `bridge.port`. Parsing (`grpod.config`) checks what a
+config means anywhere; these are the facts of one host, each refused as a ConfigError naming the
+key, the path and why, where they used to surface as a traceback or an `OSError` after vLLM had
+started.
 """
 
 from __future__ import annotations

@@ -208,8 +208,11 @@ async def test_another_service_at_the_agents_address_is_named_as_such(tmp_path, 
     says it is not an agent's answer, where it said "malformed launch answer: Field required"."""
     from aiohttp import web
 
+    async def page(request):
+        return web.Response(text="<html>It works!</html>", content_type="text/html")
+
     app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", lambda request: web.Response(text="<html>It works!</html>", content_type="text/html"))
+    app.router.add_route("*", "/{tail:.*}", page)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port("127.0.0.1")
