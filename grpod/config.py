@@ -299,7 +299,10 @@ class InferenceConfig(_Section):
     )
     env: dict[str, str] = Field({}, description="Extra environment variables for vLLM.")
     max_restarts: int = Field(
-        3, ge=0, description="vLLM crash relaunches per engine before the run stops (checkpoint, exit 1)."
+        3,
+        ge=0,
+        description="vLLM crash relaunches per engine before the run stops (checkpoint, exit 1); a relaunch "
+        "that dies or hangs while starting is tried again and counts as one more.",
     )
     engines: int = Field(
         1,

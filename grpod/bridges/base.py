@@ -63,6 +63,7 @@ from grpod.bridges.probe import (
 from grpod.config import LORA_MODES, ModelConfig
 from grpod.inference.engine import InferenceEngine, RestartBudgetSpent
 from grpod.inference.policy import Policy
+from grpod.inference.process import InferenceStartError
 from grpod.inference.pool import EnginePool
 
 log = structlog.get_logger(__name__)
@@ -441,19 +442,28 @@ class Bridge(ModeSteps):
     # ---- losing an engine -------------------------------------------------------------------
     async def _relaunch_lost(self, engine: InferenceEngine, reason: str, *, during: str | None = None) -> None:
         """Relaunch a lost engine on the current weights, out of its restart budget (spent: BridgeFailed,
-        which a sync's failure reports as FAILED itself). The only engine: the bridge is RECOVERING
-        meanwhile; one of a pool is relaunched while the others sync on."""
-        try:
-            engine.spend_restart(reason)
-        except RestartBudgetSpent as exc:
-            raise (BridgeFailed(str(exc)) if during else self._failed(str(exc))) from None
+        which a sync's failure reports as FAILED itself), once more for each launch that dies or hangs
+        starting. The only engine: the bridge is RECOVERING meanwhile; a pool's others sync on."""
+        self._spend_restart(engine, reason, during)
         serving = [e.name for e in self.pool.members() if e is not engine]
         log.warning("inference_lost", bridge=self.mode, engine=engine.name, pid=engine.process.pid,
                     restarts=engine.restarts, error=reason, during=during, serving=serving)
         if self.pool.single:
             self._fire("LOST", error=reason)
         async with self.pool.syncs_meanwhile():
-            await self._relaunch(engine, self.current_weights)
+            while True:
+                try:
+                    return await self._relaunch(engine, self.current_weights)
+                except InferenceStartError as exc:
+                    reason = f"its relaunch failed: {str(exc).splitlines()[0][:300]}"
+                    log.warning("inference_relaunch_failed", engine=engine.name, restarts=engine.restarts, error=reason)
+                    self._spend_restart(engine, reason, during)
+
+    def _spend_restart(self, engine: InferenceEngine, reason: str, during: str | None) -> None:
+        try:
+            engine.spend_restart(reason)
+        except RestartBudgetSpent as exc:
+            raise (BridgeFailed(str(exc)) if during else self._failed(str(exc))) from None
 
     async def _relaunch_mid_sync(self, engine: InferenceEngine, cause: BaseException, version: int, phases: dict[str, float]) -> None:
         """The only engine died while a sync was applied: relaunch it on the weights it served
@@ -488,8 +498,7 @@ class Bridge(ModeSteps):
                  seconds=round(time.perf_counter() - began, 3), probe=result.as_dict())
 
     async def watch(self) -> None:
-        """Every engine's health watch (the pool's), each recovering its engine when it is lost.
-        Raises BridgeFailed when one cannot be."""
+        """Every engine's health watch, each recovering its engine when lost (BridgeFailed: one cannot be)."""
         await self.pool.watch()
 
     async def recover(self, engine: InferenceEngine, reason: str) -> None:
@@ -503,13 +512,7 @@ class Bridge(ModeSteps):
             self._fire("STOPPED")
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "policy_version": self.policy.version,
-            "syncs": self.stats.syncs,
-            "sync_latency": self.stats.histogram(),
-            "last_sync": self.stats.last_sync.as_dict() if self.stats.last_sync else None,
-            "weights": str(self.current_weights),
-            **self.pool.describe(),
-            **self.machine.describe(),
-        }
+        last = self.stats.last_sync.as_dict() if self.stats.last_sync else None
+        return {"mode": self.mode, "policy_version": self.policy.version, "syncs": self.stats.syncs,
+                "sync_latency": self.stats.histogram(), "last_sync": last, "weights": str(self.current_weights),
+                **self.pool.describe(), **self.machine.describe()}  # fmt: skip

@@ -21,6 +21,7 @@ from grpod.bridges.base import BridgeFailed, SyncNotSaved
 from grpod.bridges.none import NoneBridge
 from grpod.bridges.probe import ProbeMismatch
 from grpod.config import GrpodConfig
+from grpod.inference.process import InferenceStartError
 from grpod.inference.supervised import SupervisedInference
 
 
@@ -270,6 +271,51 @@ def test_watch_fails_when_the_budget_is_spent(tmp_path):
 
     bridge = anyio.run(main)
     assert bridge.state == "FAILED"
+
+
+class FailingStarts(ScriptedProcess):
+    """The next `failures` starts die while starting (as a vLLM OOM-killed or crashing in its
+    start-up: InferenceStartError), then starts succeed."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def start(self, weights, **kwargs) -> None:
+        if self.failures and self.vllms:  # the first launch (the bridge's start) succeeds
+            self.failures -= 1
+            raise InferenceStartError("vLLM exited with code -9 during start-up (log tail: Killed)")
+        await super().start(weights, **kwargs)
+
+
+@pytest.mark.parametrize(("failures", "max_restarts", "recovered"), [(2, 3, True), (3, 3, False)])
+def test_a_relaunch_that_dies_starting_is_tried_again_within_the_budget(tmp_path, failures, max_restarts, recovered):
+    """A lost vLLM whose relaunch dies while starting ended the run at once, budget left or not."""
+
+    async def main():
+        bridge = _bridge(tmp_path, max_restarts=max_restarts)
+        flaky = FailingStarts(failures)
+        bridge.engines[0].process = flaky
+        bridge.vllms = flaky.vllms
+        await bridge.start()
+        flaky.vllms[-1].kill()
+        with anyio.fail_after(10):
+            if not recovered:
+                with pytest.raises(BridgeFailed, match="its relaunch failed: vLLM exited with code -9.*restart budget"):
+                    await bridge.watch()
+                return bridge
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bridge.watch)
+                while len(flaky.vllms) < 2 or bridge.state != "SERVING":
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+        return bridge
+
+    bridge = anyio.run(main)
+    if recovered:
+        assert bridge.restarts == 3 and bridge.state == "SERVING" and len(bridge.vllms) == 2
+    else:
+        assert bridge.state == "FAILED" and bridge.restarts == 3
 
 
 def test_a_staged_sync_serves_the_staged_weights_while_the_trainer_steps_on(tmp_path):
