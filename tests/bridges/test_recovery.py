@@ -299,16 +299,11 @@ def test_a_relaunch_that_dies_starting_is_tried_again_within_the_budget(tmp_path
         bridge.vllms = flaky.vllms
         await bridge.start()
         flaky.vllms[-1].kill()
-        with anyio.fail_after(10):
-            if not recovered:
-                with pytest.raises(BridgeFailed, match="its relaunch failed: vLLM exited with code -9.*restart budget"):
-                    await bridge.watch()
-                return bridge
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(bridge.watch)
-                while len(flaky.vllms) < 2 or bridge.state != "SERVING":
-                    await anyio.sleep(0.01)
-                tg.cancel_scope.cancel()
+        if recovered:
+            await _watch_until(bridge, lambda: len(flaky.vllms) >= 2 and bridge.state == "SERVING")
+            return bridge
+        with anyio.fail_after(10), pytest.raises(BridgeFailed, match="its relaunch failed: vLLM exited with code -9.*restart budget"):
+            await bridge.watch()
         return bridge
 
     bridge = anyio.run(main)

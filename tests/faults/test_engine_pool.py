@@ -43,11 +43,9 @@ def _engine(status, name: str) -> dict:
     return next(e for e in status["bridge"]["engines"] if e["name"] == name)
 
 
-@pytest.mark.timeout(1200)
-def test_one_of_two_engines_killed_mid_step_training_goes_on_and_it_rejoins(tmp_path, fault_model_dir, fault_case):
-    row = fault_case("13 SIGKILL one of 2 engines mid-step (broadcast)")
-    run_dir = tmp_path / "run"
-    settings = base_settings(run_dir, fault_model_dir) | {
+def _two_engines(run_dir, model_dir) -> dict:
+    """Two local engines fed by one broadcast, a sync every 2 steps, until the test stops the run."""
+    return base_settings(run_dir, model_dir) | {
         "train.steps": STEPS,
         "bridge.mode": "broadcast",
         "bridge.sync_every": 2,
@@ -55,10 +53,18 @@ def test_one_of_two_engines_killed_mid_step_training_goes_on_and_it_rejoins(tmp_
         "inference.start_timeout_s": 400.0,
         "inference.stop_grace_s": 2.0,
         "source.concurrency": 4,
-        "run.record_rollouts": True,
         # The weight group's collectives take milliseconds on this model; a member killed while
         # the group forms is waited for this long before the broadcast is retried without it.
         "bridge.timeout_s": 60.0,
+    }
+
+
+@pytest.mark.timeout(1200)
+def test_one_of_two_engines_killed_mid_step_training_goes_on_and_it_rejoins(tmp_path, fault_model_dir, fault_case):
+    row = fault_case("13 SIGKILL one of 2 engines mid-step (broadcast)")
+    run_dir = tmp_path / "run"
+    settings = _two_engines(run_dir, fault_model_dir) | {
+        "run.record_rollouts": True,
         # A fixed port (review D4): the catch-up's group of its own took the port the members'
         # group held, and the run ended with EADDRINUSE.
         "bridge.port": free_port("127.0.0.1"),
@@ -124,17 +130,9 @@ def test_one_of_two_engines_frozen_before_a_sync_leaves_it_and_is_relaunched(tmp
     of the pool for the rest of the run), it is caught up and rejoins."""
     row = fault_case("13b SIGSTOP one of 2 engines' core before a sync (broadcast): it leaves the sync, is relaunched")
     run_dir = tmp_path / "run"
-    settings = base_settings(run_dir, fault_model_dir) | {
-        "train.steps": STEPS,
-        "bridge.mode": "broadcast",
-        "bridge.sync_every": 2,
-        "inference.engines": 2,
-        "inference.start_timeout_s": 400.0,
-        "inference.stop_grace_s": 2.0,
+    settings = _two_engines(run_dir, fault_model_dir) | {
         "inference.stall_timeout_s": FROZEN_STALL_S,
         "inference.request_timeout_s": 20.0,
-        "source.concurrency": 4,
-        "bridge.timeout_s": 60.0,
     }
     daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", settings), run_dir)
     frozen = None
