@@ -1034,7 +1034,8 @@ class TrainConfig(_Section):
         600.0,
         gt=0,
         description="Trainer ranks under torchrun (grpod/training/distributed.py): every collective of a step, a "
-        "sync's gather or a checkpoint waits at most this long for the other ranks.",
+        "sync's gather or a checkpoint, and rank 0's sending of each call, waits at most this long for the other "
+        "ranks; a rank dead or frozen past it ends the run (exit 1) and torchrun the job.",
     )
     loss: LossConfig = Field(LossConfig(), description="The policy loss (grpod/training/loss.py).")
     advantages: AdvantageConfig = Field(
