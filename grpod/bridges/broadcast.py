@@ -179,9 +179,9 @@ class BroadcastBridge(Bridge):
         with timed(phases, "broadcast"):
             if group is not None:
                 await group.sync(staged, weight_version=str(version))
-            else:  # a catch-up: a group of its own for these engines
-                if self.transfer.port:  # a fixed port: the members' group gives it up (formed again at the next sync)
-                    await self._close_group()
+            else:  # a catch-up: a group of its own for these engines, after the members' group (the
+                # relaunch changed the members: the next sync forms it again) let go of rank 0's port
+                await self._close_group()
                 clients = [EngineWeightClient.for_process(engine.process) for engine in engines]
                 async with open_weight_group(clients, self.transfer) as own:
                     await own.sync(staged, weight_version=str(version))
