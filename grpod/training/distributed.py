@@ -145,10 +145,7 @@ class TrainerWorld:
         """Rank 0: announce a call to every follower, each part within `timeout_s` (a frozen
         follower does not take it: rank 0 would wait with the commands group's no-deadline)."""
         if self.broken is not None:
-            raise TrainerRanksBroken(
-                f"{name}: the trainer ranks are out of step since {self.broken}; restart the job "
-                "(torchrun --max-restarts restarts every rank, rank 0 resumes from the last checkpoint)"
-            )
+            raise self.out_of_step(name)
         payload = pickle.dumps((name, args))
         parts = (torch.tensor([len(payload)], dtype=torch.int64), torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         for part in parts:
@@ -159,6 +156,14 @@ class TrainerWorld:
                     f"{name}: a follower rank did not take the call (it died, or froze past "
                     f"train.collective_timeout_s = {self.timeout_s:g} s): {str(exc).splitlines()[0][:200]}"
                 ) from None
+
+    def out_of_step(self, name: str) -> TrainerRanksBroken:
+        """What call `name` raises on rank 0 once the ranks are out of step (`broken` says since when)."""
+        return TrainerRanksBroken(
+            f"{name}: the trainer ranks are out of step since {self.broken} (a rank died, froze, or ran past "
+            f"train.collective_timeout_s = {self.timeout_s:g} s); restart the job (torchrun --max-restarts "
+            "restarts every rank, rank 0 resumes from the last checkpoint)"
+        )
 
     def receive(self) -> tuple[str, tuple]:
         """Ranks > 0: the next call rank 0 announces (waits as long as rank 0 lives)."""
@@ -408,11 +413,7 @@ class DistributedTrainer(Trainer):
                     self.world.broken = f"{name} failed ({type(exc).__name__}: {str(exc)[:200]})"
                     log.error("trainer_ranks_broken", call=name, error=str(exc)[:300])
                     if isinstance(exc, Exception) and not isinstance(exc, TrainerRanksBroken):
-                        raise TrainerRanksBroken(
-                            f"{name}: the trainer ranks are out of step: {type(exc).__name__}: {str(exc)[:200]} "
-                            f"(a rank died, froze, or ran past train.collective_timeout_s = {self.world.timeout_s:g} s); "
-                            "restart the job (torchrun --max-restarts), rank 0 resumes from the last checkpoint"
-                        ) from exc
+                        raise self.world.out_of_step(name) from exc
                 raise
             finally:
                 self._depth -= 1
