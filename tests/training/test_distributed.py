@@ -187,8 +187,10 @@ def test_a_call_that_fails_on_rank_0_puts_the_ranks_out_of_step(monkeypatch):
         raise RuntimeError("Connection closed by peer")  # what gloo says when a rank died
     assert world.broken.startswith("prepare failed")
     sent = sent.names
-    with pytest.raises(TrainerRanksBroken, match="restart the job"):
+    with pytest.raises(TrainerRanksBroken, match="restart the job") as later:
         trainer.score([1, 2])
+    # A later call's error (the one a run may fail with) says since when and why, as the first's does.
+    assert "out of step since prepare failed" in str(later.value) and "collective_timeout_s = 600 s" in str(later.value)
     stop_followers(world)  # nothing to release: rank 0's exit ends the others
     assert sent == ["prepare"]
 
