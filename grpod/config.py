@@ -1143,7 +1143,8 @@ class BroadcastBridgeConfig(_BridgeCommon):
         ge=0,
         le=65535,
         description="Rank 0's port (0 = a free one). A fixed one (opened in a firewall for the agents' nodes) "
-        "serves every weight group in turn: a new group waits up to timeout_s for the last one to let it go.",
+        "serves every weight group in turn: a new group waits for the last one to let it go (when a member died "
+        "mid-sync, until the send stuck on it runs out: timeout_s, plus 60 s), then up to timeout_s for any other holder.",
     )
     chunk_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Bytes per broadcast chunk.")
     inflight_chunks: int = Field(

@@ -54,6 +54,7 @@ from grpod.weights.group import (
     WeightTransferError,
     WeightTransferTimeout,
     listen_on,
+    releasing,
 )
 from grpod.weights.wire import (
     DEFAULT_CHUNK_BYTES,
@@ -79,6 +80,8 @@ CONTROL_TIMEOUT_S = 60.0
 # Releasing a broken group (`WeightGroup.shutdown`): an engine that is not blocked in the failed
 # collective answers in milliseconds; one that is gets the calls queued behind it.
 BROKEN_RELEASE_WAIT_S = 2.0
+# How often a fixed port's release is checked (`wait_port_released`).
+RELEASE_POLL_S = 0.05
 
 
 class TransferConfig(BaseModel):
@@ -780,18 +783,33 @@ class WeightGroup:
             self.sender.close()
 
 
+async def wait_port_released(host: str, port: int, timeout_s: float) -> None:
+    """Return once a group can form on the fixed `port`: this process's last group on it is
+    released, then nothing else listens on it. The release ends at once, or, when a member died
+    mid-sync, once the operation stuck on it ran out (gloo's `timeout_s` after it began, which
+    was before this call): it is waited for that long plus `CONTROL_TIMEOUT_S`. Any other holder
+    is waited for `timeout_s`. Raises `WeightTransferError` naming `bridge.port`."""
+    with anyio.move_on_after(timeout_s + CONTROL_TIMEOUT_S) as scope:
+        while releasing(port):
+            await anyio.sleep(RELEASE_POLL_S)
+    if scope.cancelled_caught:
+        raise WeightTransferError(
+            f"bridge.port: this process's last weight group on port {port} is still being released after "
+            f"{timeout_s + CONTROL_TIMEOUT_S:g} s (an operation stuck on a member that died; gloo's timeout is {timeout_s:g} s)"
+        )
+    try:
+        await wait_port_free(host, port, timeout_s)
+    except ReleaseTimeoutError as exc:
+        raise WeightTransferError(f"bridge.port: {exc}") from None
+
+
 @asynccontextmanager
 async def open_weight_group(clients: Sequence[EngineWeightClient], cfg: TransferConfig | None = None) -> AsyncIterator[WeightGroup]:
     """Form one weight-transfer group over `clients`' engines (opening the clients), yield it,
     and release both sides at exit. The engines must run the backend `cfg.transport` names."""
     cfg = cfg or TransferConfig()
     if cfg.port:
-        # A fixed port: this process's last group on it keeps it until its release ends (at
-        # once; when a member died, after an operation stuck on it, gloo's timeout at most).
-        try:
-            await wait_port_free(cfg.host, cfg.port, cfg.timeout_s)
-        except ReleaseTimeoutError as exc:
-            raise WeightTransferError(f"bridge.port: {exc}") from None
+        await wait_port_released(cfg.host, cfg.port, cfg.timeout_s)
     async with EngineFanout(clients) as fanout:
         sizes = await fanout.world_sizes()
         offsets = rank_offsets(sizes)

@@ -1,5 +1,6 @@
 """Case 13: one of two engines SIGKILLed mid-step, under `bridge.mode = "broadcast"` on a fixed
-`bridge.port` (issue #15). Case 13b (below): one of two engines frozen before a sync.
+`bridge.port` (issue #15); 13c: the same kill inside a broadcast. Case 13b (below): one of two
+engines frozen before a sync.
 
 One daemon, two local engines; the weights reach both at once through vLLM's weight-transfer API.
 While steps train, engine 1's API server (its process group's leader) is SIGKILLed. What must
@@ -59,9 +60,25 @@ def _two_engines(run_dir, model_dir) -> dict:
     }
 
 
+KILL_POINTS = {
+    "mid-step": ("13 SIGKILL one of 2 engines mid-step (broadcast)", lambda s: s["heartbeat"]["busy_for_s"] is not None),
+    # CI, 2026-11-30: a kill inside a broadcast left rank 0's send stuck on the dead engine, the
+    # retry's group waited for the fixed port `timeout_s` from the retry, the stuck send let it go
+    # a fraction of a second later, and the run ended ("port ... still held after 60 s"). Where in
+    # the sync the kill lands varies (pause, send, apply); the stuck send's release itself is
+    # tests/weights/test_group.py's.
+    "mid-sync": (
+        "13c SIGKILL one of 2 engines mid-sync (broadcast, fixed bridge.port)",
+        lambda s: s["bridge"]["state"] == "BROADCASTING",
+    ),
+}
+
+
 @pytest.mark.timeout(1200)
-def test_one_of_two_engines_killed_mid_step_training_goes_on_and_it_rejoins(tmp_path, fault_model_dir, fault_case):
-    row = fault_case("13 SIGKILL one of 2 engines mid-step (broadcast)")
+@pytest.mark.parametrize("when", list(KILL_POINTS))
+def test_one_of_two_engines_killed_training_goes_on_and_it_rejoins(tmp_path, fault_model_dir, fault_case, when):
+    case, kill_point = KILL_POINTS[when]
+    row = fault_case(case)
     run_dir = tmp_path / "run"
     settings = _two_engines(run_dir, fault_model_dir) | {
         "run.record_rollouts": True,
@@ -76,7 +93,7 @@ def test_one_of_two_engines_killed_mid_step_training_goes_on_and_it_rejoins(tmp_
             "two steps trained and the first broadcast served (the weight group formed)",
         )
         killed_pgid = _engine(running, "engine-1")["pid"]
-        busy = status_until(daemon, lambda s: s["heartbeat"]["busy_for_s"] is not None, 120, "a step training", poll_s=0.005)
+        busy = status_until(daemon, kill_point, 120, f"the kill point ({when})", poll_s=0.005)
         killed_at = sigkill(vllm_api_server(killed_pgid))
         down = status_until(daemon, lambda s: _engine(s, "engine-1")["recovering"], 60, "engine 1 out of the pool")
         back = status_until(
@@ -98,7 +115,7 @@ def test_one_of_two_engines_killed_mid_step_training_goes_on_and_it_rejoins(tmp_
     epochs = log_events(run_dir, "weight_group_epoch")
     row.data_lost = "none" if steps == list(range(1, len(steps) + 1)) else f"steps {steps}"
     row.notes = (
-        f"killed at step {busy['step']}; {trained_while_down} steps trained while it was down; rejoined at version "
+        f"killed at step {busy['step']} ({busy['bridge']['state']}); {trained_while_down} steps trained while it was down; rejoined at version "
         f"{recovered[0]['rejoined_at'] if recovered else '?'}; weight groups formed {len(epochs)}"
     )
     assert code == 0, f"exit {code}: {failure_reason(run_dir)}\n{daemon.tail()}"

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from grpod.weights.group import WeightTransferCancelled, WeightTransferError, WeightTransferTimeout
-from grpod.weights.transfer import GlooWeightSender, tensor_metadata
+from grpod.inference.release import port_is_free
+from grpod.weights.group import WeightTransferCancelled, WeightTransferError, WeightTransferTimeout, releasing
+from grpod.weights.transfer import GlooWeightSender, tensor_metadata, wait_port_released
 from grpod.weights.wire import dtype_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,3 +169,45 @@ def test_rank_zero_join_times_out_when_no_engine_comes():
             sender.join()
     finally:
         sender.close()
+
+
+@pytest.mark.anyio
+async def test_a_fixed_port_is_waited_for_until_the_last_groups_stuck_send_runs_out():
+    """A group closed while its send is stuck on a member that died (CI, case 13: an engine killed
+    mid-sync) keeps its port until that send runs out, gloo's timeout after it began; the next
+    group on the fixed port waits for exactly that release, where a wait of `timeout_s` counted
+    from the retry lost the race and ended the run (EADDRINUSE, "still held after 60 s")."""
+    tensors = [("big", torch.zeros(64 << 20, dtype=torch.uint8))]
+    sender = GlooWeightSender("127.0.0.1", 2, chunk_bytes=1 << 20, timeout_s=3)
+    update_info = sender.update_info(tensor_metadata(tensors))
+    peer = joined("idle", sender, update_info)
+    cancel = threading.Event()
+    timer = threading.Timer(0.5, cancel.set)
+    timer.start()
+    try:
+        began = time.monotonic()
+        with pytest.raises(WeightTransferCancelled):
+            sender.broadcast(tensors, update_info, cancel)
+        sender.close()
+        port = sender.port
+        assert releasing(port) and not port_is_free("127.0.0.1", port)
+        # Another holder's wait (the rest of timeout_s) would not cover it: the release is waited for.
+        await wait_port_released("127.0.0.1", port, 0.5)
+        released_s = time.monotonic() - began
+        assert not releasing(port) and port_is_free("127.0.0.1", port)
+        assert 2.5 < released_s < 3 + 2, released_s  # the stuck send's 3 s timeout, not before
+    finally:
+        timer.cancel()
+        peer.close()
+        sender.close()
+
+
+@pytest.mark.anyio
+async def test_a_fixed_port_held_by_another_process_is_named():
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        assert not releasing(port)
+        with pytest.raises(WeightTransferError, match=rf"bridge.port: port {port} on 127.0.0.1 .* still held after 0.3 s"):
+            await wait_port_released("127.0.0.1", port, 0.3)
