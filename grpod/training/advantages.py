@@ -70,17 +70,27 @@ class AdvantageResult:
     overlong_penalized: int = 0
 
 
+def _scale(values: list[float]) -> float:
+    """The largest magnitude (1.0 for all zeros): sums and squares are taken of `values` divided by
+    it, so that finite scores near float's range (a tool bonus of 1e308, say) neither overflow to
+    inf nor square to inf, which made every advantage NaN or 0."""
+    return max(map(abs, values), default=0.0) or 1.0
+
+
 def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
+    scale = _scale(values)
+    return scale * (sum(v / scale for v in values) / len(values))
 
 
 def _std(values: list[float], kind: str) -> float:
     """The sample (n - 1) or population std; 0 for fewer than two sample values."""
     m = _mean(values)
-    squares = sum((v - m) ** 2 for v in values)
+    deviations = [v - m for v in values]
+    scale = _scale(deviations)
+    squares = sum((d / scale) ** 2 for d in deviations)
     if kind == "sample":
-        return math.sqrt(squares / (len(values) - 1)) if len(values) > 1 else 0.0
-    return math.sqrt(squares / len(values))
+        return scale * math.sqrt(squares / (len(values) - 1)) if len(values) > 1 else 0.0
+    return scale * math.sqrt(squares / len(values))
 
 
 def _from_scores(scores: list[float], cfg: AdvantageConfig, batch: tuple[float, float], pooled_std: float) -> list[float]:

@@ -166,3 +166,16 @@ def test_an_unscorable_completion_is_left_out_of_the_baseline_and_gets_zero():
     # Equal scores among the scored ones: zero variance, whatever the placeholder says.
     equal = compute_advantages([group([1.0, 0.0, 1.0, 1.0], overrides=unscorable)], AdvantageConfig(drop_zero_variance=True))
     assert equal.dropped_zero_variance == 1
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_scores_near_floats_range_get_the_advantages_small_ones_get(scale):
+    """Scores of 1e308 (a calculator `tool_bonus` of 1e308): the sum in the mean overflowed to inf
+    and every advantage came out NaN; the std-scaled advantage does not depend on the scores' scale."""
+    small = compute_advantages([group([0.0, 1.0, 0.0, 1.0])], AdvantageConfig(scale=scale))
+    huge = compute_advantages([group([0.0, 1e308, 0.0, 1e308])], AdvantageConfig(scale=scale))
+    assert all(math.isfinite(a) for a in huge.advantages[0])
+    assert huge.advantages[0] == pytest.approx(small.advantages[0], rel=1e-5)  # EPS aside
+    # Both ends of float's range at once: deviations of 1.6e308 square to inf unless scaled too.
+    spread = compute_advantages([group([-8e307, 8e307])], AdvantageConfig(scale=scale, std="population"))
+    assert spread.advantages[0] == pytest.approx([-1.0, 1.0])
