@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -140,26 +141,33 @@ def test_peer_dying_mid_update_fails_the_broadcast():
         sender.close()
 
 
-def test_a_peer_that_never_receives_cancel_then_timeout():
-    """A broadcast the peer never receives: given up on `cancel` (set by the fan-out when the
-    engines' side failed) long before its timeout; without `cancel`, a timeout naming the wait."""
-    # Larger than the socket buffers: its send cannot complete while the peer does not receive.
+@contextmanager
+def never_received(timeout_s: float):
+    """A sender joined by a peer that never receives, the tensors of a send that cannot complete
+    (larger than the socket buffers), and a cancel event set 0.5 s from now."""
     tensors = [("big", torch.zeros(64 << 20, dtype=torch.uint8))]
-    sender = GlooWeightSender("127.0.0.1", 2, chunk_bytes=1 << 20, timeout_s=3)
+    sender = GlooWeightSender("127.0.0.1", 2, chunk_bytes=1 << 20, timeout_s=timeout_s)
     update_info = sender.update_info(tensor_metadata(tensors))
     peer = joined("idle", sender, update_info)
     cancel = threading.Event()
     timer = threading.Timer(0.5, cancel.set)
     timer.start()
     try:
-        with pytest.raises(WeightTransferCancelled, match="another party of the transfer failed"):
-            sender.broadcast(tensors, update_info, cancel)
-        with pytest.raises(WeightTransferTimeout, match=r"rank 0 of 2\): sending chunk 1/1 .* within 3 s"):
-            sender.broadcast(tensors, update_info)
+        yield sender, tensors, update_info, cancel
     finally:
         timer.cancel()
         peer.close()
         sender.close()
+
+
+def test_a_peer_that_never_receives_cancel_then_timeout():
+    """A broadcast the peer never receives: given up on `cancel` (set by the fan-out when the
+    engines' side failed) long before its timeout; without `cancel`, a timeout naming the wait."""
+    with never_received(timeout_s=3) as (sender, tensors, update_info, cancel):
+        with pytest.raises(WeightTransferCancelled, match="another party of the transfer failed"):
+            sender.broadcast(tensors, update_info, cancel)
+        with pytest.raises(WeightTransferTimeout, match=r"rank 0 of 2\): sending chunk 1/1 .* within 3 s"):
+            sender.broadcast(tensors, update_info)
 
 
 def test_rank_zero_join_times_out_when_no_engine_comes():
@@ -177,14 +185,7 @@ async def test_a_fixed_port_is_waited_for_until_the_last_groups_stuck_send_runs_
     mid-sync) keeps its port until that send runs out, gloo's timeout after it began; the next
     group on the fixed port waits for exactly that release, where a wait of `timeout_s` counted
     from the retry lost the race and ended the run (EADDRINUSE, "still held after 60 s")."""
-    tensors = [("big", torch.zeros(64 << 20, dtype=torch.uint8))]
-    sender = GlooWeightSender("127.0.0.1", 2, chunk_bytes=1 << 20, timeout_s=3)
-    update_info = sender.update_info(tensor_metadata(tensors))
-    peer = joined("idle", sender, update_info)
-    cancel = threading.Event()
-    timer = threading.Timer(0.5, cancel.set)
-    timer.start()
-    try:
+    with never_received(timeout_s=3) as (sender, tensors, update_info, cancel):
         began = time.monotonic()
         with pytest.raises(WeightTransferCancelled):
             sender.broadcast(tensors, update_info, cancel)
@@ -196,10 +197,6 @@ async def test_a_fixed_port_is_waited_for_until_the_last_groups_stuck_send_runs_
         released_s = time.monotonic() - began
         assert not releasing(port) and port_is_free("127.0.0.1", port)
         assert 2.5 < released_s < 3 + 2, released_s  # the stuck send's 3 s timeout, not before
-    finally:
-        timer.cancel()
-        peer.close()
-        sender.close()
 
 
 @pytest.mark.anyio
