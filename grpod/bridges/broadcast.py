@@ -143,7 +143,10 @@ class BroadcastBridge(Bridge):
                  transport=self.transfer.transport, formation_s=round(self.group.formation_s, 3))
         return self.group
 
-    async def _close_group(self) -> None:
+    async def _close_group(self, *, failed: str | None = None) -> None:
+        """Release the members' group; `failed` (why a sync failed) releases it as a broken one."""
+        if failed is not None and self.group is not None:
+            self.group.fail(failed)
         stack, self._group_stack, self.group, self._members = self._group_stack, None, None, None
         if stack is not None:
             with anyio.CancelScope(shield=True):
@@ -157,9 +160,7 @@ class BroadcastBridge(Bridge):
             # No engine reopens on a partial update. A dead one leaves the pool, or (the only
             # engine) is relaunched; then a new group, and the whole update once more. The group
             # is released as a broken one: a frozen engine's release is not waited for a minute.
-            if self.group is not None and self.group.broken is None:
-                self.group.broken = f"sync to version {version} failed: {type(exc).__name__}"
-            await self._close_group()
+            await self._close_group(failed=f"sync to version {version} failed: {type(exc).__name__}")
             await self._meet_dead(self.pool.members(), exc, version, phases)
             log.warning("broadcast_retried", version=version, error=str(exc)[:300])
             await self._update(self.pool.members(), staged, version, phases, epoch_group=True)

@@ -127,7 +127,7 @@ def gpu_memory_held(pids: Iterable[int]) -> int:
     return sum(held.get(pid, 0) for pid in set(pids))
 
 
-async def _wait_until(released: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
+async def wait_until(released: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
     """Poll `released` (there is no event for "a process group is empty") until it holds."""
     with anyio.move_on_after(timeout_s):
         while not released():
@@ -143,12 +143,12 @@ async def wait_group_gone(pgid: int, timeout_s: float) -> None:
         left = [f"{p.pid} ({' '.join(_cmdline(p))[:80]})" for p in group_members(pgid)]
         return f"process group {pgid}: processes {', '.join(left) or '(none left)'}"
 
-    await _wait_until(lambda: not group_members(pgid), timeout_s, what)
+    await wait_until(lambda: not group_members(pgid), timeout_s, what)
 
 
 async def wait_port_free(host: str, port: int, timeout_s: float) -> None:
     """Return once a new server could listen on `host:port`."""
-    await _wait_until(
+    await wait_until(
         lambda: port_is_free(host, port),
         timeout_s,
         lambda: f"port {port} on {host} (find the holder with `ss -ltnp 'sport = :{port}'`)",
@@ -158,7 +158,7 @@ async def wait_port_free(host: str, port: int, timeout_s: float) -> None:
 async def wait_gpu_memory_released(pids: Iterable[int], timeout_s: float) -> None:
     """Return once processes `pids` hold no GPU memory on any device (checks nothing without NVML)."""
     pids = frozenset(pids)
-    await _wait_until(
+    await wait_until(
         lambda: gpu_memory_held(pids) == 0,
         timeout_s,
         lambda: f"GPU memory of processes {sorted(pids)}: {math.ceil(gpu_memory_held(pids) / 2**20)} MiB",

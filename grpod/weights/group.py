@@ -152,33 +152,25 @@ class GlooGroup:
             return
         holder, self._pg = [self._pg], None  # the only reference from here on
         holder[0].abort()
-        releaser = threading.Thread(target=_release, args=(holder,), name=f"grpod-gloo-release-{self.port}")
-        with _RELEASES_LOCK:
-            _RELEASES.setdefault(self.port, []).append(releaser)
-        releaser.start()
+        threading.Thread(target=_release, args=(holder,), name=_releaser_name(self.port)).start()
 
     @property
     def closed(self) -> bool:
         return self._pg is None
 
 
-# The release threads of closed groups, by port: until its thread ends, a group rank 0 formed
-# still holds its port (the store's listening socket goes with the group's destructor).
-_RELEASES: dict[int, list[threading.Thread]] = {}
-_RELEASES_LOCK = threading.Lock()
+def _releaser_name(port: int) -> str:
+    """The name of the thread that releases a group closed on `port` (`releasing` looks it up)."""
+    return f"grpod-gloo-release-{port}"
 
 
 def releasing(port: int) -> bool:
-    """Whether a group this process closed on `port` is still being released: its destructor
-    waits out an operation stuck on a dead or silent peer, gloo's timeout after that operation
-    began at the latest (measured: the port is free within 10 ms of that)."""
-    with _RELEASES_LOCK:
-        alive = [t for t in _RELEASES.get(port, ()) if t.is_alive()]
-        if alive:
-            _RELEASES[port] = alive
-        else:
-            _RELEASES.pop(port, None)
-        return bool(alive)
+    """Whether a group this process closed on `port` is still being released, and holds the port
+    (the store's listening socket goes with the group's destructor): that destructor waits out an
+    operation stuck on a dead or silent peer, gloo's timeout after that operation began at the
+    latest (measured: the port is free within 10 ms of that)."""
+    name = _releaser_name(port)
+    return any(thread.name == name for thread in threading.enumerate())
 
 
 def _release(holder: list) -> None:

@@ -47,7 +47,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from grpod.inference.client import InferenceClient
-from grpod.inference.release import ReleaseTimeoutError, wait_port_free
+from grpod.inference.release import ReleaseTimeoutError, wait_port_free, wait_until
 from grpod.weights.group import (
     GlooGroup,
     WeightTransferCancelled,
@@ -80,8 +80,6 @@ CONTROL_TIMEOUT_S = 60.0
 # Releasing a broken group (`WeightGroup.shutdown`): an engine that is not blocked in the failed
 # collective answers in milliseconds; one that is gets the calls queued behind it.
 BROKEN_RELEASE_WAIT_S = 2.0
-# How often a fixed port's release is checked (`wait_port_released`).
-RELEASE_POLL_S = 0.05
 
 
 class TransferConfig(BaseModel):
@@ -640,7 +638,7 @@ class WeightGroup:
                 grace_s=0.0,
             )
         except BaseException as exc:
-            self.broken = f"forming the group failed: {type(exc).__name__}"
+            self.fail(f"forming the group failed: {type(exc).__name__}")
             raise
         self.formation_s = time.perf_counter() - began
         log.info(
@@ -682,7 +680,7 @@ class WeightGroup:
             self.session_open = False
             timings.finish_s = time.perf_counter() - finishing
         except BaseException as exc:
-            self.broken = f"sync to version {weight_version} failed: {type(exc).__name__}"
+            self.fail(f"sync to version {weight_version} failed: {type(exc).__name__}")
             raise
         timings.total_s = time.perf_counter() - began
         log.info(
@@ -698,6 +696,13 @@ class WeightGroup:
             total_s=round(timings.total_s, 4),
         )
         return timings
+
+    def fail(self, reason: str) -> None:
+        """Mark the group broken (the first reason stays): its release then waits for no engine
+        longer than `BROKEN_RELEASE_WAIT_S`, and it runs no more syncs. Its user calls this for a
+        failure around a sync (an engine that did not answer its pause)."""
+        if self.broken is None:
+            self.broken = reason
 
     async def _rendezvous(self, what: str, engines_call, rank0_call, *, grace_s: float):
         """The engines' HTTP call and rank 0's blocking call (in a thread, given a cancel event),
@@ -789,15 +794,13 @@ async def wait_port_released(host: str, port: int, timeout_s: float) -> None:
     mid-sync, once the operation stuck on it ran out (gloo's `timeout_s` after it began, which
     was before this call): it is waited for that long plus `CONTROL_TIMEOUT_S`. Any other holder
     is waited for `timeout_s`. Raises `WeightTransferError` naming `bridge.port`."""
-    with anyio.move_on_after(timeout_s + CONTROL_TIMEOUT_S) as scope:
-        while releasing(port):
-            await anyio.sleep(RELEASE_POLL_S)
-    if scope.cancelled_caught:
-        raise WeightTransferError(
-            f"bridge.port: this process's last weight group on port {port} is still being released after "
-            f"{timeout_s + CONTROL_TIMEOUT_S:g} s (an operation stuck on a member that died; gloo's timeout is {timeout_s:g} s)"
-        )
     try:
+        await wait_until(
+            lambda: not releasing(port),
+            timeout_s + CONTROL_TIMEOUT_S,
+            lambda: f"this process's last weight group on port {port} (an operation stuck on a member that died; "
+            f"gloo's timeout is {timeout_s:g} s)",
+        )
         await wait_port_free(host, port, timeout_s)
     except ReleaseTimeoutError as exc:
         raise WeightTransferError(f"bridge.port: {exc}") from None
