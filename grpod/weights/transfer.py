@@ -381,13 +381,26 @@ class GlooWeightSender(WeightSender):
     ) -> BroadcastStats:
         """Pack the tensors into the chunks `update_info` planned (vLLM's `pack_tensors`) and
         broadcast each, `inflight_chunks` at a time; every wait bounded by `timeout_s`."""
-        from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
-
         group = self.group
         if group is None:
             raise WeightTransferError(f"{self!r}: broadcast() before join() (or after close())")
         plan = GlooUpdateInfo(**update_info)
         _check_against_plan(named_tensors, plan)
+        try:
+            return self._send(group, named_tensors, plan, cancel)
+        except Exception as exc:
+            kind, message = (type(exc), str(exc)) if isinstance(exc, WeightTransferError) else (
+                WeightTransferError, f"{self!r}: broadcast failed: {type(exc).__name__}: {exc}")
+        # Raised here, outside the handler, with no cause or context: the failure's traceback holds
+        # the frames of the send, and they its pending works, which keep the closed group and its
+        # store alive, and with them rank 0's port, for as long as anyone keeps the error
+        # (measured: a fixed bridge.port held until the daemon dropped it; CI, fault case 13).
+        raise kind(message)
+
+    def _send(self, group: GlooGroup, named_tensors: NamedTensors, plan: GlooUpdateInfo,
+              cancel: threading.Event | None) -> BroadcastStats:
+        from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
         stats = BroadcastStats()
         began = time.perf_counter()
         stream = iter(named_tensors)

@@ -208,3 +208,26 @@ async def test_a_fixed_port_held_by_another_process_is_named():
         assert not releasing(port)
         with pytest.raises(WeightTransferError, match=rf"bridge.port: port {port} on 127.0.0.1 .* still held after 0.3 s"):
             await wait_port_released("127.0.0.1", port, 0.3)
+
+
+@pytest.mark.anyio
+async def test_a_kept_broadcast_error_does_not_keep_the_group_or_its_port():
+    """The daemon keeps a failed sync's error (its cause chain holds rank 0's): its traceback held
+    the send's pending works, they the closed group and its store, and the store a fixed
+    `bridge.port` for as long as the error lived (CI, fault case 13: "still held after 60 s")."""
+    tensors = [("big", torch.zeros(64 << 20, dtype=torch.uint8))]
+    sender = GlooWeightSender("127.0.0.1", 2, chunk_bytes=1 << 20, timeout_s=5)
+    update_info = sender.update_info(tensor_metadata(tensors))
+    peer = joined("idle", sender, update_info)
+    killer = threading.Timer(0.3, peer.proc.kill)  # our own child, by its PID
+    killer.start()
+    try:
+        with pytest.raises(WeightTransferError) as failure:
+            sender.broadcast(tensors, update_info)
+        sender.close()
+        await wait_port_released("127.0.0.1", sender.port, 2)
+        assert port_is_free("127.0.0.1", sender.port) and failure.value.__traceback__ is not None
+    finally:
+        killer.cancel()
+        peer.close()
+        sender.close()
