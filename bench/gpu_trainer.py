@@ -47,11 +47,18 @@ _LORA = ({"train": {"lora": True}, "bridge": {"mode": "lora_only"}}, {"dtype": "
 # Whole-batch micro-batches: the defaults (one group per micro-batch, its prompt forwarded once,
 # 4096 padded tokens at most) are sized for a CPU; a GPU may want fewer, larger launches.
 _LARGE_MICRO = {"share_prompt": False, "micro_batch_tokens": 65536}
+# Micro-batch lengths rounded up to a multiple of 128 (train.pad_to_multiple): a few shapes that
+# repeat across steps, for kernel choices made per shape.
+_PAD = {"pad_to_multiple": 128}
 SETTINGS = {
     "float32": ({"train": {}}, {}),
     "bfloat16-lora": _LORA,
     "float32-large-micro": ({"train": _LARGE_MICRO}, {}),
     "bfloat16-lora-large-micro": ({**_LORA[0], "train": {**_LORA[0]["train"], **_LARGE_MICRO}}, _LORA[1]),
+    "float32-pad128": ({"train": _PAD}, {}),
+    "bfloat16-lora-pad128": ({**_LORA[0], "train": {**_LORA[0]["train"], **_PAD}}, _LORA[1]),
+    "float32-large-micro-pad128": ({"train": {**_LARGE_MICRO, **_PAD}}, {}),
+    "bfloat16-lora-large-micro-pad128": ({**_LORA[0], "train": {**_LORA[0]["train"], **_LARGE_MICRO, **_PAD}}, _LORA[1]),
 }
 
 
@@ -169,6 +176,9 @@ def main() -> int:
     if "smollm2-135m-shaped" in args.models:
         models["smollm2-135m-shaped"] = smollm2_shaped(args.smollm2_config, work / "smollm2")
     results = []
+    out = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "groups": args.groups,
+           "group_size": args.group_size, "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for name, path in models.items():
         config = json.loads((path / "config.json").read_text())
         flops, vocab = Flops(config), config["vocab_size"]
@@ -179,15 +189,12 @@ def main() -> int:
         for setting in args.settings:
             print(f"{name} / {setting}", flush=True)
             results.append({"model": name, **measure(path, setting, batches, flops, args.device, args.torch_profile)})
+            args.out.write_text(json.dumps(out, indent=1) + "\n")  # after each setting: a run cut short keeps its rows
             if results[-1]["warm_torch_profile"]:
                 print(f"\n--- warm step, torch.profiler: {name} / {setting} ---\n{results[-1]['warm_torch_profile']}", flush=True)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     shutil.rmtree(work, ignore_errors=True)
-    out = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "groups": args.groups,
-           "group_size": args.group_size, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"\n{out['device']}, torch {out['torch']}, {args.groups} groups x {args.group_size} per step")
     print("| model | setting | load s | cold step s | warm step s | warm TFLOP/s | peak MiB |")
     print("|---|---|---|---|---|---|---|")

@@ -982,6 +982,14 @@ class TrainConfig(_Section):
         description="A micro-batch is also cut where the next (longer) sequence would bring its share of real, "
         "unpadded tokens below this (0 = cut by micro_batch_tokens only).",
     )
+    pad_to_multiple: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="Round each micro-batch's length (a padded block's width, a packed row's positions) up to a "
+        "multiple of this, so that a GPU sees a few shapes and reuses its kernel choices across steps; 0 = no "
+        "rounding. No real position attends to the padding and nothing reads its outputs.",
+    )
     epochs: int = Field(
         1,
         ge=1,

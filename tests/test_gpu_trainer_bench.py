@@ -22,7 +22,8 @@ def test_the_gpu_trainer_bench_runs_each_setting_on_the_tiny_model(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
-    assert [r["setting"] for r in results] == ["float32", "bfloat16-lora", "float32-large-micro", "bfloat16-lora-large-micro"]
+    plain = ["float32", "bfloat16-lora", "float32-large-micro", "bfloat16-lora-large-micro"]
+    assert [r["setting"] for r in results] == plain + [f"{name}-pad128" for name in plain]
     for r in results:
         assert r["model"] == "tiny" and len(r["steps"]) == 2
         # --same-batch: both steps train the same 2 groups x 3 completions

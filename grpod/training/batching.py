@@ -102,12 +102,20 @@ class MicroBatchPlan:
         return self.real_tokens / self.processed_tokens if self.processed_tokens else 1.0
 
 
-def plan_micro_batches(lengths: Sequence[int], micro_batch_tokens: int, min_efficiency: float = 0.0) -> MicroBatchPlan:
+def round_up(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple` (0 or 1: `n` itself)."""
+    return -(-n // multiple) * multiple if multiple > 1 else n
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], micro_batch_tokens: int, min_efficiency: float = 0.0, pad_to_multiple: int = 0,
+) -> MicroBatchPlan:
     """Sort by length and cut greedily into contiguous runs.
 
     A micro-batch grows while `rows x max_len` fits `micro_batch_tokens` and its efficiency stays
     at least `min_efficiency`; so every micro-batch of more than one sequence meets both bounds,
-    and so does the whole plan's efficiency.
+    and so does the whole plan's efficiency (before `pad_to_multiple` widens each block, which the
+    plan's processed tokens count).
     """
     if micro_batch_tokens < 1:
         raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
@@ -125,7 +133,7 @@ def plan_micro_batches(lengths: Sequence[int], micro_batch_tokens: int, min_effi
         current_real += lengths[i]
     if current:
         batches.append(current)
-    processed = sum(len(batch) * lengths[batch[-1]] for batch in batches)
+    processed = sum(len(batch) * round_up(lengths[batch[-1]], pad_to_multiple) for batch in batches)
     return MicroBatchPlan(batches=batches, real_tokens=sum(lengths), processed_tokens=processed)
 
 
@@ -134,9 +142,12 @@ def plan_micro_batches(lengths: Sequence[int], micro_batch_tokens: int, min_effi
 PACKED_POSITIONS = 1024
 
 
-def plan_packed(prompts: Sequence[int], rests: Sequence[int], groups: Sequence[int], micro_batch_tokens: int) -> MicroBatchPlan:
+def plan_packed(
+    prompts: Sequence[int], rests: Sequence[int], groups: Sequence[int], micro_batch_tokens: int, pad_to_multiple: int = 0,
+) -> MicroBatchPlan:
     """Micro-batches of one group each, packed: the group's prompt (`prompts[i]`, the prefix
-    sequence i shares with its group) once, then each sequence's rest (`rests[i]`), no padding.
+    sequence i shares with its group) once, then each sequence's rest (`rests[i]`), no padding
+    but the rounding of each row to `pad_to_multiple` positions.
     A micro-batch grows while its positions fit `micro_batch_tokens` and `PACKED_POSITIONS`;
     a sequence whose prompt and rest exceed that gets a micro-batch of its own."""
     if micro_batch_tokens < 1:
@@ -157,20 +168,22 @@ def plan_packed(prompts: Sequence[int], rests: Sequence[int], groups: Sequence[i
     if current:
         batches.append(current)
     once = [prompts[batch[0]] for batch in batches]
+    processed = sum(round_up(p + sum(rests[i] for i in batch), pad_to_multiple) for p, batch in zip(once, batches, strict=True))
     return MicroBatchPlan(
-        batches=batches, real_tokens=sum(rests) + sum(once), processed_tokens=sum(rests) + sum(once),
+        batches=batches, real_tokens=sum(rests) + sum(once), processed_tokens=processed,
         shared_tokens=sum(p * (len(batch) - 1) for p, batch in zip(once, batches, strict=True)), packed=True,
     )
 
 
 def plan_sequences(
     sequences: Sequence[TrainingSequence], micro_batch_tokens: int, min_efficiency: float, share_prompt: bool,
+    pad_to_multiple: int = 0,
 ) -> MicroBatchPlan:
     """A step's `sequences` cut into micro-batches: padded blocks (`plan_micro_batches`), or with
     `share_prompt` one group each, packed (`plan_packed`); the plan's tokens then count each
     micro-batch's prompt once, and `shared_tokens` the prompt tokens not forwarded again."""
     if not share_prompt:
-        return plan_micro_batches([len(s.tokens) for s in sequences], micro_batch_tokens, min_efficiency)
+        return plan_micro_batches([len(s.tokens) for s in sequences], micro_batch_tokens, min_efficiency, pad_to_multiple)
     members: dict[int, list[TrainingSequence]] = {}
     for s in sequences:
         members.setdefault(s.group, []).append(s)
@@ -179,7 +192,7 @@ def plan_sequences(
         for group, rows in members.items()
     }
     return plan_packed([prompt[s.group] for s in sequences], [len(s.tokens) - prompt[s.group] for s in sequences],
-                       [s.group for s in sequences], micro_batch_tokens)
+                       [s.group for s in sequences], micro_batch_tokens, pad_to_multiple)
 
 
 @dataclass
@@ -227,10 +240,11 @@ def collate(
     device: torch.device | str = "cpu",
     old_logprobs: list[Tensor] | None = None,
     pack: bool = False,
+    pad_to_multiple: int = 0,
 ) -> MicroBatch:
-    """Right-pad `sequences` into one block, or with `pack` lay them out as one packed row, and
-    gather their loss tokens (`old_logprobs`: one tensor per sequence over its loss positions, in
-    the same order)."""
+    """Right-pad `sequences` into one block, or with `pack` lay them out as one packed row, its
+    length (a block's width, a row's positions) rounded up to `pad_to_multiple`, and gather their
+    loss tokens (`old_logprobs`: one tensor per sequence over its loss positions, in the same order)."""
     rows, positions, temps, advantages, inference, counts = [], [], [], [], [], []
     for row, seq in enumerate(sequences):
         where = seq.loss_positions
@@ -246,7 +260,10 @@ def collate(
     rows_t = torch.tensor(rows, dtype=torch.long)
     positions_t = torch.tensor(positions, dtype=torch.long)
     predicted_from = min(positions) - 1
-    layout = _packed(sequences, rows, positions, predicted_from) if pack else {"input_ids": _padded(sequences, pad_id)}
+    layout = (
+        _packed(sequences, rows, positions, predicted_from, pad_id, pad_to_multiple) if pack
+        else {"input_ids": _padded(sequences, pad_id, pad_to_multiple)}
+    )
     return MicroBatch(
         rows=rows_t.to(device),
         positions=positions_t.to(device),
@@ -262,17 +279,21 @@ def collate(
     )
 
 
-def _padded(sequences: list[TrainingSequence], pad_id: int) -> Tensor:
-    """`sequences` right-padded into one [rows, longest] block."""
-    input_ids = torch.full((len(sequences), max(len(s.tokens) for s in sequences)), pad_id, dtype=torch.long)
+def _padded(sequences: list[TrainingSequence], pad_id: int, pad_to_multiple: int = 0) -> Tensor:
+    """`sequences` right-padded into one [rows, longest rounded up to `pad_to_multiple`] block."""
+    width = round_up(max(len(s.tokens) for s in sequences), pad_to_multiple)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     for row, seq in enumerate(sequences):
         input_ids[row, : len(seq.tokens)] = torch.tensor(seq.tokens, dtype=torch.long)
     return input_ids
 
 
-def _packed(sequences: list[TrainingSequence], rows: list[int], positions: list[int], predicted_from: int) -> dict:
-    """`sequences` laid out as one row: their shared prefix, then each one's rest (the packed
-    fields of `MicroBatch`)."""
+def _packed(
+    sequences: list[TrainingSequence], rows: list[int], positions: list[int], predicted_from: int, pad_id: int = 0,
+    pad_to_multiple: int = 0,
+) -> dict:
+    """`sequences` laid out as one row: their shared prefix, then each one's rest, then pad
+    positions up to a multiple of `pad_to_multiple` (the packed fields of `MicroBatch`)."""
     shared = common_prefix([s.tokens for s in sequences], predicted_from)
     ids, place, owner, starts = list(sequences[0].tokens[:shared]), list(range(shared)), [-1] * shared, []
     for row, seq in enumerate(sequences):
@@ -280,6 +301,10 @@ def _packed(sequences: list[TrainingSequence], rows: list[int], positions: list[
         ids += seq.tokens[shared:]
         place += range(shared, len(seq.tokens))
         owner += [row] * (len(seq.tokens) - shared)
+    # Padding comes last and belongs to no sequence (owner -2): no real position can see it (they
+    # all come earlier); it sees the shared prefix and itself, so no row of the mask is empty.
+    padding = round_up(len(ids), pad_to_multiple) - len(ids)
+    ids, place, owner = ids + [pad_id] * padding, place + [0] * padding, owner + [-2] * padding
     owner_t = torch.tensor(owner)
     index = torch.arange(len(ids))
     # A position sees the shared prefix and its own sequence's earlier positions (the rests are

@@ -330,7 +330,9 @@ class RankRounds:
     def of(cls, lengths: list[int], world: TrainerWorld, cfg: TrainConfig) -> RankRounds:
         shares = share_sequences(lengths, world.size)
         plans = [
-            plan_micro_batches([lengths[i] for i in share], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency)
+            plan_micro_batches(
+                [lengths[i] for i in share], cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency, cfg.pad_to_multiple
+            )
             for share in shares
         ]
         return cls(shares, plans, world.rank)

@@ -371,6 +371,7 @@ class Trainer:
         batch = collate(
             [plan.sequences[i] for i in rows], self.pad_id, self.device,
             old_logprobs=[plan.old[i] for i in rows] if plan.old is not None else None, pack=pack,
+            pad_to_multiple=self.train_cfg.pad_to_multiple,
         )
         loss, stats = self._micro_batch_loss(batch, normalizer)
         loss.backward()
@@ -387,7 +388,9 @@ class Trainer:
 
     def _micro_plan(self, sequences: list[TrainingSequence]) -> MicroBatchPlan:
         cfg = self.train_cfg
-        return plan_sequences(sequences, cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency, self.packs_groups)
+        return plan_sequences(
+            sequences, cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency, self.packs_groups, cfg.pad_to_multiple
+        )
 
     def _clip_gradients(self, max_norm: float) -> float:
         """Clip the gradient to `max_norm`; its norm before clipping."""
@@ -468,7 +471,9 @@ class Trainer:
 
     def _micro_batch_logprobs(self, sequences: list[TrainingSequence], indices: list[int], pack: bool = False) -> dict[int, torch.Tensor]:
         """Each of `sequences[indices]`'s loss-token logprobs, forwarded as one micro-batch."""
-        batch = collate([sequences[i] for i in indices], self.pad_id, self.device, pack=pack)
+        batch = collate(
+            [sequences[i] for i in indices], self.pad_id, self.device, pack=pack, pad_to_multiple=self.train_cfg.pad_to_multiple
+        )
         logprobs = batch_logprobs(self.model, batch, self.train_cfg.loss.logprob_chunk_tokens)
         return {i: logprobs[batch.rows == row] for row, i in enumerate(indices)}
 

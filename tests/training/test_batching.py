@@ -179,3 +179,26 @@ def test_a_packed_row_gives_each_sequence_the_logits_it_has_alone():
     assert collate(rows[:1], pad_id=0, pack=True).shared_prefix == 0
     assert common_prefix([[1, 2, 3], [1, 2, 4], [1, 5]], limit=10) == 1
     assert common_prefix([[1, 2, 3], [1, 2, 3]], limit=2) == 2
+
+
+def test_rounded_micro_batches_are_planned_and_laid_out_to_the_multiple():
+    """pad_to_multiple rounds a padded block's width and a packed row's positions up; the plans
+    count those positions as processed, and the padding of a packed row is seen by no real position."""
+    from grpod.training.batching import plan_packed, round_up
+
+    assert [round_up(n, 8) for n in (1, 8, 9)] == [8, 8, 16] and round_up(9, 0) == round_up(9, 1) == 9
+    lengths = [5, 9, 17, 30]
+    plan = plan_micro_batches(lengths, 1000, pad_to_multiple=16)
+    assert plan.batches == [[0, 1, 2, 3]] and plan.processed_tokens == 4 * 32 and plan.real_tokens == 61
+    packed = plan_packed([4, 4], [3, 2], [0, 0], 1000, pad_to_multiple=8)
+    assert packed.processed_tokens == 16 and packed.real_tokens == 9
+    rows = [TrainingSequence([7, 8, 9, 10, 11, 12, 13], [0] * 4 + [1] * 3, 1.0, 1.0),
+            TrainingSequence([7, 8, 9, 10, 14], [0] * 4 + [1], -1.0, 1.0)]
+    assert collate(rows, pad_id=0, pad_to_multiple=8).input_ids.shape == (2, 8)
+    batch = collate(rows, pad_id=0, pack=True, pad_to_multiple=8)
+    assert batch.input_ids[0, :9].tolist() == [7, 8, 9, 10, 11, 12, 13, 10, 14]
+    assert batch.input_ids.shape == (1, 16) and batch.input_ids[0, 9:].eq(0).all()
+    mask = batch.attention_mask[0, 0]
+    assert not mask[:9, 9:].any(), "a real position sees the padding"
+    assert mask.any(dim=1).all(), "every position attends to something (no all-masked softmax row)"
+    assert batch.position_ids[0, 9:].eq(0).all()

@@ -178,6 +178,37 @@ def test_a_groups_prompt_forwarded_once_gives_the_same_step(model_dir, epochs):
     assert processed[1] < 0.6 * processed[0], processed
 
 
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_micro_batches_padded_to_a_multiple_give_the_same_step(model_dir, share_prompt):
+    """train.pad_to_multiple: every forward's length (a padded block's width, a packed row's
+    positions) is a multiple of it, and the loss and every gradient are those of the unrounded
+    micro-batches (no real position sees the padding; nothing reads its outputs). The step's
+    processed tokens count the padding."""
+    groups = random_groups(seed=11)
+    results, shapes = [], []
+    for multiple in (0, 32):
+        trainer = build_trainer(config(share_prompt=share_prompt, pad_to_multiple=multiple, epochs=2), model_dir)
+        seen: list[tuple[int, ...]] = []
+        hook = trainer.model.get_input_embeddings().register_forward_hook(
+            lambda _m, args, _out, seen=seen: seen.append(tuple(args[0].shape)))
+        try:
+            results.append(step_with_gradients(trainer, groups))
+        finally:
+            hook.remove()
+        shapes.append(seen)
+    (plain, plain_grads), (rounded, rounded_grads) = results
+    assert any(width % 32 for _, width in shapes[0]), "the unrounded widths are not multiples already"
+    assert all(width % 32 == 0 for _, width in shapes[1]), shapes[1]
+    assert rounded["loss"] == pytest.approx(plain["loss"], rel=5e-6)
+    assert rounded["grad_norm"] == pytest.approx(plain["grad_norm"], rel=5e-6)
+    for name, grad in plain_grads.items():
+        assert (rounded_grads[name] - grad).norm() <= 5e-6 * grad.norm(), name
+    # pi_old's logprobs are forwarded once before the two updates: the metrics count the updates.
+    updates = [sum(rows * width for rows, width in seen) * 2 // 3 for seen in shapes]
+    assert (plain["processed_tokens"], rounded["processed_tokens"]) == tuple(updates)
+    assert rounded["padding_efficiency"] < plain["padding_efficiency"]
+
+
 @pytest.mark.parametrize("epochs", [1, 2])
 def test_micro_batches_run_on_the_threads_the_step_loop_lends_and_the_thread_gets_its_own_back(model_dir, epochs):
     """`threads_now` is asked before every micro-batch (pi_old's too), in the thread that forwards
