@@ -572,8 +572,14 @@ class NcclWeightSender(WeightSender):
                     "the NCCL group is unusable, relaunch its engines"
                 )
             worker.join(0.2)
-        if "error" in outcome:
-            raise WeightTransferError(f"{self!r}: broadcast failed: {outcome['error']}") from outcome["error"]
+        error = outcome.pop("error", None)
+        if error is not None:
+            message = f"{self!r}: broadcast failed: {type(error).__name__}: {error}"
+            # As in GlooWeightSender.broadcast: the new error holds nothing of the producer's (no
+            # cause, and `error` dropped from this frame, which its traceback keeps): the
+            # producer's frames hold the communicator and its store for as long as the error lives.
+            del error
+            raise WeightTransferError(message)
         total = sum(t.numel() * t.element_size() for _, t in named_tensors)
         return BroadcastStats(chunks=chunks, tensors=len(named_tensors), bytes=total, total_s=time.perf_counter() - began)
 

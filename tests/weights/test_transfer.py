@@ -96,6 +96,40 @@ def test_nccl_sender_builds_vllm_nccl_payloads():
         sender.close()
 
 
+def test_a_failed_nccl_broadcasts_error_holds_nothing_of_the_producer(monkeypatch):
+    """A failed NCCL broadcast raises an error that keeps none of the producer's frames, which
+    hold its communicator (and with it the group's store and port), for as long as the daemon
+    keeps the error: the fix of a failed gloo broadcast's kept error (test_group), applied to NCCL.
+    NCCL itself needs CUDA: only its producer's failure is stood in for here."""
+    import gc
+    import weakref
+
+    import vllm.distributed.weight_transfer.packed_tensor as packed_tensor
+
+    class Communicator:
+        def destroy(self) -> None:
+            pass
+
+    def failing_producer(*, group, **_):
+        raise RuntimeError(f"NCCL error: remote process exited ({type(group).__name__})")
+
+    monkeypatch.setattr(packed_tensor, "packed_nccl_broadcast_producer", failing_producer)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    sender = NcclWeightSender("127.0.0.1", 2, timeout_s=5)
+    try:
+        sender.communicator = Communicator()
+        communicator = weakref.ref(sender.communicator)
+        with pytest.raises(WeightTransferError, match="broadcast failed: .*NCCL error: remote process exited") as failure:
+            sender.broadcast([("w", torch.zeros(4))], {})
+        kept = failure.value
+        assert kept.__cause__ is None and kept.__context__ is None
+        sender.communicator = None  # what closing the sender does
+        gc.collect()
+        assert communicator() is None, "the kept error still holds the communicator"
+    finally:
+        sender.close()
+
+
 def test_iter_state_leaves_out_a_tied_head():
     from grpod.models.tiny import build_model
 
