@@ -140,10 +140,10 @@ async def start_parts(
     reporter.attach(world=world)
     store = RunStore(cfg, run_dir, build_trainer=trainer_builder(world))
     restored = await anyio.to_thread.run_sync(store.resume_point)
+    progress.restore_counts(restored.step, restored.extra)
     t = mark("resume_point_s", began)
     await anyio.to_thread.run_sync(store.ensure_model)
     mark("model_s", t)
-    progress.restore_counts(restored.step, restored.extra)
     buffer.restore(restored.buffered)
     if restored.checkpoint is not None:
         desk.restore(restored.extra, f"checkpoint {restored.checkpoint}", restored.step)

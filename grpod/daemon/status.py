@@ -43,6 +43,13 @@ class StatusField:
 # ---- how fields show ------------------------------------------------------------------------
 
 
+def _step_rows(step: int, status: dict) -> Rows:
+    """"12/100"; "?/100" while a start has not read its resume point (a resumed run's step is
+    not known yet: the reply's `step` is 0 until then, and `startup` has no `resume_point_s`)."""
+    known = status.get("state") != "starting" or "resume_point_s" in (status.get("startup") or {})
+    return [("step", f"{step}/{status.get('steps')}" if known else f"?/{status.get('steps')} (reading the resume point)")]
+
+
 def _bridge_rows(bridge: dict | None, status: dict) -> Rows:
     bridge = bridge or {}
     vllm = bridge.get("vllm") or {}
@@ -251,7 +258,7 @@ def _source_status(source) -> dict[str, Any] | None:
 STATUS_FIELDS: tuple[StatusField, ...] = (
     StatusField("schema", lambda r: SCHEMA),
     StatusField("state", lambda r: r.progress.phase.value, _row("state")),
-    StatusField("step", lambda r: r.progress.step, lambda v, s: [("step", f"{v}/{s.get('steps')}")]),
+    StatusField("step", lambda r: r.progress.step, _step_rows),
     StatusField("steps", lambda r: r.progress.steps),
     StatusField("trained_steps", lambda r: r.progress.trained_steps,
                 lambda v, s: [("trained / skipped", f"{v} / {s.get('skipped_batches')}")]),

@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 from grpod.daemon import status as status_model
+from grpod.daemon.progress import RunPhase
 from grpod.daemon.status import STATUS_FIELDS, StatusField, render_table, status_table
 
 
@@ -108,6 +109,19 @@ def test_the_reply_is_the_fields_and_the_table_they_render(tmp_path):
     json.dumps(reply)  # what the socket sends
     assert reply["table"] == status_table({k: v for k, v in reply.items() if k != "table"})
     assert ["state", "starting"] in reply["table"]
+
+
+def test_a_resumed_runs_step_shows_as_unknown_until_the_resume_point_is_read(tmp_path):
+    """While a start reads its resume point the progress still says step 0: the table says the
+    step is not known yet, and shows it once the resume point's counts are in."""
+    run = _Run(tmp_path)
+    assert ["step", "?/4 (reading the resume point)"] in status_model.build_status(run)["table"]
+    run.progress.restore_counts(3, {})
+    run.progress.startup["resume_point_s"] = 0.2
+    assert ["step", "3/4"] in status_model.build_status(run)["table"]
+    run.progress.phase = RunPhase.RUNNING
+    run.progress.startup.clear()  # a start that reached training knows its step whatever it timed
+    assert ["step", "3/4"] in status_model.build_status(run)["table"]
 
 
 def test_a_new_field_is_one_entry(tmp_path, monkeypatch):
