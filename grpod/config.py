@@ -987,8 +987,10 @@ class TrainConfig(_Section):
         ge=0,
         le=4096,
         description="Round each micro-batch's length (a padded block's width, a packed row's positions) up to a "
-        "multiple of this, so that a GPU sees a few shapes and reuses its kernel choices across steps; 0 = no "
-        "rounding. No real position attends to the padding and nothing reads its outputs.",
+        "multiple of this, so that a GPU sees a few shapes and reuses its kernel choices across steps (measured: "
+        "bf16 LoRA 1.4-1.5x faster a step at 128; fp32 slower, docs/models.md); 0 = no rounding. The rounding "
+        "can take a micro-batch past micro_batch_tokens. No real position attends to the padding and nothing "
+        "reads its outputs.",
     )
     epochs: int = Field(
         1,
