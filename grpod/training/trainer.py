@@ -368,11 +368,8 @@ class Trainer:
 
     def _micro_batch_backward(self, plan: BatchPlan, rows: list[int], normalizer: StepNormalizer, pack: bool = False) -> LossStats:
         """Forward the plan's sequences `rows` as one micro-batch, its share of the loss, backward."""
-        batch = collate(
-            [plan.sequences[i] for i in rows], self.pad_id, self.device,
-            old_logprobs=[plan.old[i] for i in rows] if plan.old is not None else None, pack=pack,
-            pad_to_multiple=self.train_cfg.pad_to_multiple,
-        )
+        old = [plan.old[i] for i in rows] if plan.old is not None else None
+        batch = self._collate([plan.sequences[i] for i in rows], pack, old)
         loss, stats = self._micro_batch_loss(batch, normalizer)
         loss.backward()
         return stats
@@ -387,10 +384,11 @@ class Trainer:
         return self.train_cfg.share_prompt and not self.sharded and attention in ("eager", "sdpa")
 
     def _micro_plan(self, sequences: list[TrainingSequence]) -> MicroBatchPlan:
-        cfg = self.train_cfg
-        return plan_sequences(
-            sequences, cfg.micro_batch_tokens, cfg.micro_batch_min_efficiency, self.packs_groups, cfg.pad_to_multiple
-        )
+        c = self.train_cfg
+        return plan_sequences(sequences, c.micro_batch_tokens, c.micro_batch_min_efficiency, self.packs_groups, c.pad_to_multiple)
+
+    def _collate(self, sequences: list[TrainingSequence], pack: bool, old: list[torch.Tensor] | None = None) -> MicroBatch:
+        return collate(sequences, self.pad_id, self.device, old, pack, self.train_cfg.pad_to_multiple)
 
     def _clip_gradients(self, max_norm: float) -> float:
         """Clip the gradient to `max_norm`; its norm before clipping."""
@@ -471,9 +469,7 @@ class Trainer:
 
     def _micro_batch_logprobs(self, sequences: list[TrainingSequence], indices: list[int], pack: bool = False) -> dict[int, torch.Tensor]:
         """Each of `sequences[indices]`'s loss-token logprobs, forwarded as one micro-batch."""
-        batch = collate(
-            [sequences[i] for i in indices], self.pad_id, self.device, pack=pack, pad_to_multiple=self.train_cfg.pad_to_multiple
-        )
+        batch = self._collate([sequences[i] for i in indices], pack)
         logprobs = batch_logprobs(self.model, batch, self.train_cfg.loss.logprob_chunk_tokens)
         return {i: logprobs[batch.rows == row] for row, i in enumerate(indices)}
 
