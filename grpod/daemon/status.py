@@ -47,7 +47,7 @@ def _step_rows(step: int, status: dict) -> Rows:
     """"12/100"; "?/100" while a start has not read its resume point (a resumed run's step is
     not known yet: the reply's `step` is 0 until then, and `startup` has no `resume_point_s`)."""
     known = status.get("state") != "starting" or "resume_point_s" in (status.get("startup") or {})
-    return [("step", f"{step}/{status.get('steps')}" if known else f"?/{status.get('steps')} (reading the resume point)")]
+    return [("step", f"{step}/{status.get('steps')}" if known else f"?/{status.get('steps')} (resume point not read yet)")]
 
 
 def _bridge_rows(bridge: dict | None, status: dict) -> Rows:

@@ -115,7 +115,7 @@ def test_a_resumed_runs_step_shows_as_unknown_until_the_resume_point_is_read(tmp
     """While a start reads its resume point the progress still says step 0: the table says the
     step is not known yet, and shows it once the resume point's counts are in."""
     run = _Run(tmp_path)
-    assert ["step", "?/4 (reading the resume point)"] in status_model.build_status(run)["table"]
+    assert ["step", "?/4 (resume point not read yet)"] in status_model.build_status(run)["table"]
     run.progress.restore_counts(3, {})
     run.progress.startup["resume_point_s"] = 0.2
     assert ["step", "3/4"] in status_model.build_status(run)["table"]
