@@ -2,8 +2,8 @@
 fine-tuning) and in bf16 (LoRA over a bf16 base, what `model.dtype = "bfloat16"` trains), and the
 logprob contract: the trainer's fp32 log-softmax of fp32 / bf16 logits against an fp64 reference
 on the same weights, judged by the tolerances grpod's alignment probe applies to that dtype
-(`ProbeTolerance.for_serving`). Step time and peak memory are printed (`-rA` shows them); no test
-asserts on time.
+(`ProbeTolerance.for_serving`); and a step padded by `train.pad_to_multiple` against the unpadded
+one. Step time and peak memory are printed (`-rA` shows them); no test asserts on time.
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ SETTINGS = {
 }
 
 
-def cuda_trainer(model_dir, dtype: str):
+def cuda_trainer(model_dir, dtype: str, device: str = "cuda", **train):
+    """The config and trainer of `SETTINGS[dtype]` on `device` (cpu only to try a test's body out),
+    with `train` settings added."""
     tree = SETTINGS[dtype]
+    tree = {**tree, "train": {**tree["train"], "device": device, **train}}
     cfg = parse_config({**tree, "model": {"path": str(model_dir), "init_if_missing": False, **tree.get("model", {})}})
     return cfg, build_trainer(cfg, model_dir)
 
@@ -58,6 +61,28 @@ def test_one_train_step_on_cuda(tiny_model_dir, dtype):
     moved = {name for name, p in params.items() if not torch.equal(p.detach(), before[name])}
     # LoRA's A matrices get no gradient while B is still zero (its first step); B moves.
     assert moved and moved <= {name for name, p in params.items() if p.requires_grad}
+
+
+def padded_and_unpadded_steps(model_dir, dtype: str, device: str = "cuda") -> tuple[dict, dict]:
+    """One step of the same groups by two fresh trainers, `train.pad_to_multiple` 0 and 128."""
+    plain, padded = (cuda_trainer(model_dir, dtype, device, pad_to_multiple=m)[1] for m in (0, 128))
+    return plain.train_step(random_groups(seed=3)), padded.train_step(random_groups(seed=3))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_padded_to_a_multiple_is_the_unpadded_step_on_cuda(tiny_model_dir, dtype):
+    """train.pad_to_multiple on the GPU's attention kernels (SDPA with the packed row's mask, its
+    padding rows included): the same loss and gradient norm as the unpadded step, within what
+    the dtype's different kernel shapes round (fp32 1e-4 relative; bf16 2e-2), and more positions
+    processed (the padding)."""
+    plain, padded = padded_and_unpadded_steps(tiny_model_dir, dtype)
+    print(f"\n{dtype}: loss {plain['loss']:.6g} / padded {padded['loss']:.6g}; grad norm {plain['grad_norm']:.6g} / "
+          f"{padded['grad_norm']:.6g}; processed tokens {plain['processed_tokens']:.0f} / {padded['processed_tokens']:.0f}")
+    rel = 1e-4 if dtype == "float32" else 2e-2
+    assert padded["skipped"] == plain["skipped"] == 0
+    assert padded["loss"] == pytest.approx(plain["loss"], rel=rel, abs=1e-6)
+    assert padded["grad_norm"] == pytest.approx(plain["grad_norm"], rel=rel)
+    assert padded["processed_tokens"] > plain["processed_tokens"]
 
 
 def fp64_reference(model_dir, ids: list[int]) -> torch.Tensor:
