@@ -389,13 +389,8 @@ class GlooWeightSender(WeightSender):
         try:
             return self._send(group, named_tensors, plan, cancel)
         except Exception as exc:
-            kind, message = (type(exc), str(exc)) if isinstance(exc, WeightTransferError) else (
-                WeightTransferError, f"{self!r}: broadcast failed: {type(exc).__name__}: {exc}")
-        # Raised here, outside the handler, with no cause or context: the failure's traceback holds
-        # the frames of the send, and they its pending works, which keep the closed group and its
-        # store alive, and with them rank 0's port, for as long as anyone keeps the error
-        # (measured: a fixed bridge.port held until the daemon dropped it; CI, fault case 13).
-        raise kind(message)
+            failure = _detached(self, exc)
+        raise failure  # outside the handler: no context (`_detached`)
 
     def _send(self, group: GlooGroup, named_tensors: NamedTensors, plan: GlooUpdateInfo,
               cancel: threading.Event | None) -> BroadcastStats:
@@ -451,6 +446,18 @@ def _take(stream, count: int):
 
 def _as_cpu(item: tuple[str, torch.Tensor]) -> torch.Tensor:
     return item[1].detach().cpu()
+
+
+def _detached(sender: WeightSender, exc: BaseException) -> WeightTransferError:
+    """A broadcast's failure as a fresh error of the same message (a `WeightTransferError` keeps its
+    type), holding nothing of `exc`: raised with no cause, outside any handler and with `exc` kept
+    in no local. `exc`'s traceback holds the frames of the send, and they the group (gloo: its
+    pending works; NCCL: the communicator) and its store, and with them rank 0's port, for as
+    long as the daemon keeps the sync's error (measured: a fixed bridge.port held until the
+    daemon dropped it; CI, fault case 13)."""
+    if isinstance(exc, WeightTransferError):
+        return type(exc)(str(exc))
+    return WeightTransferError(f"{sender!r}: broadcast failed: {type(exc).__name__}: {exc}")
 
 
 def _check_against_plan(named_tensors: NamedTensors, plan: GlooUpdateInfo) -> None:
@@ -572,14 +579,8 @@ class NcclWeightSender(WeightSender):
                     "the NCCL group is unusable, relaunch its engines"
                 )
             worker.join(0.2)
-        error = outcome.pop("error", None)
-        if error is not None:
-            message = f"{self!r}: broadcast failed: {type(error).__name__}: {error}"
-            # As in GlooWeightSender.broadcast: the new error holds nothing of the producer's (no
-            # cause, and `error` dropped from this frame, which its traceback keeps): the
-            # producer's frames hold the communicator and its store for as long as the error lives.
-            del error
-            raise WeightTransferError(message)
+        if "error" in outcome:
+            raise _detached(self, outcome.pop("error"))  # the producer's error is kept nowhere (`_detached`)
         total = sum(t.numel() * t.element_size() for _, t in named_tensors)
         return BroadcastStats(chunks=chunks, tensors=len(named_tensors), bytes=total, total_s=time.perf_counter() - began)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from grpod.inference.release import port_is_free
-from grpod.weights.group import WeightTransferCancelled, WeightTransferError, WeightTransferTimeout, releasing
+from grpod.weights.group import WeightTransferCancelled, WeightTransferError, WeightTransferTimeout, listen_on, releasing
 from grpod.weights.transfer import GlooWeightSender, tensor_metadata, wait_port_released
 from grpod.weights.wire import dtype_name
 
@@ -201,9 +200,7 @@ async def test_a_fixed_port_is_waited_for_until_the_last_groups_stuck_send_runs_
 
 @pytest.mark.anyio
 async def test_a_fixed_port_held_by_another_process_is_named():
-    with socket.socket() as other:
-        other.bind(("127.0.0.1", 0))
-        other.listen()
+    with listen_on("127.0.0.1") as other:  # another holder: not a group this process released
         port = other.getsockname()[1]
         assert not releasing(port)
         with pytest.raises(WeightTransferError, match=rf"bridge.port: port {port} on 127.0.0.1 .* still held after 0.3 s"):
