@@ -14,7 +14,9 @@ measures is the policy version the engines serve while it runs. It runs one of t
   update writes the weights the engines serve.
 
 One evaluation runs at a time: asking for the next while one runs waits for it. The record says
-which step's policy it measured (`step`), the version, and how long it took (`eval_s`).
+which step's policy it measured (`step`: the step loop syncs the trainer's steps before an
+evaluation, but a stop's last evaluation measures what the engines serve), the version, and how
+long it took (`eval_s`).
 """
 
 from __future__ import annotations
@@ -59,9 +61,10 @@ class Evaluations:
         """Return once no evaluation runs (bounded by the evaluation's own request timeouts)."""
         await self._idle.wait()
 
-    async def run(self, when: str, work: TaskGroup | None, *, version: int | None = None) -> None:
+    async def run(self, when: str, work: TaskGroup | None, *, step: int | None = None, version: int | None = None) -> None:
         """Evaluate the served policy now: beside training in `work` (when given and allowed), or
-        in line. Skipped without `eval.size`. With `version` (the policy version served now): if
+        in line. Skipped without `eval.size`. `step`: the step whose weights the engines serve
+        (the record's `step`; by default the run's step). With `version` (the policy version served now): if
         the last evaluation measured that version, its result is recorded again as `when`'s
         (`reused`) rather than decoded again: a stop during a periodic evaluation waited for it,
         then evaluated the same weights once more (11 s on SmolLM2, 20 rows)."""
@@ -73,7 +76,8 @@ class Evaluations:
             result = {k: v for k, v in last.items() if k not in ("when", "step", "finished_step")}
             self.reporter.eval_done({**result, "reused": last["when"]}, when, step=last["step"])
             return
-        self._running = {"when": when, "step": self.progress.step, "began": time.monotonic()}
+        step = self.progress.step if step is None else step
+        self._running = {"when": when, "step": step, "began": time.monotonic()}
         self._idle = anyio.Event()
         if self.beside_training and work is not None:
             work.start_soon(self._evaluate)

@@ -128,7 +128,7 @@ class StepLoop:
             self._work = work
             if self.cfg.source.overlap:
                 work.start_soon(self.fetch)
-            await self.evaluations.run("start", work)
+            await self.evaluations.run("start", work, step=self.served_step)
             while self.progress.step < train.steps:
                 if not await self.at_boundary():
                     break
@@ -295,11 +295,19 @@ class StepLoop:
         return True
 
     async def _end_evaluation(self) -> None:
-        """The running evaluation ends, then the sync it held back runs: before the next
-        evaluation, and at the run's end (the final evaluation and checkpoint see the trainer's
-        last weights)."""
+        """The running evaluation ends, then the engines get the trainer's weights: before the
+        next evaluation, and at the run's end, the final evaluation measures the trainer's last
+        step, not the last one the cadence synced. Without evaluations, only the sync an
+        evaluation held back runs."""
         await self.evaluations.idle()
-        await self._carry_out(self.schedule.evaluation_ended(), [])
+        due = self.schedule.evaluation_due() if self.cfg.eval.size > 0 else self.schedule.evaluation_ended()
+        await self._carry_out(due, [])
+
+    @property
+    def served_step(self) -> int:
+        """The step whose weights the engines serve: this step, less those trained since the
+        last sync."""
+        return self.progress.step - self.schedule.unsynced
 
     async def _finish_sync(self, staged: StagedSync, step: int) -> None:
         with self.heartbeat.running():
@@ -311,12 +319,13 @@ class StepLoop:
         if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0:
             await self.reporter.checkpoint_alarm.guard(step, self.checkpoint)  # failed: trains on, the next retries
         if self.cfg.eval.every and step % self.cfg.eval.every == 0 and step < self.cfg.train.steps:
-            # The evaluation measures this step's weights: the previous one ends first, and a sync
-            # it held back runs now (without this, evaluations back to back held every sync: 8
-            # syncs in 83 steps on SmolLM2 with 16 groups in flight).
+            # The evaluation measures this step's weights: the previous one ends first, and the
+            # steps since the last sync ship now, a sync it held back too (without this,
+            # evaluations back to back held every sync: 8 syncs in 83 steps on SmolLM2 with 16
+            # groups in flight).
             await self._end_evaluation()
             await self.bridge.settled()  # the engines serve the step's sync (when one was due)
-            await self.evaluations.run("periodic", self._work)
+            await self.evaluations.run("periodic", self._work, step=self.served_step)
 
     # ---- what else the loop's task does with the trainer ------------------------------------
     async def checkpoint(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@
 
 Every way a run ends (steps done, `ctl stop`, `ctl drain`, SIGTERM, a failed bridge, a failed
 start) goes through `_shutdown`: the running step finishes (its thread is never abandoned),
-final evaluation, final checkpoint, engines stopped and released, STOPPING=1. The components are
+final checkpoint, final evaluation, engines stopped and released, STOPPING=1. The components are
 built by `grpod.daemon.components`; the supervisor only starts, watches and stops them.
 """
 
@@ -221,16 +221,18 @@ class Supervisor:
         self.notifier.stopping(f"stopping at step {self.progress.step}: {self.progress.stop_reason}")
         self.desk.fail_requests("the daemon is stopping")
         parts = self.parts
-        if parts is not None and parts.bridge.available and self.progress.exit_code == 0:
-            # In line: the run's last one (the last result again if it measured these weights).
-            await parts.loop.evaluations.run("end", None, version=parts.bridge.policy.version)
-        # A checkpoint of this very state exists: nothing trained, no group accepted, no sync and
+        # The checkpoint first: a stop's grace period may end during the evaluation after it. A
+        # checkpoint of this very state exists: nothing trained, no group accepted, no sync and
         # no `ctl set` since (a stop after `ctl checkpoint`, `ctl sync`, `ctl set` lost the set).
         last = self.progress.last_checkpoint
         already = parts is not None and last is not None and last["state"] == parts.loop.checkpoint_state()
         if parts is not None and self.cfg.checkpoint.at_shutdown and self.progress.step > 0 and not already:
             with anyio.CancelScope(shield=True):
                 await parts.loop.checkpoint()
+        if parts is not None and parts.bridge.available and self.progress.exit_code == 0:
+            # In line: the run's last one, of what the engines serve (the last result again if
+            # it measured these weights). A run that ends by itself synced its last steps first.
+            await parts.loop.evaluations.run("end", None, step=parts.loop.served_step, version=parts.bridge.policy.version)
         await self._stop_inference()
         self.reporter.summary()
 

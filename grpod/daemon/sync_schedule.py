@@ -9,6 +9,8 @@ an evaluation ended) and carries out what it answers:
     STEP    the step's sync, now (the loop may pipeline it: trainer half now, engines' half
             while the next step trains)
     OWED    the sync an evaluation held back, now that it ended: whole
+    EVAL    an evaluation is about to measure the engines' policy: the steps trained since the
+            last sync, now, whole (it measures the trainer's weights, not older ones)
     FORCED  an operator's `ctl sync`: whole, once no evaluation runs; it ships whatever the
             trainer has (even nothing new: a version bump and a probe) and pays what is owed
 
@@ -32,6 +34,8 @@ ends the run.
     (n, o)                   operator at the boundary        FORCED     (0, no)
     (n, yes)                 evaluation ended                OWED       (0, no)
     (n, no)                  evaluation ended                NONE       (n, no)
+    (n>0, o)                 evaluation due                  EVAL       (0, no)
+    (0, no)                  evaluation due                  NONE       (0, no)
 
 (`tests/daemon/test_sync_schedule.py` has every row.)
 """
@@ -48,11 +52,12 @@ class Sync(enum.Enum):
     HOLD = "hold"
     STEP = "step"
     OWED = "owed"
+    EVAL = "eval"
     FORCED = "forced"
 
     @property
     def ships(self) -> bool:
-        return self in (Sync.STEP, Sync.OWED, Sync.FORCED)
+        return self in (Sync.STEP, Sync.OWED, Sync.EVAL, Sync.FORCED)
 
 
 @dataclass
@@ -86,6 +91,13 @@ class SyncSchedule:
     def evaluation_ended(self) -> Sync:
         """The running evaluation ended: the sync it held back, if any, is paid now."""
         return self._ship(Sync.OWED) if self.owed else Sync.NONE
+
+    def evaluation_due(self) -> Sync:
+        """An evaluation is about to measure the engines' policy (the running one has ended): the
+        steps trained since the last sync ship now, with the sync owed if any."""
+        if self.owed:
+            return self._ship(Sync.OWED)
+        return self._ship(Sync.EVAL) if self.unsynced else Sync.NONE
 
     def _ship(self, decision: Sync) -> Sync:
         self._shipped()

@@ -363,6 +363,24 @@ async def test_the_next_evaluation_measures_its_steps_weights_not_the_version_th
     assert bridge.syncs[0] == (1, False), "the held-back sync, before the step-2 evaluation began"
 
 
+async def test_an_evaluation_off_the_sync_cadence_measures_the_trainers_step_not_the_last_synced_one(loop_config):
+    """sync_every = 4, eval.every = 3: at step 3 the engines still serve step 0's weights. The
+    evaluation due there ships steps 1-3 first (it was recorded as step 3's while measuring step
+    0's), and the run's end ships step 5, off the cadence, before its final evaluation."""
+    loop, bridge, source = evaluating_loop(loop_config, "train.steps=5", "eval.every=3", "eval.overlap=false")
+    bridge.sync_every = 4
+    source.gate.set()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.run)
+        await feed(loop, 4, until_step=2)
+        assert (loop.progress.step, loop.served_step, bridge.syncs) == (2, 0, []), "off the cadence: nothing synced"
+        await feed(loop, 6, start=4)
+    evals = [r for r in loop.reporter.metrics.read() if r["kind"] == "eval"]
+    assert [(e["when"], e["step"], e["policy_version"]) for e in evals] == [("start", 0, 0), ("periodic", 3, 1)]
+    assert bridge.syncs == [(1, False), (2, False), (3, False)], "before step 3's evaluation, step 4's, the run's end"
+    assert loop.served_step == 5
+
+
 async def test_an_operators_sync_at_the_boundary_pays_the_sync_an_evaluation_held_back(loop_config):
     """sync_every = 2: step 2's sync is held back by the start evaluation; `ctl sync` while the
     loop waits for a batch ships it, so step 3 owes nothing and the next sync is step 4's."""

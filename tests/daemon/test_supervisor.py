@@ -143,3 +143,48 @@ def test_a_checkpoint_the_config_cannot_resume_is_refused_with_exit_2_before_any
         assert anyio.run(daemon.run) == 2, daemon.progress.stop_reason
         err = capsys.readouterr().err
         assert str(tmp_path / "run" / "checkpoints" / "step-000003") in err and named in err, err
+
+
+def test_a_stop_writes_its_checkpoint_before_the_last_evaluation_and_labels_it_with_the_served_step(tmp_path):
+    """A SIGTERM's grace period may end during the last evaluation (a minute on SmolLM2): the
+    checkpoint comes first. The engines serve step 36's weights (one step trained since the last
+    sync), so that is the step the evaluation is recorded as."""
+    from types import SimpleNamespace
+
+    from grpod.daemon.evaluation import Evaluations
+    from grpod.daemon.sync_schedule import SyncSchedule
+
+    daemon = Supervisor(load_config(None, [f"run.dir={str(tmp_path / 'run')!r}", "run.progress=false", "eval.size=4"]))
+    order = []
+
+    class Source:
+        async def evaluate(self, size, max_tokens):
+            order.append("evaluation")
+            return {"eval_accuracy": 0.5, "eval_size": size, "policy_version": 18}
+
+    class Loop:
+        evaluations = Evaluations(daemon.cfg.eval, source=Source(), reporter=daemon.reporter, progress=daemon.progress,
+                                  beside_training=False)
+        schedule = SyncSchedule(cadence=lambda step: False, unsynced=1)
+        served_step = property(lambda self: daemon.progress.step - self.schedule.unsynced)
+
+        def checkpoint_state(self):
+            return [daemon.progress.step]
+
+        async def checkpoint(self):
+            order.append("checkpoint")
+
+    class Bridge:
+        available = True
+        policy = SimpleNamespace(version=18)
+
+        async def stop(self):
+            order.append("engines stopped")
+
+    daemon.progress.step = 37
+    daemon.progress.last_eval = {"policy_version": 16, "when": "periodic", "step": 33, "eval_accuracy": 0.4}
+    daemon.parts = SimpleNamespace(loop=Loop(), bridge=Bridge(), source=None)
+    daemon.desk.request_stop("SIGTERM")
+    anyio.run(daemon._shutdown)
+    assert order == ["checkpoint", "evaluation", "engines stopped"]
+    assert (daemon.progress.last_eval["when"], daemon.progress.last_eval["step"]) == ("end", 36)

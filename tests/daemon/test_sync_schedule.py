@@ -11,7 +11,8 @@ from grpod.daemon.sync_schedule import Sync, SyncSchedule
 
 # before (unsynced, owed) | event | decision | after (unsynced, owed) | why. Events: `step N` and
 # what else held (`skipped`, `fenced`, `requested`: an operator's sync during the step, `held`:
-# an evaluation runs beside training), `boundary` (an operator's sync there), `evaluation ended`.
+# an evaluation runs beside training), `boundary` (an operator's sync there), `evaluation ended`,
+# `evaluation due` (one is about to start).
 TABLE = """
 0 no  | step 2                     | STEP   | 0 no  | the step itself trained: its sync
 0 no  | step 1                     | NONE   | 1 no  | trained off the cadence: one step unsynced
@@ -35,6 +36,9 @@ TABLE = """
 2 yes | boundary                   | FORCED | 0 no  | ctl sync at the boundary pays the owed sync
 2 yes | evaluation ended           | OWED   | 0 no  | the evaluation ended: the owed sync, now
 1 no  | evaluation ended           | NONE   | 1 no  | the evaluation ended, nothing owed
+1 no  | evaluation due             | EVAL   | 0 no  | an evaluation measures the trainer's step, not the last synced one
+2 yes | evaluation due             | OWED   | 0 no  | an evaluation due pays the owed sync
+0 no  | evaluation due             | NONE   | 0 no  | an evaluation due, the engines in step: nothing to ship
 """
 
 
@@ -49,6 +53,8 @@ def happen(event: str, schedule: SyncSchedule) -> Sync:
         return schedule.requested()
     if event == "evaluation ended":
         return schedule.evaluation_ended()
+    if event == "evaluation due":
+        return schedule.evaluation_due()
     _, step, *flags = event.split()
     assert set(flags) <= {"skipped", "fenced", "requested", "held"}, event
     return schedule.after_step(
@@ -68,8 +74,8 @@ def test_a_state_and_an_event_give_the_decision_and_the_next_state(before, event
     assert (schedule.unsynced, schedule.owed) == state(after)
 
 
-def test_only_step_owed_and_forced_ship_a_sync():
-    assert [d for d in Sync if d.ships] == [Sync.STEP, Sync.OWED, Sync.FORCED]
+def test_only_step_owed_eval_and_forced_ship_a_sync():
+    assert [d for d in Sync if d.ships] == [Sync.STEP, Sync.OWED, Sync.EVAL, Sync.FORCED]
 
 
 def test_the_cadence_is_read_at_each_step():
