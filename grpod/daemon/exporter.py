@@ -22,12 +22,12 @@ from prometheus_client.core import (
 
 log = structlog.get_logger(__name__)
 
-def _histogram(name: str, doc: str, values: list[float], buckets: tuple[float, ...]) -> HistogramMetricFamily:
-    counts = []
-    for bound in buckets:
-        counts.append((str(bound), sum(1 for v in values if v <= bound)))
-    counts.append(("+Inf", len(values)))
-    return HistogramMetricFamily(name, doc, buckets=counts, sum_value=float(sum(values)))
+def _histogram(name: str, doc: str, counted: dict[float, int], buckets: tuple[float, ...]) -> HistogramMetricFamily:
+    """A histogram family from `counted` ({value: how many}): work by distinct value, not by
+    observation (a days-long run has trained millions of groups)."""
+    counts = [(str(bound), sum(n for value, n in counted.items() if value <= bound)) for bound in buckets]
+    counts.append(("+Inf", sum(counted.values())))
+    return HistogramMetricFamily(name, doc, buckets=counts, sum_value=float(sum(value * n for value, n in counted.items())))
 
 
 Status = Callable[[], dict[str, Any]]
@@ -41,7 +41,7 @@ class DaemonCollector:
 
     def collect(self):
         status: dict[str, Any] = self.status()
-        yield GaugeMetricFamily("grpod_step", "Optimizer steps done in this run", value=status["step"])
+        yield GaugeMetricFamily("grpod_step", "Batches taken in this run, skipped ones included (the run's step)", value=status["step"])
         yield GaugeMetricFamily("grpod_policy_version", "Policy version vLLM serves", value=status.get("policy_version") or 0)
         yield GaugeMetricFamily("grpod_queue_depth", "Rollout groups buffered, not yet trained", value=status.get("queue_depth", 0))
         state = GaugeMetricFamily("grpod_bridge_state", "1 for the bridge's current state", labels=["mode", "state"])
@@ -58,7 +58,7 @@ class DaemonCollector:
             sum_value=float(latency["sum"]),
         )
         histogram = (status.get("staleness") or {}).get("histogram", {})
-        ages = [float(age) for age, count in histogram.items() for _ in range(count)]
+        ages = {float(age): count for age, count in histogram.items()}
         yield _histogram(
             "grpod_staleness_versions", "Policy versions a group lagged at training time", ages, (0, 1, 2, 3, 4, 6, 8, 16, 32)
         )

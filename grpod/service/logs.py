@@ -96,7 +96,7 @@ class _Tee:
         return ""
 
     def _write(self, event: dict[str, Any]) -> None:
-        line = json.dumps(event, default=str) + "\n"
+        line = json.dumps(json_ready(event), default=str) + "\n"
         if self.lost:
             note = {"event": "log_lines_lost", "level": "warning", "lines": self.lost, "error": self.lost_error,
                     "timestamp": event.get("timestamp")}

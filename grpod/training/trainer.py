@@ -51,6 +51,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from grpod.config import GrpodConfig, ModelConfig, TrainConfig
 from grpod.dtypes import TORCH_DTYPES
 from grpod.rollouts.group import RolloutGroup
+from grpod.rollouts.signal import scored_indices
 from grpod.training.advantages import compute_advantages
 from grpod.training.batching import (
     MicroBatch,
@@ -308,7 +309,7 @@ class Trainer:
     def plan(self, groups: list[RolloutGroup]) -> BatchPlan:
         """Advantages, training sequences and (several updates) pi_old of a batch."""
         cfg = self.train_cfg
-        scores = [s for g in groups for s in g.scores]
+        scores = [g.scores[i] for g in groups for i in scored_indices(g)]  # not unscorable placeholders
         advantages = compute_advantages(groups, cfg.advantages, self.completion_budget)
         sequences = training_sequences(advantages, mask_truncated=cfg.loss.mask_truncated)
         plan = BatchPlan(

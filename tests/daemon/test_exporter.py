@@ -56,3 +56,17 @@ def test_endpoint_serves_text_on_loopback(tmp_path):
 
     body = anyio.run(main)
     assert "grpod_step 7.0" in body and "# TYPE grpod_sync_seconds histogram" in body
+
+
+def test_the_staleness_histogram_is_built_from_its_counts_not_one_entry_per_group():
+    """A days-long run trains millions of groups; a scrape reads the status's counts as they are
+    (one entry per group blocked the event loop for seconds at 5 million)."""
+    status = {"step": 1, "staleness": {"histogram": {"0": 3_000_000_000, "2": 2_000_000_000, "40": 7}}}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(lambda: status))
+    text = generate_latest(registry).decode()
+    assert 'grpod_staleness_versions_bucket{le="0"} 3e+09' in text
+    assert 'grpod_staleness_versions_bucket{le="2"} 5e+09' in text
+    assert 'grpod_staleness_versions_bucket{le="32"} 5e+09' in text
+    assert "grpod_staleness_versions_count 5.000000007e+09" in text
+    assert "grpod_staleness_versions_sum 4.00000028e+09" in text

@@ -72,6 +72,23 @@ def test_a_metric_that_is_not_finite_is_written_as_null(tmp_path):
     assert record["nested"] == {"v": [None, 1.0]}
 
 
+def test_an_event_with_a_value_that_is_not_finite_is_logged_as_json(tmp_path):
+    """The trainer's `update_skipped` carries a NaN grad_norm: grpod.log wrote a bare NaN, no JSON,
+    on exactly the lines an operator's log shipper must read."""
+    import io
+    import logging
+    import math
+
+    from grpod.service.logs import _Tee
+
+    path = tmp_path / "grpod.log"
+    tee = _Tee(LineFile(path), io.StringIO(), logging.ERROR)
+    tee(None, "warning", {"event": "update_skipped", "level": "warning", "grad_norm": math.nan, "loss": -math.inf})
+    line = path.read_text()
+    record = json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in {line}"))
+    assert record["grad_norm"] is None and record["loss"] is None and record["event"] == "update_skipped"
+
+
 def test_a_log_a_child_process_appends_to_is_cut_to_its_end_and_the_child_writes_on(tmp_path):
     """A child given the log as its stderr (as the reward workers, the engines and the
     environments are) prints 4 MiB while LogLimit checks the directory: the file stays under the

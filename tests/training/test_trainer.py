@@ -313,6 +313,16 @@ def test_step_metrics_are_reported(model_dir):
     assert 0 < metrics["padding_efficiency"] <= 1 and metrics["entropy"] > 0
 
 
+def test_reward_mean_leaves_out_completions_no_reward_function_scored(model_dir):
+    """The dataset source puts a placeholder score where every function answered None
+    (`unscorable`); the step's reward_mean (progress line, Prometheus, plot) is over the scored."""
+    groups = random_groups(n_groups=1)
+    groups[0].scores = [0.0, 1.0, 0.0, 0.0]  # the last two stand in for unscorable completions
+    groups[0].overrides = [{}, {}, {"unscorable": True}, {"unscorable": True}]
+    metrics = build_trainer(config(), model_dir).train_step(groups)
+    assert metrics["reward_mean"] == 0.5
+
+
 def test_tied_embeddings_stay_one_parameter_after_a_step_and_a_save(tied_model_dir, tmp_path):
     trainer = build_trainer(config(lr=1e-3), tied_model_dir)
     model = trainer.model
