@@ -835,8 +835,8 @@ class LossConfig(_Section):
         0,
         ge=0,
         description="Dr. GRPO's constant M (seq_mean_token_sum_norm) and the overlong budget; 0 = the source's "
-        "completion budget (source.max_tokens; for Atropos, model.max_seq_len, which grpod registers as "
-        "max_token_len).",
+        "completion budget (source.max_tokens; for an environment, max_turns x max_tokens within "
+        "max_episode_tokens; for Atropos, model.max_seq_len, which grpod registers as max_token_len).",
     )
     tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop", "off"] = Field(
         "token_truncate",
@@ -1244,7 +1244,7 @@ class NotifyConfig(_Section):
 
 class MetricsConfig(_Section):
     prometheus_port: int | None = Field(
-        None, description="Serve a Prometheus text endpoint on this port (unset: none).", examples=[9464]
+        None, ge=1, le=65535, description="Serve a Prometheus text endpoint on this port (unset: none).", examples=[9464]
     )
     prometheus_host: str = Field("127.0.0.1", description="The address the Prometheus endpoint binds.")
     wandb_project: str | None = Field(
@@ -1458,12 +1458,29 @@ class GrpodConfig(_Section):
             raise ValueError("eval.size > 0 with source.kind = 'dataset' needs eval.dataset (a held-out split)")
         if self.train.loss.clip_low >= 1:
             raise ValueError("train.loss.clip_low must be < 1 (the ratio floor is 1 - clip_low)")
+        self._advantages_agree()
         self._cluster_agrees()
         size = len(os.fsencode(str(self.socket_path)))
         if size > UNIX_PATH_MAX:
             raise ValueError(f"{self.socket_key}: the control socket {self.socket_path} is {size} bytes, over a Unix "
                              f"socket path's {UNIX_PATH_MAX}; set control.socket to a shorter path")
         return self
+
+    def _advantages_agree(self) -> None:
+        adv = self.train.advantages
+        sampled = self.source.kind in ("builtin", "dataset", "environment")  # grpod draws the group
+        if self.source.group_size < 2 and adv.estimator in ("grpo", "rloo") and not adv.use_source_advantages and sampled:
+            raise ValueError(
+                f"source.group_size = {self.source.group_size} with train.advantages.estimator = {adv.estimator!r}: a "
+                "group of one has no sibling to compare with, so every group would be dropped and no step would "
+                "train; use a group of 2 or more, or estimator = 'reinforce_pp' (a baseline over the step)"
+            )
+        if adv.overlong_buffer and adv.overlong_buffer >= self.completion_budget:
+            raise ValueError(
+                f"train.advantages.overlong_buffer = {adv.overlong_buffer} is not below the completion budget "
+                f"({self.completion_budget} tokens): every completion would be punished for its length, a length "
+                "reward even in a group whose scores are all equal; use a buffer shorter than the budget"
+            )
 
     def _cluster_agrees(self) -> None:
         agents = self.cluster.agents
@@ -1486,10 +1503,15 @@ class GrpodConfig(_Section):
     @property
     def completion_budget(self) -> int:
         """The completion length M of Dr. GRPO's normaliser and of overlong shaping: the explicit
-        `train.loss.max_completion_tokens`, else the source's cap (`source.max_tokens`; Atropos
-        environments decide their own lengths, bounded by `model.max_seq_len`)."""
+        `train.loss.max_completion_tokens`, else the source's cap (`source.max_tokens`; an
+        environment's episode has up to `max_turns` model turns of `max_tokens` each, within its
+        episode's tokens; Atropos environments decide their own lengths, bounded by
+        `model.max_seq_len`)."""
         if self.train.loss.max_completion_tokens:
             return self.train.loss.max_completion_tokens
+        if self.source.kind == "environment":
+            env = self.source.environment
+            return min(env.max_turns * self.source.max_tokens, env.max_episode_tokens or self.model.max_seq_len)
         return self.model.max_seq_len if self.source.kind == "atropos" else self.source.max_tokens
 
     @property

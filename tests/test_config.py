@@ -163,6 +163,29 @@ def test_cross_field_rules():
         load_config(None, ["bridge.mode=lora_only"])
 
 
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        # Every group of one is dropped as zero-variance: the run would generate for all its steps,
+        # train none, and only then fail.
+        (["source.group_size=1"], "a group of one has no sibling"),
+        (["source.group_size=1", "train.advantages.estimator='rloo'"], "a group of one has no sibling"),
+        # A buffer at the budget punishes every completion: a pure length reward.
+        (["source.max_tokens=8", "train.advantages.overlong_buffer=8"], "not below the completion budget (8 tokens)"),
+        (["metrics.prometheus_port=70000"], "metrics.prometheus_port"),
+    ],
+)
+def test_settings_that_would_validate_and_then_train_nothing_or_break_are_refused(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+def test_a_group_of_one_trains_with_a_baseline_over_the_step_or_the_sources_advantages():
+    assert load_config(None, ["source.group_size=1", "train.advantages.estimator='reinforce_pp'"]).source.group_size == 1
+    assert load_config(None, ["source.group_size=1", "train.advantages.use_source_advantages=true"]).source.group_size == 1
+    assert load_config(None, ["source.max_tokens=8", "train.advantages.overlong_buffer=7"]).train.advantages.overlong_buffer == 7
+
+
 def test_digest_changes_with_config():
     a = load_config(None)
     b = load_config(None, ["train.lr=1e-3"])

@@ -23,11 +23,25 @@ def check_host(cfg: GrpodConfig) -> None:
     problems = [*_run_dir(cfg.run.dir), *_socket(cfg), *_device(cfg.train.device), *_bridge_port(cfg)]
     if model := model_dir_problem(cfg.model):
         problems.append(model)
+    problems += _builtin_eval_size(cfg)
     replay = getattr(cfg.source, "replay_path", None)
     if replay is not None and not Path(replay).is_file():
         problems.append(f"source.replay_path: {replay} is not a file (an earlier run's rollouts.jsonl)")
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _builtin_eval_size(cfg: GrpodConfig) -> list[str]:
+    """The builtin task holds out a fixed set (its problems decide it, not this host): asking for
+    more failed every evaluation of the run, each one a warning, and the run ended with exit 0."""
+    if cfg.source.kind != "builtin" or cfg.eval.size <= 0:
+        return []
+    from grpod.rollouts.arithmetic import ArithmeticTask
+
+    held_out = ArithmeticTask(seed=cfg.source.task_seed).held_out_size
+    if cfg.eval.size > held_out:
+        return [f"eval.size = {cfg.eval.size}: the builtin task holds out {held_out} problems; ask for at most {held_out}"]
+    return []
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -108,3 +108,22 @@ def test_an_evaluation_of_the_version_just_evaluated_records_that_result_again()
     assert Reporter.records[-1]["step"] == 6 and Reporter.records[-1]["eval_accuracy"] == 0.25
     anyio.run(lambda: evaluations.run("end", None, version=9))  # new weights: decoded
     assert decoded == [4, 4] and "reused" not in Reporter.records[-1]
+
+
+def test_a_source_without_a_held_out_set_says_so_once_instead_of_evaluating_nothing_in_silence():
+    """Atropos and replay sources have no held-out set: eval.size did nothing, and nothing said so."""
+    from grpod.config import EvalConfig
+    from grpod.rollouts.replay import ReplaySource
+
+    class Reporter:
+        def eval_done(self, *args, **kwargs):
+            raise AssertionError("nothing was evaluated")
+
+    source = ReplaySource.__new__(ReplaySource)  # its evaluate() reads nothing of the instance
+    evaluations = Evaluations(EvalConfig(size=4), source=source, reporter=Reporter(), progress=RunProgress(steps=1),
+                              beside_training=False)
+    with capture_logs() as logs:
+        anyio.run(evaluations.run, "start", None)
+        anyio.run(evaluations.run, "periodic", None)
+    [said] = [entry for entry in logs if entry["event"] == "eval_unavailable"]
+    assert said["source"] == "ReplaySource" and "eval.size = 4 evaluates nothing" in said["why"]

@@ -589,6 +589,11 @@ def test_completion_budget_of_dr_grpo_follows_the_source():
     assert atropos.completion_budget == 512
     explicit = parse_config({"source": {"kind": "atropos"}, "train": {"loss": {"max_completion_tokens": 300}}})
     assert explicit.completion_budget == 300
+    # An environment's max_tokens caps one model turn; the loss sees every turn of the episode.
+    env = {"kind": "environment", "max_tokens": 48, "environment": {"adapter": "verifiers", "name": "x", "max_turns": 4}}
+    assert parse_config({"source": env, "model": {"max_seq_len": 1024}}).completion_budget == 192
+    env["environment"]["max_episode_tokens"] = 100
+    assert parse_config({"source": env}).completion_budget == 100
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "cispo", "gspo"])
