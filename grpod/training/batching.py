@@ -260,6 +260,9 @@ def collate(
     rows_t = torch.tensor(rows, dtype=torch.long)
     positions_t = torch.tensor(positions, dtype=torch.long)
     predicted_from = min(positions) - 1
+    # A lone sequence shares no prompt: packed, it would only gain a dense [n, n] mask (775 MiB of
+    # host memory at 16k positions) and lose attention's causal fast path. It goes as a padded row.
+    pack = pack and len(sequences) > 1
     layout = (
         _packed(sequences, rows, positions, predicted_from, pad_id, pad_to_multiple) if pack
         else {"input_ids": _padded(sequences, pad_id, pad_to_multiple)}

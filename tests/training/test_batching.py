@@ -176,7 +176,10 @@ def test_a_packed_row_gives_each_sequence_the_logits_it_has_alone():
     assert padded.attention_mask is None and padded.input_ids.shape == (3, 7)
     with torch.no_grad():
         torch.testing.assert_close(predicting_logits(model, padded), expected, rtol=1e-5, atol=1e-5)
-    assert collate(rows[:1], pad_id=0, pack=True).shared_prefix == 0
+    lone = collate(rows[:1], pad_id=0, pack=True)
+    assert lone.shared_prefix == 0 and lone.attention_mask is None, "a lone sequence shares nothing: no dense mask"
+    with torch.no_grad():
+        torch.testing.assert_close(predicting_logits(model, lone), expected[:3], rtol=1e-5, atol=1e-5)
     assert common_prefix([[1, 2, 3], [1, 2, 4], [1, 5]], limit=10) == 1
     assert common_prefix([[1, 2, 3], [1, 2, 3]], limit=2) == 2
 
