@@ -1500,6 +1500,24 @@ class GrpodConfig(_Section):
                 "trainer rank 0 there: set bridge.host to an address of this node that they can reach"
             )
 
+    def advisories(self) -> list[str]:
+        """Settings that are valid but most likely not meant: `check-config` and `start` say them
+        as notes (a run may mean them: a schedule cut short, engines synced by hand)."""
+        notes = []
+        steps = self.train.steps
+        if self.bridge.mode != "shared" and self.bridge.sync_every > steps:
+            notes.append(
+                f"bridge.sync_every = {self.bridge.sync_every} is more than train.steps = {steps}: no step's sync falls "
+                "due, so the engines get trained weights only before an evaluation or at `ctl sync`, and the "
+                "rollouts between come from older weights"
+            )
+        if self.train.warmup_steps >= steps:
+            notes.append(
+                f"train.warmup_steps = {self.train.warmup_steps} is not below train.steps = {steps}: the learning rate "
+                f"never reaches train.lr (at the last step it is {steps / self.train.warmup_steps:.2g} of it)"
+            )
+        return notes
+
     @property
     def completion_budget(self) -> int:
         """The completion length M of Dr. GRPO's normaliser and of overlong shaping: the explicit
@@ -1662,7 +1680,8 @@ def tree_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
 
 def load_config(path: Path | str | None, overrides: list[str] = (), notes: list[str] | None = None) -> GrpodConfig:
     """Load `path` (None = all defaults), apply `--set` overrides, validate. What the overrides
-    made grpod ignore in the file (`_switch_kinds`) is appended to `notes`."""
+    made grpod ignore in the file (`_switch_kinds`) and the config's `advisories` are appended
+    to `notes`."""
     tree = read_config_tree(Path(path)) if path is not None else {}
     return config_from_tree(tree, str(path) if path is not None else "<defaults>", overrides, notes)
 
@@ -1679,4 +1698,7 @@ def config_from_tree(file_tree: dict[str, Any], origin: str, overrides: list[str
         notes.extend(switched)
     if overrides:
         origin += " (with --set " + ", ".join(overrides) + ")"
-    return parse_config(tree, origin)
+    cfg = parse_config(tree, origin)
+    if notes is not None:
+        notes.extend(cfg.advisories())
+    return cfg

@@ -347,3 +347,18 @@ def test_inference_extra_args_in_full_that_set_no_reserved_option_are_kept():
             "--generation-config", "/path/--host", "--hf-overrides.x", "1", "-O3"]
     assert InferenceConfig(extra_args=fine).extra_args == fine
     assert [arg for arg in fine if reserved_vllm_option(arg)] == []
+
+
+def test_valid_settings_most_likely_not_meant_are_said_as_notes():
+    """Both were accepted in silence: a sync cadence longer than the run (every rollout from the
+    starting weights) and a warm-up longer than the run (train.lr never reached)."""
+    notes: list[str] = []
+    load_config(ROOT / "etc" / "grpod.toml", ["bridge.sync_every=1000", "train.warmup_steps=200"], notes)
+    assert len(notes) == 2, notes
+    assert notes[0].startswith("bridge.sync_every = 1000 is more than train.steps = 100")
+    assert "never reaches train.lr (at the last step it is 0.5 of it)" in notes[1]
+    quiet: list[str] = []
+    load_config(ROOT / "etc" / "grpod.toml", [], quiet)
+    load_config(ROOT / "etc" / "grpod.toml", ["bridge.mode=shared", "bridge.sync_every=1000"], quiet)
+    assert quiet == ["bridge.mode = 'shared' (--set) over the file's 'none': ignored the file's bridge.reload "
+                     "(keys of bridge.mode = 'none' only)"], "shared syncs in its fence, not by sync_every"
