@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from grpod.config import ConfigError, GrpodConfig, load_config, parse_assignment
@@ -42,8 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     ctl.add_argument("assignment", nargs="?", help="for `set`: KEY=VALUE (TOML value), e.g. train.lr=1e-5")
     ctl.add_argument("--socket", type=Path, help="socket path (default: from --config, else runs/default)")
     ctl.add_argument("--config", type=Path, help="config whose control.socket / run.dir to use")
+    ctl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="the --set overrides the daemon was started with that move its socket (run.dir, control.socket)")
     ctl.add_argument("--json", action="store_true", help="print the raw JSON reply")
-    ctl.add_argument("--timeout", type=_seconds, default=600.0, help="seconds to wait for the reply (default 600)")
+    ctl.add_argument("--timeout", type=_seconds, default=600.0,
+                     help="seconds to wait for the reply, and for `stop` / `drain` the daemon's exit (default 600)")
+    ctl.add_argument("--no-wait", action="store_true", help="`stop` / `drain`: return once the daemon has the request")
 
     init = sub.add_parser("init-model", help="build the tiny built-in model, or convert a GGUF (no downloads)")
     init.add_argument("--out", type=Path, default=Path("models/tiny-arith"))
@@ -162,16 +167,27 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     if args.socket:
         path = args.socket
     else:
-        path = _load(args.config, []).socket_path
+        path = _load(args.config, args.overrides).socket_path
     payload = {}
     if args.cmd == "set":
         key_path, value = parse_assignment(args.assignment or "")
         payload = {"key": ".".join(key_path), "value": value}
+    began = time.monotonic()
     try:
         reply = request(path, args.cmd, payload, timeout_s=args.timeout)
     except ControlError as exc:
-        print(f"grpod ctl {args.cmd}: {exc}", file=sys.stderr)
+        hint = "" if args.socket or args.overrides else " (a daemon started with --set run.dir=... needs the same --set here)"
+        print(f"grpod ctl {args.cmd}: {exc}{hint}", file=sys.stderr)
         return 3
+    if reply.get("ok") and args.cmd in ("stop", "drain") and not args.no_wait:
+        # Back once the daemon has exited: a `grpod start` right after (or systemd's next step
+        # after ExecStop) must not find the run directory still held.
+        exited = _wait_exit(reply["result"].get("pid"), args.timeout - (time.monotonic() - began))
+        reply["result"]["exited"] = exited
+        if not exited:
+            print(f"grpod ctl {args.cmd}: the daemon (pid {reply['result'].get('pid')}) is still stopping after "
+                  f"{args.timeout:g} s; `grpod ctl status` follows it", file=sys.stderr)
+            return 3
     if args.json:
         print(json.dumps(reply, indent=2))
     elif not reply.get("ok"):
@@ -183,6 +199,25 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     else:
         print("\n".join(f"{k}: {v}" for k, v in reply["result"].items()))
     return 0 if reply.get("ok") else 3
+
+
+def _wait_exit(pid: int | None, timeout_s: float) -> bool:
+    """Whether process `pid` (the daemon, on this host: the socket is a Unix one) exits within
+    `timeout_s`. An exited daemon its parent has not reaped yet (a zombie) has exited."""
+    import psutil
+
+    if pid is None:
+        return False
+    deadline = time.monotonic() + timeout_s
+    try:
+        daemon = psutil.Process(pid)
+        while daemon.is_running() and daemon.status() != psutil.STATUS_ZOMBIE:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+    except psutil.NoSuchProcess:
+        pass
+    return True
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
@@ -234,9 +269,13 @@ def cmd_reasoning_gym(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from grpod.plot import plot_run
+    from grpod.plot import PlotError, plot_run
 
-    out = plot_run(args.run_dir, args.out)
+    try:
+        out = plot_run(args.run_dir, args.out)
+    except PlotError as exc:
+        print(f"grpod plot: {exc}", file=sys.stderr)
+        return 2
     print(out)
     return 0
 

@@ -132,3 +132,77 @@ def test_check_config_exits_2_on_a_reserved_vllm_option_or_a_bad_environment_arg
         proc = _check(tmp_path, run_dir, *overrides)
         assert proc.returncode == 2 and message in proc.stderr, (overrides, proc.returncode, proc.stderr)
         assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_ctl_stop_returns_once_the_daemon_has_exited(tmp_path):
+    """`grpod ctl stop` used to return at the request: a `grpod start` right after found the run
+    directory still held ("stop that one first (grpod ctl stop ...)"), and systemd took ExecStop's
+    return for the service stopped. A process with the real desk and control server stands in
+    for the daemon, and takes 1.5 s to stop once asked; it stays unreaped (a zombie) until the
+    test reaps it, as a daemon does when its parent is slow to."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sock = tmp_path / "grpod.sock"
+    script = textwrap.dedent(f"""
+        import anyio
+        from pathlib import Path
+        from grpod.config import load_config
+        from grpod.daemon.control import ControlServer
+        from grpod.daemon.desk import OperatorDesk
+        from grpod.daemon.progress import RunProgress
+
+        async def main():
+            cfg = load_config(None, ["run.dir={str(tmp_path / 'run')!r}"])
+            desk = OperatorDesk(cfg, RunProgress(steps=10))
+            server = ControlServer(Path({str(sock)!r}), desk.handlers(), request_timeout_s=10)
+            async with anyio.create_task_group() as tg:
+                await tg.start(server.serve)
+                print("listening", flush=True)
+                with anyio.fail_after(60):
+                    await desk.stopping.wait()
+                await anyio.sleep(1.5)  # the shutdown: checkpoint, evaluation, engines stopped
+                tg.cancel_scope.cancel()
+
+        anyio.run(main)
+    """)
+    daemon = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        for line in daemon.stdout:  # its log lines, then the marker
+            if line.strip() == "listening":
+                break
+        stop = subprocess.run([sys.executable, "-m", "grpod", "ctl", "stop", "--socket", str(sock), "--timeout", "30"],
+                              cwd=root, capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0, stop.stderr
+        assert daemon.poll() is not None, "ctl stop returned while the daemon still ran"
+        assert f"pid: {daemon.pid}" in stop.stdout and "exited: True" in stop.stdout, stop.stdout
+    finally:
+        daemon.kill()
+        daemon.wait(timeout=30)
+
+
+def test_ctl_names_the_socket_a_daemon_started_with_set_run_dir_listens_on(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "elsewhere"
+    found = subprocess.run([sys.executable, "-m", "grpod", "ctl", "status", "--config", str(root / "etc" / "grpod.toml"),
+                            "--set", f"run.dir={str(run)!r}"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert found.returncode == 3 and f"no grpod is listening on {run / 'grpod.sock'}" in found.stderr, found.stderr
+    bare = subprocess.run([sys.executable, "-m", "grpod", "ctl", "status", "--config", str(root / "etc" / "grpod.toml")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 3 and "needs the same --set here" in bare.stderr, bare.stderr
+
+
+def test_plot_of_a_directory_that_is_no_run_says_so_without_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "grpod", "plot", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "is " in proc.stderr and "grpod run directory" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -28,6 +28,7 @@ it at once. The control commands are the `ctl_*` methods (`commands()` lists the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,7 +320,7 @@ class OperatorDesk:
         self._resumed.set()
         self.wake()
         log.info("drain_requested", step=self.progress.step, resumed=was_paused)
-        return {"draining": True, "was_paused": was_paused, "step": self.progress.step}
+        return {"draining": True, "was_paused": was_paused, "step": self.progress.step, "pid": os.getpid()}
 
     async def ctl_set(self, args: dict[str, Any]) -> dict[str, Any]:
         key, value = args.get("key"), args.get("value")
@@ -341,4 +342,4 @@ class OperatorDesk:
 
     async def ctl_stop(self, args: dict[str, Any]) -> dict[str, Any]:
         self.request_stop("ctl stop")
-        return {"stopping": True, "step": self.progress.step}
+        return {"stopping": True, "step": self.progress.step, "pid": os.getpid()}

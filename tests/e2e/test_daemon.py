@@ -116,11 +116,13 @@ def first_run(tmp_path, warm_model_dir, run_dir) -> tuple[DaemonProcess, int]:
             assert held["rss"] > 200 * 2**20 and memory["daemon_rss"] > 200 * 2**20, memory
             readings = [r for r in metrics(run_dir) if r.get("kind") == "memory"]
             assert sum(r.get(f"engine_rss_mib/{engine['name']}", 0) > 200 for r in readings) >= 2, readings[:3]
+            # `ctl stop` returns once the daemon has exited (a start right after finds the run free).
             stop = subprocess.run(
-                [sys.executable, "-m", "grpod", "ctl", "stop", "--config", str(config)],
-                cwd=ROOT, capture_output=True, text=True, timeout=120,
+                [sys.executable, "-m", "grpod", "ctl", "stop", "--config", str(config), "--timeout", "600"],
+                cwd=ROOT, capture_output=True, text=True, timeout=660,
             )
-            assert stop.returncode == 0, stop.stderr
+            assert stop.returncode == 0 and "exited: True" in stop.stdout, (stop.stdout, stop.stderr)
+            assert daemon.proc.poll() is not None, "ctl stop returned before the daemon exited"
             code = daemon.wait_exit(600)
             assert code == 0, daemon.tail()
         finally:
