@@ -218,7 +218,7 @@ def _metric_rows(metrics: dict | None, status: dict) -> Rows:
 
 def _engine_lines(bridge: dict) -> Rows:
     """One line per engine (node, URL, state, version, restarts), one per agent of remote ones,
-    the phases of the last sync, and the bridge's transitions."""
+    the phases of the last sync, and the bridge's last transitions."""
     engines, last_sync = bridge.get("engines") or [], bridge.get("last_sync")
     lines: list[str] = []
     if engines:
@@ -240,10 +240,16 @@ def _engine_lines(bridge: dict) -> Rows:
         if last_sync:
             phases = ", ".join(f"{name} {seconds:.3f}" for name, seconds in last_sync.get("phases", {}).items())
             lines.append(f"last sync v{last_sync.get('version')} (s): {phases}")
-    if bridge.get("transitions"):
-        lines.append("bridge transitions:")
-        lines.extend(f"  {t}" for t in bridge["transitions"])
+    if bridge.get("recent"):  # what the bridge did lately (its whole table is in --json, `transitions`)
+        lines.append("recent bridge transitions:")
+        lines.extend(f"  {t['from']} --{t['event']}--> {t['to']}  ({t['elapsed_s']} s in {t['from']})" for t in bridge["recent"])
     return [(None, line) for line in lines]
+
+
+def _config_change_rows(changes: list[dict[str, Any]], status: dict) -> Rows:
+    """The live settings changed in this run (`ctl set`, SIGHUP, a resume), newest last."""
+    return [(None, "config changes:"), *((None, f"  #{c['version']} step {c['step']}: {c['key']} {c['old']!r} -> {c['new']!r} "
+                                                f"({c['origin']})") for c in changes)] if changes else []
 
 
 def _source_status(source) -> dict[str, Any] | None:
@@ -295,7 +301,7 @@ STATUS_FIELDS: tuple[StatusField, ...] = (
     # This node's processes: the last reading of the MemoryWatch, and the change since its first.
     StatusField("memory", lambda r: r.memory.describe() if r.memory is not None else None, _memory_rows),
     StatusField("last_metrics", lambda r: r.progress.last_metrics, _metric_rows),
-    StatusField("config_changes", lambda r: r.desk.config_changes[-10:] if r.desk else []),
+    StatusField("config_changes", lambda r: r.desk.config_changes[-10:] if r.desk else [], _config_change_rows),
     StatusField("run_dir", lambda r: str(r.run_dir)),
     StatusField("pid", lambda r: os.getpid()),
     StatusField("uptime_s", lambda r: round(time.time() - r.progress.started_at, 1)),

@@ -39,6 +39,22 @@ def test_status_lists_each_engine_with_its_node_and_each_agent():
     assert "last sync v3 (s): broadcast 0.050, probe 0.020" in table
 
 
+def test_status_shows_the_config_changes_and_what_the_bridge_did_not_its_whole_table():
+    """The table left out `config_changes` (operations.md says `ctl status` shows them), and under
+    "bridge transitions" printed the mode's static table, PROBE_FAIL --> FAILED included, on a
+    healthy run."""
+    changes = [{"version": 1, "step": 12, "origin": "ctl set", "key": "train.lr", "old": 2e-05, "new": 1e-05},
+               {"version": 2, "step": 30, "origin": "reload etc/grpod.toml", "key": "bridge.sync_every", "old": 2, "new": 4}]
+    bridge = {"transitions": ["PROBING --PROBE_FAIL--> FAILED"],
+              "recent": [{"from": "SERVING", "to": "SYNCING", "event": "SYNC", "elapsed_s": 4.2},
+                         {"from": "SYNCING", "to": "SERVING", "event": "PROBE_OK", "elapsed_s": 0.31}]}
+    table = _render_status({"config_changes": changes, "bridge": bridge})
+    assert "#1 step 12: train.lr 2e-05 -> 1e-05 (ctl set)" in table
+    assert "#2 step 30: bridge.sync_every 2 -> 4 (reload etc/grpod.toml)" in table
+    assert "SERVING --SYNC--> SYNCING  (4.2 s in SERVING)" in table and "PROBE_FAIL" not in table
+    assert "config changes" not in _render_status({"config_changes": []})
+
+
 def test_status_says_how_many_trainer_ranks_and_whether_they_are_in_step():
     assert "trainer ranks           1 process" in _render_status({})
     ranks = {"world_size": 2, "restarts": 1, "backend": "gloo", "out_of_step": None}
