@@ -170,7 +170,11 @@ def cmd_ctl(args: argparse.Namespace) -> int:
         path = _load(args.config, args.overrides).socket_path
     payload = {}
     if args.cmd == "set":
-        key_path, value = parse_assignment(args.assignment or "")
+        try:
+            key_path, value = parse_assignment(args.assignment or "")
+        except ConfigError as exc:
+            print(f"grpod ctl set: {str(exc).removeprefix('--set ')}", file=sys.stderr)
+            return 2
         payload = {"key": ".".join(key_path), "value": value}
     began = time.monotonic()
     try:
@@ -191,7 +195,9 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(reply, indent=2))
     elif not reply.get("ok"):
-        print(f"grpod ctl {args.cmd}: {reply.get('error')}", file=sys.stderr)
+        # The daemon names the command for raw socket clients ("set: ctl set: ..."); this line names it once.
+        error = str(reply.get("error")).removeprefix(f"{args.cmd}: ").removeprefix(f"ctl {args.cmd}: ")
+        print(f"grpod ctl {args.cmd}: {error}", file=sys.stderr)
     elif args.cmd == "status":
         from grpod.daemon.status import render_table
 

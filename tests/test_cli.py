@@ -174,6 +174,10 @@ def test_ctl_stop_returns_once_the_daemon_has_exited(tmp_path):
         for line in daemon.stdout:  # its log lines, then the marker
             if line.strip() == "listening":
                 break
+        refused = subprocess.run([sys.executable, "-m", "grpod", "ctl", "set", "train.lr=-1", "--socket", str(sock)],
+                                 cwd=root, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 3 and refused.stderr.startswith("grpod ctl set: ") and refused.stderr.count("set:") == 1, \
+            refused.stderr  # was "grpod ctl set: set: ctl set: ..."
         stop = subprocess.run([sys.executable, "-m", "grpod", "ctl", "stop", "--socket", str(sock), "--timeout", "30"],
                               cwd=root, capture_output=True, text=True, timeout=60)
         assert stop.returncode == 0, stop.stderr
@@ -206,3 +210,11 @@ def test_plot_of_a_directory_that_is_no_run_says_so_without_a_traceback(tmp_path
     proc = subprocess.run([sys.executable, "-m", "grpod", "plot", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "is " in proc.stderr and "grpod run directory" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_ctl_set_without_a_value_says_what_it_expects_naming_no_flag_the_user_did_not_give(capsys):
+    from grpod.cli import main
+
+    assert main(["ctl", "set", "train.lr", "--socket", "/nonexistent/grpod.sock"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpod ctl set: 'train.lr': expected KEY=VALUE") and "--set" not in err, err

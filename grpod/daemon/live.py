@@ -76,15 +76,16 @@ def plan_changes(current: GrpodConfig, wanted: dict[str, Any], origin: str) -> t
     """
     tree = current.model_dump(mode="json")
     flat = _flatten(tree)
+    live = ", ".join(key for key in LIVE_KEYS if key in flat)  # this run's: a source kind's keys only if it is that kind
     unknown = [key for key in wanted if key not in flat and not any(k.startswith(f"{key}.") for k in flat)]
     if unknown:
         raise RefusedChange(f"{origin}: {', '.join(sorted(unknown))}: no such key in the running config; "
-                            f"live keys: {', '.join(LIVE_KEYS)}")
+                            f"live keys: {live}")
     refused = [key for key in wanted if key not in LIVE_KEYS]
     if refused:
         raise RefusedChange(
             f"{origin}: {', '.join(sorted(refused))}: cannot change while running (needs a restart); "
-            f"live keys: {', '.join(LIVE_KEYS)}"
+            f"live keys: {live}"
         )
     changes = []
     for key, value in wanted.items():

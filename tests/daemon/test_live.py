@@ -256,3 +256,12 @@ def test_the_change_history_keeps_its_newest_records_however_often_the_run_resta
         extra = json.loads(json.dumps({"config_changes": desk.config_changes, "operator_values": desk.operator_values}))
     assert [c["version"] for c in extra["config_changes"]] == list(range(121 - CONFIG_HISTORY, 121))
     assert extra["config_changes"][-1]["origin"] == "checkpoint step-60" and cfg.train.lr == 3e-6
+
+
+def test_a_refusal_lists_the_live_keys_this_run_has():
+    """On a builtin run the refusal of `source.dataset.rest_epochs` listed it among the live keys."""
+    with pytest.raises(RefusedChange) as refused:
+        plan_changes(load_config(None), {"source.dataset.rest_epochs": 1}, "ctl set")
+    message = str(refused.value)
+    assert "source.dataset.rest_epochs: no such key in the running config" in message
+    assert "live keys: train.lr," in message and "source.dataset" not in message.split("live keys:")[1]
