@@ -73,6 +73,7 @@ from grpod.rollouts.rewards import (
 from grpod.rollouts.sampling_source import SamplingSource, SamplingStats
 from grpod.rollouts.signal import carries_signal
 from grpod.rollouts.scoring import PLACEHOLDER_COMPLETION, RewardCall, RewardScorer
+from grpod.service.logs import RepeatThrottle
 
 log = structlog.get_logger(__name__)
 
@@ -305,9 +306,12 @@ async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None, tok
         await scorer.start()
         # The first training row, and the first held-out one: the evaluation calls the same
         # functions with its own file's columns.
-        warnings = []
-        for first, path in [(rows[0], dcfg.path), *([(eval_rows[0], cfg.eval.dataset)] if eval_rows else [])]:
-            warnings += await scorer.probe(_placeholder_call(first, dcfg, cfg.train.steps), f"{path}: row {first.row + 1}")
+        probes = [(_placeholder_call(rows[0], dcfg, cfg.train.steps),
+                   f"{dcfg.path}: row {rows[0].row + 1} (training set)")]
+        if eval_rows:
+            probes.append((_placeholder_call(eval_rows[0], dcfg, cfg.train.steps),
+                           f"{cfg.eval.dataset}: row {eval_rows[0].row + 1} (held-out set)"))
+        warnings = await scorer.probe(probes)
         # After the functions (a syntax error is said in seconds): transformers loads the tokenizer.
         # Every prompt as the source will give it: one too long stops check-config and the start
         # before vLLM launches. Model.path's tokenizer is the one every export of the run carries.
@@ -322,7 +326,7 @@ async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None, tok
             await scorer.aclose()
         raise
     for warning in warnings:
-        log.warning("reward_probe_warning", warning=warning[:500])
+        log.warning("reward_probe_warning", warning=warning[:1000])
     return PreparedDataset(rows=rows, eval_rows=eval_rows, scorer=scorer, warnings=warnings, items=items,
                            eval_items=eval_items)
 
@@ -412,7 +416,7 @@ class DatasetSource(SamplingSource):
                                          (cursor or {}).get("curriculum"))
             self.stats.curriculum = self.curriculum.describe()
         self.dynamic_sampling = dynamic_sampling
-        self._warned: dict[tuple[str, str], tuple[float, int]] = {}
+        self._warned = RepeatThrottle(WARNING_EVERY_S)
         log.info("dataset_loaded", path=str(self.dcfg.path), rows=len(self.items), eval_rows=len(self.eval_items),
                  rewards=[f.name for f in self.functions], epoch=self.epoch, position=self.position)
 
@@ -513,12 +517,9 @@ class DatasetSource(SamplingSource):
     def _warn(self, reason: str, event: str = "reward_failed", **fields: Any) -> None:
         """One console line per event and reason per WARNING_EVERY_S, saying how many were not
         shown (a function failing on every group must not print a line per group)."""
-        now = anyio.current_time()
-        last, held = self._warned.get((event, reason), (None, 0))
-        if last is not None and now - last < WARNING_EVERY_S:
-            self._warned[(event, reason)] = (last, held + 1)
+        held = self._warned.admit((event, reason), anyio.current_time())
+        if held is None:
             return
-        self._warned[(event, reason)] = (now, 0)
         log.warning(event, reason=reason, **fields, **({"same_failures_not_shown": held} if held else {}))
 
     async def generate_group(self) -> RolloutGroup | None:
@@ -534,7 +535,7 @@ class DatasetSource(SamplingSource):
             scored = await self.score(item, sampled.completions, sampled.version)
         except RewardFailure as failure:
             self.stats.failed(failure.reason, f"reward {failure.function}: {failure.detail}")
-            self._warn(failure.reason, function=failure.function, error=failure.detail[:300],
+            self._warn(failure.reason, function=failure.function, error=failure.detail[:500],
                        path=str(self.dcfg.path), row=item.row + 1)
             return None
         self.stats.scored(scored.means)
@@ -578,7 +579,7 @@ class DatasetSource(SamplingSource):
             except RewardFailure as failure:
                 failures += 1
                 self._warn(failure.reason, event="eval_reward_failed", function=failure.function, row=item.row + 1,
-                           error=failure.detail[:300])
+                           error=failure.detail[:500])
                 return 0
             return sum(score is not None and score >= threshold for score in scored.scores)
 

@@ -15,7 +15,11 @@ Guarantees:
 - at most `max_outstanding` calls wait or run at once (`reward_overloaded` beyond: a source far
   ahead of its workers); a waiting call gets a worker within `timeout_s` per `workers` calls ahead
   of it, since each of those ends by then (a slow worker is killed at `timeout_s`);
-- `aclose()` kills every worker and waits for each; the kernel kills them if the daemon dies.
+- `aclose()` kills every worker and waits for each; the kernel kills them if the daemon dies;
+- a call whose function raised has its traceback written to `log_path` (rewards.log, where the
+  workers' prints go): the first of each function and exception type in full, then at most one
+  per TRACEBACK_EVERY_S saying how many were not shown, and at `aclose()` the count of those
+  never shown; the call's detail (grpod.log) names the deepest line of the user's code.
 
 Nothing here blocks the event loop: the pipes are anyio streams, the kill and the reaping are
 awaited. The pool needs no task of its own: a call that loses its worker spawns the replacement.
@@ -30,6 +34,7 @@ import signal
 import sys
 from contextlib import suppress
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from subprocess import PIPE
 from typing import Any
@@ -43,6 +48,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from grpod.errors import first_error
 from grpod.rollouts.reward_worker import HEADER, MAX_FRAME
 from grpod.service.children import parent_env
+from grpod.service.logs import RepeatThrottle
 from grpod.service.race import first_of
 
 log = structlog.get_logger(__name__)
@@ -54,6 +60,8 @@ REAP_TIMEOUT_S = 10.0
 # Once a reply's length has arrived, its body (written with it) is read without interruption, in
 # at most this long: a reader cancelled between the two would leave the stream mid-frame.
 BODY_READ_S = 10.0
+# A function raising the same exception type on every call has its traceback written this often.
+TRACEBACK_EVERY_S = 30.0
 # What reading from or writing to a worker's pipes raises once it died or its pipe was closed.
 PIPE_ERRORS = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.IncompleteRead, OSError)
 
@@ -115,6 +123,7 @@ class RewardPool:
         self._missing = 0
         self._outstanding = 0
         self._closed = False
+        self._tracebacks = RepeatThrottle(TRACEBACK_EVERY_S)
 
     # ---- lifetime --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -136,6 +145,9 @@ class RewardPool:
         with anyio.CancelScope(shield=True):
             for worker in list(self._live.values()):
                 await self._kill(worker)
+        for (index, exc_type), held in self._tracebacks.drain().items():
+            self._write_log(f"{self._raised(index, exc_type)} {held} more time(s) since its last traceback above "
+                            f"(not shown: at most one per {TRACEBACK_EVERY_S:g} s)\n")
 
     async def __aenter__(self) -> RewardPool:
         await self.start()
@@ -199,9 +211,38 @@ class RewardPool:
             self._outstanding -= 1
         if reply[0] == "ok":
             return reply[1], reply[2]
-        _, reason, detail, exc_type = reply
+        _, reason, detail, exc_type, formatted = reply
         self._count(reason)
+        if formatted:
+            self._write_traceback(index, exc_type, formatted)
         raise PoolCallFailed(reason, detail, exc_type)
+
+    # ---- the log of what user code raised ---------------------------------------------------
+    def _raised(self, index: int, exc_type: str) -> str:
+        spec = self.specs[index]
+        stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        return f"=== grpod {stamp}: reward function {spec['name']!r} ({spec['function']}) raised {exc_type}"
+
+    def _write_traceback(self, index: int, exc_type: str, formatted: str) -> None:
+        """`formatted` (a traceback) into the log, unless one of this function and type was written under
+        TRACEBACK_EVERY_S ago (then it is counted, and said with the next one written)."""
+        held = self._tracebacks.admit((index, exc_type), anyio.current_time())
+        if held is None:
+            return
+        not_shown = f" ({held} more since the last traceback shown, not shown)" if held else ""
+        self._write_log(f"{self._raised(index, exc_type)}{not_shown}:\n{formatted}")
+
+    def _write_log(self, text: str) -> None:
+        """Appended to `log_path` (stderr without one, where the workers write then): a traceback
+        of at most 64 KiB, at most once per TRACEBACK_EVERY_S per function and type."""
+        try:
+            if self.log_path is None:
+                sys.stderr.write(text)
+                return
+            with open(self.log_path, "a") as f:
+                f.write(text)
+        except OSError as exc:  # a full disk must not fail the reward call
+            log.warning("reward_log_write_failed", path=str(self.log_path), error=str(exc))
 
     async def _exchange(self, worker: _Worker, index: int, kwargs: dict[str, Any]) -> tuple:
         data = pickle.dumps(("call", index, kwargs), protocol=pickle.HIGHEST_PROTOCOL)

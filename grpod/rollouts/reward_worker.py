@@ -5,6 +5,8 @@ imports every function once, says so (or why not) in its first frame, then answe
 time until its standard input closes. Frames both ways are an 8-byte big-endian length and a
 body: a pickle from the daemon (a group's keyword arguments: any column values), JSON back (the
 daemon never unpickles what user code's process wrote: checked floats, None and strings only).
+A call that raised answers what and where (the deepest frame of the user's code, for grpod.log)
+and its traceback, which the pool writes to the worker's log (`RewardPool`: throttled).
 
 What the process does so that user code cannot hurt the daemon or the protocol:
 - the protocol runs on private copies of fds 0 and 1; fd 1 then points at fd 2, so a `print` in a
@@ -27,6 +29,9 @@ import os
 import pickle
 import struct
 import sys
+import sysconfig
+import traceback
+from functools import cache
 from typing import Any, BinaryIO
 
 from grpod.service.children import cap_memory, die_with_parent
@@ -60,8 +65,44 @@ def read_request(stream: BinaryIO) -> Any | None:
     return pickle.loads(data)
 
 
-def _describe(exc: BaseException) -> str:
-    return f"raised {exc!r}"[:2000]
+# A traceback sent back is cut to its last this many characters (its deepest frames and the error).
+MAX_TRACEBACK = 64 * 1024
+# What an exception's repr is cut to in the one-line description (grpod.log keeps 500: room for where).
+MAX_REPR = 200
+
+
+@cache
+def _library_dirs() -> tuple[str, ...]:
+    """Where the interpreter's standard library and installed packages live: not the user's code."""
+    paths = sysconfig.get_paths()
+    return tuple({os.path.join(paths[key], "") for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths})
+
+
+def raised_at(exc: BaseException) -> traceback.FrameSummary | None:
+    """The deepest frame of the user's code that `exc` passed through: below its caller (the first
+    frame), the deepest one outside the standard library and installed packages, else the deepest
+    (a KeyError in `json` is reported where the user's code called it)."""
+    frames = traceback.extract_tb(exc.__traceback__)[1:]
+    own = [frame for frame in frames if not frame.filename.startswith(_library_dirs())]
+    return (own or frames or [None])[-1]
+
+
+def describe_raise(exc: BaseException) -> str:
+    """One line: what was raised and where, "raised KeyError('answer') at /p/rewards.py:12 in lookup"."""
+    text = repr(exc)
+    text = text if len(text) <= MAX_REPR else text[:MAX_REPR] + "..."
+    frame = raised_at(exc)
+    return f"raised {text}" + (f" at {frame.filename}:{frame.lineno} in {frame.name}" if frame is not None else "")
+
+
+def format_raise(exc: BaseException) -> str:
+    """`exc`'s traceback as Python prints it, from below its caller (the first frame, the worker's
+    own), its last MAX_TRACEBACK characters."""
+    try:
+        below = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+        return "".join(traceback.TracebackException(type(exc), exc, below).format())[-MAX_TRACEBACK:]
+    except Exception as failure:  # noqa: BLE001 — a __repr__ or __str__ of user code that raises
+        return f"(its traceback could not be formatted: {failure!r})\n"
 
 
 class _Calls:
@@ -90,11 +131,12 @@ class _Calls:
                 returned = self.loop.run_until_complete(returned)
             rewards = checked_rewards(name, returned, n)
         except RewardFailure as failure:
-            return ("failed", failure.reason, failure.detail, "")
+            return ("failed", failure.reason, failure.detail, "", "")
         except MemoryError as exc:
-            return ("failed", "reward_memory", f"{_describe(exc)}: over reward_memory_mb", type(exc).__name__)
+            return ("failed", "reward_memory", f"{describe_raise(exc)}: over reward_memory_mb", type(exc).__name__,
+                    format_raise(exc))
         except BaseException as exc:  # noqa: BLE001 — SystemExit and KeyboardInterrupt from user code included
-            return ("failed", "reward_error", _describe(exc), type(exc).__name__)
+            return ("failed", "reward_error", describe_raise(exc), type(exc).__name__, format_raise(exc))
         metrics = {key: sum(values) / len(values) for key, values in logged.items() if values}
         return ("ok", rewards, metrics)
 

@@ -18,6 +18,7 @@ import anyio
 import structlog
 
 from grpod.rollouts.reward_pool import PoolCallFailed, RewardPool, RewardPoolError
+from grpod.rollouts.reward_worker import describe_raise
 from grpod.rollouts.rewards import (
     GroupRewards,
     RewardFailure,
@@ -105,7 +106,7 @@ class RewardScorer:
             try:
                 returned = self._in_process[index](**call.kwargs())
             except Exception as exc:  # noqa: BLE001 — e.g. a row without the column it reads
-                raise RewardFailure("reward_error", function.name, f"raised {exc!r}", type(exc).__name__) from None
+                raise RewardFailure("reward_error", function.name, describe_raise(exc), type(exc).__name__) from None
             return checked_rewards(function.name, returned, len(call.completions)), {}
         try:
             return await self.pool.call(index, call.kwargs())
@@ -139,22 +140,32 @@ class RewardScorer:
             logged={key: sum(values) / len(values) for key, values in logged.items()},
         )
 
-    async def probe(self, call: RewardCall, where: str) -> list[str]:
-        """Every function once on `call` (the first row, a placeholder completion): RewardLoadError
-        naming the function and what it expected when it is written for another call; the
-        warnings (other exceptions on the placeholder) are returned."""
+    async def probe(self, calls: list[tuple[RewardCall, str]]) -> list[str]:
+        """Every function once on each `(call, where)` (the first training row, the first held-out
+        row, each with a placeholder completion): RewardLoadError naming the function, the row and
+        what it expected when it is written for another call. Other exceptions on the placeholder
+        are only warned of: one warning per function, naming its file, each row it raised on and
+        the line that raised."""
         warnings = []
         for index, function in enumerate(self.functions):
-            try:
-                await self._call(index, call)
-            except RewardFailure as failure:
-                fatal = failure.reason in ("reward_bad_type", "reward_bad_length", "reward_timeout", "reward_crash")
-                if fatal or failure.exc_type in FATAL_AT_PROBE:
-                    raise RewardLoadError(
-                        f"reward function {function.name!r} ({function.where}) failed its start-up call on {where} "
-                        f"with a placeholder completion: {failure.detail}. grpod calls it as TRL does: "
-                        f"f(prompts=..., completions=..., completion_ids=..., trainer_state=..., <dataset columns>..., "
-                        f"**kwargs) returning one float or None per completion"
-                    ) from None
-                warnings.append(f"reward function {function.name!r} raised on the placeholder completion: {failure.detail}")
+            raised: dict[str, list[str]] = {}  # what it raised -> where (one line when both rows raise alike)
+            for call, where in calls:
+                try:
+                    await self._call(index, call)
+                except RewardFailure as failure:
+                    fatal = failure.reason in ("reward_bad_type", "reward_bad_length", "reward_timeout", "reward_crash")
+                    if fatal or failure.exc_type in FATAL_AT_PROBE:
+                        raise RewardLoadError(
+                            f"reward function {function.name!r} ({function.where}) failed its start-up call on {where} "
+                            f"with a placeholder completion: {failure.detail}. grpod calls it as TRL does: "
+                            f"f(prompts=..., completions=..., completion_ids=..., trainer_state=..., <dataset columns>..., "
+                            f"**kwargs) returning one float or None per completion"
+                        ) from None
+                    raised.setdefault(failure.detail, []).append(where)
+            if raised:
+                said = "; ".join(f"on {' and on '.join(wheres)}: {detail}" for detail, wheres in raised.items())
+                warnings.append(f"reward function {function.name!r} ({function.where}) raised on the placeholder "
+                                f"completion {PLACEHOLDER_COMPLETION!r} {said} (a group whose call raises is dropped "
+                                f"as reward_error; the traceback is in the reward workers' log: rewards.log, "
+                                f"stderr at check-config)")
         return warnings

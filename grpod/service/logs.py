@@ -398,3 +398,33 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
                 break
             raise MetricsFileError(f"{path}:{number}: not a JSON line") from None
     return records
+
+
+class RepeatThrottle:
+    """How often one kind of repeated message is written: the first of each key, then at most one
+    per `every_s`, the one shown saying how many of its key were held back since the last.
+
+    A reward function that raises on every group (or an environment that fails every episode)
+    must not write a line, or a traceback, per group: the reader needs the first in full and a
+    count, not ten thousand copies."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._seen: dict[Any, tuple[float, int]] = {}
+
+    def admit(self, key: Any, now: float) -> int | None:
+        """None: hold this one back (counted); else write it, and say the count returned (how many
+        of `key` were held back since the last written, 0 for none)."""
+        last, held = self._seen.get(key, (None, 0))
+        if last is not None and now - last < self.every_s:
+            self._seen[key] = (last, held + 1)
+            return None
+        self._seen[key] = (now, 0)
+        return held
+
+    def drain(self) -> dict[Any, int]:
+        """The keys with some held back since their last written one, and how many (for a closing
+        line); counted as said, so a second call does not repeat them."""
+        held = {key: count for key, (_, count) in self._seen.items() if count}
+        self._seen.update({key: (self._seen[key][0], 0) for key in held})
+        return held

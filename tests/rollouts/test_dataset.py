@@ -207,6 +207,26 @@ def test_check_config_finds_a_prompt_too_long_and_a_held_out_file_the_rewards_ca
         anyio.run(prepare_dataset, cfg)
 
 
+def test_a_reward_raising_on_the_placeholder_is_warned_of_once_naming_the_files_and_rows(tmp_path):
+    """It was two identical warnings, "reward function 'raises' raised on the placeholder
+    completion: raised IndexError(...)", naming neither the file nor the row (training or held-out)."""
+    module = tmp_path / "picky.py"
+    module.write_text("def raises(completions, **kw):\n    return [float(c.split()[1]) for c in completions]\n")
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    held_out = write_jsonl(tmp_path / "eval.jsonl", ROWS[:2])
+    cfg = config(train, rewards=[{"function": f"{module}:raises"}], eval={"dataset": str(held_out), "size": 1})
+
+    async def prepare():
+        prepared = await prepare_dataset(cfg)
+        await prepared.scorer.aclose()
+        return prepared.warnings
+
+    (warning,) = anyio.run(prepare)
+    assert warning.startswith(f"reward function 'raises' ({module}:raises) raised on the placeholder completion '0' ")
+    assert f"on {train}: row 1 (training set) and on {held_out}: row 1 (held-out set): " in warning
+    assert f"raised IndexError('list index out of range') at {module}:2 in " in warning  # <listcomp> before 3.12
+
+
 def test_unknown_suffix_and_missing_file_are_clear(tmp_path):
     with pytest.raises(DatasetError, match="unknown dataset format '.txt'"):
         read_rows(tmp_path / "data.txt")

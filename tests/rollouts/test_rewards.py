@@ -243,7 +243,7 @@ async def test_the_probe_stops_a_function_written_for_another_call(tmp_path, bod
     await scorer.start()
     try:
         with pytest.raises(RewardLoadError) as err:
-            await scorer.probe(_call(["0", "0"], answer="1"), "train.jsonl: row 1")
+            await scorer.probe([(_call(["0", "0"], answer="1"), "train.jsonl: row 1 (training set)")])
     finally:
         await scorer.aclose()
     message = str(err.value)
@@ -257,10 +257,64 @@ async def test_the_probe_only_warns_when_a_function_rejects_the_placeholder(tmp_
     scorer = RewardScorer(_functions({"function": f"{module}:f"}), aggregation="sum", timeout_s=2, workers=1, memory_mb=512)
     await scorer.start()
     try:
-        warnings = await scorer.probe(_call(["0", "0"]), "train.jsonl: row 1")
+        warnings = await scorer.probe([(_call(["0", "0"]), "train.jsonl: row 1 (training set)")])
     finally:
         await scorer.aclose()
     assert len(warnings) == 1 and "ZeroDivisionError" in warnings[0]
+
+
+# A reward whose helper raises KeyError on some completions (a row the user's code did not expect).
+HELPER_RAISES = '''
+def lookup(parsed):
+    return parsed["missing_key"]
+
+
+def f(completions, **kw):
+    print("scoring", len(completions))
+    return [float(lookup({})) if c == "bad" else 1.0 for c in completions]
+'''
+
+
+async def test_a_raising_reward_leaves_its_traceback_in_the_log_and_its_line_in_the_detail(tmp_path):
+    """rewards.log was empty and grpod.log said only "raised KeyError('missing_key')": nothing
+    told the user which line of which file raised."""
+    module, log_path = tmp_path / "helper_raises.py", tmp_path / "rewards.log"
+    module.write_text(HELPER_RAISES)
+    scorer = RewardScorer(_functions({"function": f"{module}:f"}), aggregation="sum", timeout_s=10, workers=1,
+                          memory_mb=512, log_path=log_path)
+    await scorer.start()
+    try:
+        assert (await scorer.score(_call(["good", "fine"]))).scores == [1.0, 1.0]
+        with pytest.raises(RewardFailure) as failure:
+            await scorer.score(_call(["good", "bad"]))
+        written = log_path.read_text()  # written as the call failed, not only at the close
+    finally:
+        await scorer.aclose()
+    # grpod.log's one line: what was raised, and the deepest line of the user's code (the helper's).
+    assert failure.value.detail == f"raised KeyError('missing_key') at {module}:3 in lookup"
+    assert "scoring 2" in written  # the function's prints, as before
+    assert "reward function 'f'" in written and "raised KeyError" in written
+    assert "Traceback (most recent call last)" in written
+    assert f'File "{module}", line 3, in lookup' in written and f'File "{module}", line 8, in f' in written
+    assert "KeyError: 'missing_key'" in written
+
+
+async def test_a_reward_raising_on_every_call_writes_one_traceback_and_a_count(tmp_path):
+    module, log_path = tmp_path / "always.py", tmp_path / "rewards.log"
+    module.write_text("def f(completions, **kw):\n    raise ValueError('no ' + completions[0])\n")
+    scorer = RewardScorer(_functions({"function": f"{module}:f"}), aggregation="sum", timeout_s=10, workers=2,
+                          memory_mb=512, log_path=log_path)
+    await scorer.start()
+    try:
+        for i in range(40):
+            with pytest.raises(RewardFailure, match=rf"raised ValueError\('no {i}'\) at {module}:2 in f"):
+                await scorer.score(_call([str(i)]))
+    finally:
+        await scorer.aclose()
+    written = log_path.read_text()
+    # The first in full (within 30 s no other), and at the close how many were not shown.
+    assert written.count("Traceback (most recent call last)") == 1 and "ValueError: no 0" in written
+    assert "reward function 'f'" in written and "raised ValueError 39 more time(s)" in written
 
 
 def test_checked_rewards_takes_arrays_and_booleans_as_trl_does():

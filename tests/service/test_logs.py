@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from grpod.service.logs import LineFile, MetricsLog, _Console, read_metrics
+from grpod.service.logs import LineFile, MetricsLog, RepeatThrottle, _Console, read_metrics
 
 
 def test_a_console_whose_reader_exited_drops_its_lines_and_says_why(tmp_path):
@@ -260,3 +260,14 @@ def test_a_last_line_cut_off_by_a_kill_is_removed_before_the_next_record(tmp_pat
     path.write_text('{"kind": "step", "step": 1}\n{"kind": "step", "st')
     MetricsLog(path).write("step", 2, {"loss": 0.5})
     assert [r["step"] for r in read_metrics(path)] == [1, 2], "no half line in the middle of the file"
+
+
+def test_a_repeat_throttle_admits_the_first_then_one_per_interval_with_the_count_held_back():
+    throttle = RepeatThrottle(every_s=30.0)
+    assert throttle.admit("a", now=0.0) == 0
+    assert throttle.admit("b", now=1.0) == 0  # each key on its own
+    assert [throttle.admit("a", now=t) for t in (1.0, 2.0, 29.0)] == [None, None, None]
+    assert throttle.drain() == {"a": 3}
+    assert throttle.drain() == {}  # said once
+    throttle.admit("a", now=29.5)
+    assert throttle.admit("a", now=30.0) == 1
