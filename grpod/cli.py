@@ -139,7 +139,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             await prepared.scorer.aclose()
 
         anyio.run(check)
-    elif cfg.source.kind == "environment":  # the environment starts and opens a task, as at `grpod start`
+    elif cfg.source.kind == "environment":  # the environment starts and opens a task that must fit, as at `grpod start`
         import tempfile
         from contextlib import AsyncExitStack
         from pathlib import Path
@@ -151,7 +151,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         async def check_environment() -> None:
             with tempfile.TemporaryDirectory(prefix="grpod-check-") as logs:
                 async with AsyncExitStack() as stack:
-                    await prepare_environment(cfg.source, Path(logs), stack)
+                    await prepare_environment(cfg.source, Path(logs), stack, max_seq_len=cfg.model.max_seq_len,
+                                              model_path=cfg.model.path)
 
         anyio.run(check_environment)
     if args.print:

@@ -218,3 +218,24 @@ def test_ctl_set_without_a_value_says_what_it_expects_naming_no_flag_the_user_di
     assert main(["ctl", "set", "train.lr", "--socket", "/nonexistent/grpod.sock"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("grpod ctl set: 'train.lr': expected KEY=VALUE") and "--set" not in err, err
+
+
+def test_check_config_exits_2_on_an_environment_whose_first_task_cannot_fit(tmp_path):
+    """It said ok, and `grpod start` then dropped every group as prompt_too_long, a warning per
+    episode, 0 steps, forever. Checked with model.path's tokenizer as the episodes tokenize it (no
+    weights are loaded, none launched)."""
+    from grpod.models.tiny import build_config, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "model")
+    build_config(len(tokenizer)).save_pretrained(tmp_path / "model")
+    environment = [f"run.dir={str(tmp_path / 'run')!r}", "source.kind='environment'"]
+    proc = _check(tmp_path, *environment, "model.max_seq_len=256")
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert ("adapter 'calculator'): task 0 does not fit: the episode's opening is" in proc.stderr
+            and "no room for a model turn within 256" in proc.stderr
+            and "raise model.max_seq_len" in proc.stderr and "Traceback" not in proc.stderr), proc.stderr
+    proc = _check(tmp_path, *environment, "model.max_seq_len=1024", "source.environment.max_episode_tokens=200")
+    assert proc.returncode == 2 and "raise source.environment.max_episode_tokens" in proc.stderr, proc.stderr
+    proc = _check(tmp_path, *environment, "model.max_seq_len=1024")
+    assert proc.returncode == 0 and ": ok (" in proc.stdout, proc.stderr

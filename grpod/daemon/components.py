@@ -134,7 +134,8 @@ async def start_parts(
     elif cfg.source.kind == "environment":
         from grpod.rollouts.environment_source import prepare_environment
 
-        prepared = await prepare_environment(cfg.source, run_dir, resources)
+        prepared = await prepare_environment(cfg.source, run_dir, resources, max_seq_len=cfg.model.max_seq_len,
+                                             model_path=cfg.model.path)
         began = mark("inputs_s", began)
     world = trainer_world()
     reporter.attach(world=world)

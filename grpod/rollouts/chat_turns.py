@@ -31,6 +31,7 @@ on the daemon's event loop, and gigabytes).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -40,6 +41,17 @@ Message = dict[str, Any]
 # Placeholder contents: plain words a template passes through unchanged.
 _PLACEHOLDER_USER = {"role": "user", "content": "placeholder question"}
 _PLACEHOLDER_REPLY = "placeholder reply"
+
+
+def model_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of the model at `path` (model.path's: the one every export of the run
+    carries), or None while `path` holds no model yet (model.init_if_missing builds it after the
+    start's checks). Blocking: run it in a worker thread."""
+    if not (path / "config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 class ChatTemplateError(ValueError):

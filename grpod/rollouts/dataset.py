@@ -70,17 +70,14 @@ from grpod.rollouts.rewards import (
     missing_file,
     reward_functions,
 )
-from grpod.rollouts.sampling_source import SamplingSource, SamplingStats
+from grpod.rollouts.sampling_source import SamplingSource, SamplingStats, ThrottledWarnings
 from grpod.rollouts.signal import carries_signal
 from grpod.rollouts.scoring import PLACEHOLDER_COMPLETION, RewardCall, RewardScorer
-from grpod.service.logs import RepeatThrottle
 
 log = structlog.get_logger(__name__)
 
 # Reward functions get these keywords; a column of the same name could not be passed.
 RESERVED_COLUMNS = CALL_KEYWORDS
-# A source failing the same way on every group says so once per this many seconds, with a count.
-WARNING_EVERY_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -316,8 +313,10 @@ async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None, tok
         # Every prompt as the source will give it: one too long stops check-config and the start
         # before vLLM launches. Model.path's tokenizer is the one every export of the run carries.
         items = eval_items = None
-        if tokenizer is None and (cfg.model.path / "config.json").is_file():  # else the model is built later
-            tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, cfg.model.path)
+        if tokenizer is None:  # None again while the model is not built yet
+            from grpod.rollouts.chat_turns import model_tokenizer
+
+            tokenizer = await anyio.to_thread.run_sync(model_tokenizer, cfg.model.path)
         if tokenizer is not None:
             items, eval_items = await anyio.to_thread.run_sync(
                 tokenize_inputs, rows, eval_rows, dcfg, cfg.eval.dataset, tokenizer, cfg.model.max_seq_len - cfg.source.max_tokens)
@@ -340,12 +339,6 @@ def _placeholder_call(first: DatasetRow, dcfg: DatasetConfig, steps: int, n: int
         columns={name: [value] * n for name, value in first.columns.items()},
         trainer_state=TrainerState(max_steps=steps),
     )
-
-
-def _load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def tokenize_inputs(rows: list[DatasetRow], eval_rows: list[DatasetRow], dcfg: DatasetConfig, eval_path: Path | None,
@@ -416,7 +409,7 @@ class DatasetSource(SamplingSource):
                                          (cursor or {}).get("curriculum"))
             self.stats.curriculum = self.curriculum.describe()
         self.dynamic_sampling = dynamic_sampling
-        self._warned = RepeatThrottle(WARNING_EVERY_S)
+        self.warnings = ThrottledWarnings()
         log.info("dataset_loaded", path=str(self.dcfg.path), rows=len(self.items), eval_rows=len(self.eval_items),
                  rewards=[f.name for f in self.functions], epoch=self.epoch, position=self.position)
 
@@ -514,14 +507,6 @@ class DatasetSource(SamplingSource):
             self.stats.reward_pool = self.scorer.describe()
         return scored
 
-    def _warn(self, reason: str, event: str = "reward_failed", **fields: Any) -> None:
-        """One console line per event and reason per WARNING_EVERY_S, saying how many were not
-        shown (a function failing on every group must not print a line per group)."""
-        held = self._warned.admit((event, reason), anyio.current_time())
-        if held is None:
-            return
-        log.warning(event, reason=reason, **fields, **({"same_failures_not_shown": held} if held else {}))
-
     async def generate_group(self) -> RolloutGroup | None:
         drawn = self._draw()
         if drawn is None:
@@ -535,8 +520,8 @@ class DatasetSource(SamplingSource):
             scored = await self.score(item, sampled.completions, sampled.version)
         except RewardFailure as failure:
             self.stats.failed(failure.reason, f"reward {failure.function}: {failure.detail}")
-            self._warn(failure.reason, function=failure.function, error=failure.detail[:500],
-                       path=str(self.dcfg.path), row=item.row + 1)
+            self.warnings.warn("reward_failed", failure.reason, function=failure.function,
+                               error=failure.detail[:500], path=str(self.dcfg.path), row=item.row + 1)
             return None
         self.stats.scored(scored.means)
         unscorable = scored.unscorable
@@ -545,7 +530,7 @@ class DatasetSource(SamplingSource):
             # must reach the source alarm and source.fail_after_s, or the run never ends.
             error = "every reward function returned None for every completion"
             self.stats.failed(UNSCORABLE, f"row {item.row + 1}: {error}")
-            self._warn(UNSCORABLE, error=error, path=str(self.dcfg.path), row=item.row + 1)
+            self.warnings.warn("reward_failed", UNSCORABLE, error=error, path=str(self.dcfg.path), row=item.row + 1)
             return None
         scorable = [s for s in scored.scores if s is not None]
         # An unscorable completion's placeholder score is never read: `unscorable` leaves it out.
@@ -578,8 +563,8 @@ class DatasetSource(SamplingSource):
                 scored = await self.score(item, completions)
             except RewardFailure as failure:
                 failures += 1
-                self._warn(failure.reason, event="eval_reward_failed", function=failure.function, row=item.row + 1,
-                           error=failure.detail[:500])
+                self.warnings.warn("eval_reward_failed", failure.reason, function=failure.function, row=item.row + 1,
+                                   error=failure.detail[:500])
                 return 0
             return sum(score is not None and score >= threshold for score in scored.scores)
 

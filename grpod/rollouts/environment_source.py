@@ -20,7 +20,11 @@ mean reward.
 
 The adapter lives as long as the run: `prepare_environment` builds and enters it (starting its
 processes) before any engine launches, and opens task 0 once, so a name that does not import or
-an environment that cannot start stops `grpod start` with exit 2 before anything else runs.
+an environment that cannot start stops `grpod start` with exit 2 before anything else runs. Task
+0's opening is tokenized there as every episode tokenizes it (`opening_ids`): one that leaves no
+room for a model turn within the episode's tokens is refused too, since every group of such
+tasks would drop as `prompt_too_long` and no step would train. Dropped groups are counted each,
+and said on the console once per reason every `WARNING_EVERY_S` (`ThrottledWarnings`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import structlog
 from grpod.config import ConfigError, EnvironmentConfig, EnvironmentSourceConfig, EvalConfig
 from grpod.errors import first_error
 from grpod.inference.policy import Policy
-from grpod.rollouts.chat_turns import ChatTurns
+from grpod.rollouts.chat_turns import ChatTurns, Message, model_tokenizer
 from grpod.rollouts.dynamic_sampling import DynamicSampling
 from grpod.rollouts.environments import (
     EnvironmentAdapter,
@@ -46,10 +50,10 @@ from grpod.rollouts.environments import (
     Split,
     TurnEnvironment,
 )
-from grpod.rollouts.episode_runner import EpisodeLimits, EpisodeRunner
+from grpod.rollouts.episode_runner import EpisodeLimits, EpisodeRunner, opening_ids
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.held_out import play_rows
-from grpod.rollouts.sampling_source import GENERATION_RETRY_S, SamplingSource, SamplingStats
+from grpod.rollouts.sampling_source import GENERATION_RETRY_S, SamplingSource, SamplingStats, ThrottledWarnings
 
 log = structlog.get_logger(__name__)
 
@@ -78,9 +82,25 @@ def make_adapter(cfg: EnvironmentConfig, run_dir: Path) -> EnvironmentAdapter:
     return CalculatorAdapter(cfg, run_dir=run_dir)
 
 
-async def prepare_environment(src: EnvironmentSourceConfig, run_dir: Path, resources: AsyncExitStack) -> EnvironmentAdapter:
+def episode_token_limit(env: EnvironmentConfig, max_seq_len: int) -> int:
+    """The tokens one episode may hold, prompt included: source.environment.max_episode_tokens
+    within model.max_seq_len."""
+    return min(env.max_episode_tokens or max_seq_len, max_seq_len)
+
+
+async def prepare_environment(
+    src: EnvironmentSourceConfig,
+    run_dir: Path,
+    resources: AsyncExitStack,
+    *,
+    max_seq_len: int,
+    model_path: Path,
+    tokenizer=None,
+) -> EnvironmentAdapter:
     """The run's adapter, entered into `resources` (left when the run ends), its first task opened
-    once as a check; any failure is a `ConfigError` naming the environment (module docstring)."""
+    once as a check and its opening tokenized (with `tokenizer`, default model_path's; skipped
+    while the model is not built yet); any failure is a `ConfigError` naming the environment
+    (module docstring)."""
     env = src.environment
     what = f"source.environment (adapter {env.adapter!r}{f', name {env.name!r}' if env.name else ''})"
     try:
@@ -98,7 +118,31 @@ async def prepare_environment(src: EnvironmentSourceConfig, run_dir: Path, resou
         raise ConfigError(f"{what} cannot start: {type(exc).__name__}: {exc}") from exc
     if not messages:
         raise ConfigError(f"{what}: task 0 opens with no messages; an episode needs a prompt")
+    if tokenizer is None:
+        tokenizer = await anyio.to_thread.run_sync(model_tokenizer, model_path)
+    if tokenizer is not None:
+        await anyio.to_thread.run_sync(_check_opening, messages, tokenizer, src, max_seq_len, what)
     return adapter
+
+
+def _check_opening(messages: list[Message], tokenizer, src: EnvironmentSourceConfig, max_seq_len: int, what: str) -> None:
+    """Task 0's opening as every episode takes it (`opening_ids`, within `episode_token_limit`):
+    one that leaves no room for a model turn is a `ConfigError` saying which keys to raise."""
+    env = src.environment
+    try:
+        opening_ids(ChatTurns(tokenizer), messages, episode_token_limit(env, max_seq_len))
+    except EnvironmentFailure as failure:
+        if failure.reason != "prompt_too_long":
+            raise ConfigError(f"{what}: task 0: {failure}") from None
+        keys = ("source.environment.max_episode_tokens (and model.max_seq_len, which bounds it)"
+                if env.max_episode_tokens else "model.max_seq_len")
+        raise ConfigError(
+            f"{what}: task 0 does not fit: {failure}; every episode of such a task would be dropped "
+            f"(prompt_too_long) and no step would train. model.max_seq_len = {max_seq_len}"
+            + (f", source.environment.max_episode_tokens = {env.max_episode_tokens}" if env.max_episode_tokens else "")
+            + f": raise {keys} to hold the opening and its model turns (source.max_tokens = {src.max_tokens} each), "
+            "or give the environment shorter prompts"
+        ) from None
 
 
 def _check_capacity(adapter: EnvironmentAdapter, src: EnvironmentSourceConfig, what: str) -> None:
@@ -174,10 +218,11 @@ class EnvironmentSource(SamplingSource):
         self.engine_wait_s = engine_wait_s
         self.max_tokens = src.max_tokens
         self.turns = ChatTurns(tokenizer)
-        self.max_episode_tokens = min(self.env.max_episode_tokens or max_seq_len, max_seq_len)
+        self.max_episode_tokens = episode_token_limit(self.env, max_seq_len)
         self.runner = self._runner(src.temperature)
         self.next_index = int((cursor or {}).get("next_index", 0))
         self.stats = EnvironmentStats()
+        self.warnings = ThrottledWarnings()
         self.dynamic_sampling = dynamic_sampling
 
     def _runner(self, temperature: float) -> EpisodeRunner:
@@ -246,7 +291,7 @@ class EnvironmentSource(SamplingSource):
             failure = _failure(exc)
             reason = failure.reason if isinstance(failure, EnvironmentFailure) else type(failure).__name__
             self.stats.failed(reason, f"task {index}: {type(failure).__name__}: {failure}")
-            log.warning("episode_failed", task=index, reason=reason, error=str(failure)[:300])
+            self.warnings.warn("episode_failed", reason, task=index, error=str(failure)[:300])
             await anyio.sleep(GENERATION_RETRY_S)
             return None
         finally:

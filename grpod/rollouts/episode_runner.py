@@ -54,6 +54,41 @@ class EpisodeLimits:
     top_p: float = 1.0
 
 
+def _ids(what: str, render, *args) -> list[int]:
+    """`render(*args)`: messages from the environment through the chat template into ids; one
+    the template or the tokenizer cannot take (a lone surrogate, a template that rewrites
+    earlier turns) is the environment's error, named."""
+    try:
+        return render(*args)
+    except (TypeError, ValueError) as exc:
+        raise EnvironmentFailure(
+            "environment_error", f"the environment's {what} cannot be rendered and tokenised: {type(exc).__name__}: "
+            f"{str(exc)[:300]}"
+        ) from None
+
+
+def opening_ids(turns: ChatTurns, messages: Sequence[Message], max_episode_tokens: int) -> list[int]:
+    """The ids of an episode's opening `messages`: its first model turn's prompt. Opening messages
+    that leave no room for a model turn within `max_episode_tokens` are an `EnvironmentFailure`
+    "prompt_too_long" (refused by their length before rendering when no tokenisation could fit
+    them). Every episode starts here, and `prepare_environment` asks it of task 0 before anything
+    launches, so a task that can never fit stops the start instead of dropping every group."""
+    if turns.too_long(messages, max_episode_tokens):
+        raise EnvironmentFailure(
+            "prompt_too_long",
+            f"the episode's opening is {turns.chars(messages)} characters: more than "
+            f"{max_episode_tokens} tokens of any text (model.max_seq_len / source.environment.max_episode_tokens)",
+        )
+    ids = _ids("opening", turns.prompt, messages)
+    if len(ids) >= max_episode_tokens:
+        raise EnvironmentFailure(
+            "prompt_too_long",
+            f"the episode's opening is {len(ids)} tokens: no room for a model turn within "
+            f"{max_episode_tokens} (model.max_seq_len / source.environment.max_episode_tokens)",
+        )
+    return ids
+
+
 class EpisodeRunner:
     def __init__(
         self,
@@ -79,36 +114,11 @@ class EpisodeRunner:
                 f"the environment's {what} took longer than {self.environment_timeout_s:g} s"
             ) from None
 
-    @staticmethod
-    def _ids(what: str, render, *args) -> list[int]:
-        """`render(*args)`: messages from the environment through the chat template into ids; one
-        the template or the tokenizer cannot take (a lone surrogate, a template that rewrites
-        earlier turns) is the environment's error, named."""
-        try:
-            return render(*args)
-        except (TypeError, ValueError) as exc:
-            raise EnvironmentFailure(
-                "environment_error", f"the environment's {what} cannot be rendered and tokenised: {type(exc).__name__}: "
-                f"{str(exc)[:300]}"
-            ) from None
-
     async def play(self, messages: Sequence[Message], environment: TurnEnvironment, *, seed: int | None = None) -> Episode:
         """One episode from the conversation `messages` (module docstring); `seed` seeds turn k's
         sampling with `seed + k`."""
         limits = self.limits
-        if self.turns.too_long(messages, limits.max_episode_tokens):
-            raise EnvironmentFailure(
-                "prompt_too_long",
-                f"the episode's opening is {self.turns.chars(messages)} characters: more than "
-                f"{limits.max_episode_tokens} tokens of any text (model.max_seq_len / source.environment.max_episode_tokens)",
-            )
-        episode = Episode.start(self._ids("opening", self.turns.prompt, messages))
-        if len(episode.tokens) >= limits.max_episode_tokens:
-            raise EnvironmentFailure(
-                "prompt_too_long",
-                f"the episode's opening is {len(episode.tokens)} tokens: no room for a model turn within "
-                f"{limits.max_episode_tokens} (model.max_seq_len / source.environment.max_episode_tokens)",
-            )
+        episode = Episode.start(opening_ids(self.turns, messages, limits.max_episode_tokens))
         for k in range(limits.max_turns):
             room = limits.max_episode_tokens - len(episode.tokens)
             if room < 1:
@@ -133,7 +143,7 @@ class EpisodeRunner:
             reply = checked_reply(reply, f"the environment's reply to turn {k + 1}")
             if self.turns.too_long(reply, limits.max_episode_tokens - len(episode.tokens)):
                 break  # as below, decided before rendering or tokenising it: the reply may be megabytes
-            following = self._ids(f"reply to turn {k + 1}", self.turns.after_model_turn, completion.token_ids, reply)
+            following = _ids(f"reply to turn {k + 1}", self.turns.after_model_turn, completion.token_ids, reply)
             if len(episode.tokens) + len(following) >= limits.max_episode_tokens:
                 break  # no room for the next turn's first sampled id
             episode.add_environment_turn(following)

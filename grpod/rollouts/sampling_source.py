@@ -1,6 +1,8 @@
 """What the sources that sample their own groups through the supervised vLLM share (builtin,
 dataset): one request of `group_size` completions per prompt, the drop-not-crash rule for a
-failed request, the group record, and the fill / run loops that feed the rollout buffer.
+failed request, the group record, the fill / run loops that feed the rollout buffer, and the
+console warning of dropped groups, throttled per reason (`ThrottledWarnings`; the environment
+source's too).
 
 A subclass sets `src` (its `source` section), `policy`, `engine_wait_s`, `max_tokens`, `stats` (a
 `SamplingStats`) and `dynamic_sampling`, and implements `generate_group()` (None = no group this
@@ -20,11 +22,14 @@ from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.episode import Episode, episode_group
 from grpod.rollouts.group import RolloutGroup
 from grpod.rollouts.source import MayGenerate, SourceStats
+from grpod.service.logs import RepeatThrottle
 
 log = structlog.get_logger(__name__)
 
 # After a failed generation (vLLM restarting or dead), wait this long before the next request.
 GENERATION_RETRY_S = 0.5
+# A source failing the same way on every group says so once per this many seconds, with a count.
+WARNING_EVERY_S = 30.0
 
 
 @dataclass
@@ -43,6 +48,21 @@ class SamplingStats(SourceStats):
         # Since this process started: completion tokens sampled for training (the generation
         # rate), and the groups dynamic sampling threw away (where the rest of them went).
         return {**super().step_metrics(), "sampled_tokens": self.sampled_tokens, "dynamic_filtered": self.dynamic_filtered}
+
+
+class ThrottledWarnings:
+    """A source's console warnings about dropped groups: one line per event and reason per
+    WARNING_EVERY_S, saying how many were not shown (a reward function or an environment failing
+    on every group must not print a line per group). Only the console is throttled: the source
+    counts every drop in its stats (`SourceStats.failed`), which the source alarm reads."""
+
+    def __init__(self) -> None:
+        self._throttle = RepeatThrottle(WARNING_EVERY_S)  # by (event, reason)
+
+    def warn(self, event: str, reason: str, **fields: Any) -> None:
+        held = self._throttle.admit((event, reason), anyio.current_time())
+        if held is not None:
+            log.warning(event, reason=reason, **fields, **({"same_failures_not_shown": held} if held else {}))
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,14 @@ from types import SimpleNamespace
 
 import anyio
 import pytest
+from structlog.testing import capture_logs
 
 from grpod.config import ConfigError, parse_config
 from grpod.inference.client import Completion
 from grpod.models.tiny import build_tokenizer
 from grpod.rollouts.calculator import CalculatorAdapter, word_problem
 from grpod.rollouts.dynamic_sampling import DynamicSampling
+from grpod.rollouts import environment_source
 from grpod.rollouts.environment_source import ADAPTER_MARGIN_S, EnvironmentSource, _failure, prepare_environment
 from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout
 from grpod.rollouts.validation import validate_group
@@ -113,14 +115,44 @@ async def test_a_group_is_the_episodes_of_one_task_with_tool_turns_appended(toke
     assert source.cursor() == {"kind": "environment", "next_index": 1}
 
 
-async def test_an_opening_longer_than_the_episode_budget_drops_the_group(tokenizer):
+async def test_an_opening_longer_than_the_episode_budget_drops_the_group(tokenizer, monkeypatch):
+    """Each dropped group is counted (the source alarm reads the run of failures), and said on the
+    console once per reason and interval: a task stream that never fits printed a line per episode
+    (258 lines in 45 s)."""
+    monkeypatch.setattr(environment_source, "GENERATION_RETRY_S", 0.0)
     cfg = parse_config({"source": {"kind": "environment", "group_size": 2}, "model": {"max_seq_len": 128}})
     source = source_over(solver(tokenizer), tokenizer, KnownAnswers(cfg.source.environment), cfg)
-    assert await source.generate_group() is None
-    assert source.stats.drop_reasons == {"prompt_too_long": 1} and "128" in source.stats.last_error
+    with capture_logs() as logs:
+        for _ in range(3):
+            assert await source.generate_group() is None
+    assert source.stats.drop_reasons == {"prompt_too_long": 3} and "128" in source.stats.last_error
+    assert source.stats.consecutive_errors == 3
+    assert [(e["event"], e["reason"], e["task"]) for e in logs if e["log_level"] == "warning"] == [
+        ("episode_failed", "prompt_too_long", 0)
+    ]
     # Every step record says what the source dropped so far, by reason (metrics.jsonl had none of it).
     metrics = source.stats.step_metrics()
-    assert metrics["source_dropped"] == 1 and metrics["source_drops/prompt_too_long"] == 1
+    assert metrics["source_dropped"] == 3 and metrics["source_drops/prompt_too_long"] == 3
+
+
+async def test_a_first_task_that_leaves_no_room_for_a_model_turn_stops_the_start(tmp_path, tokenizer):
+    """`grpod check-config` said ok, and `grpod start` then dropped every group forever."""
+    cfg = parse_config({"source": {"kind": "environment", "group_size": 2}, "model": {"max_seq_len": 128}})
+    with pytest.raises(ConfigError, match=r"adapter 'calculator'\): task 0 does not fit: the episode's opening is "
+                                          r"\d+ tokens: no room for a model turn within 128 .*model.max_seq_len = 128: "
+                                          r"raise model.max_seq_len"):
+        async with AsyncExitStack() as stack:
+            await prepare_environment(cfg.source, tmp_path, stack, max_seq_len=128, model_path=tmp_path,
+                                      tokenizer=tokenizer)
+    capped = config(max_episode_tokens=128)  # model.max_seq_len 512: the episode's own cap binds
+    with pytest.raises(ConfigError, match=r"within 128 .*source.environment.max_episode_tokens = 128: raise "
+                                          r"source.environment.max_episode_tokens"):
+        async with AsyncExitStack() as stack:
+            await prepare_environment(capped.source, tmp_path, stack, max_seq_len=512, model_path=tmp_path,
+                                      tokenizer=tokenizer)
+    async with AsyncExitStack() as stack:  # the episode's limit as the source takes it: 512 fits
+        await prepare_environment(config().source, tmp_path, stack, max_seq_len=512, model_path=tmp_path,
+                                  tokenizer=tokenizer)
 
 
 async def test_a_resumed_source_continues_the_task_stream(tokenizer):
@@ -241,4 +273,5 @@ def test_calculator_tasks_are_a_function_of_seed_split_and_index():
 async def test_an_environment_that_cannot_start_stops_the_start(tmp_path):
     with pytest.raises(ConfigError, match=r"adapter 'calculator'.*cannot start.*tool_bonus"):
         async with AsyncExitStack() as stack:
-            await prepare_environment(config(args={"bonus": 1}).source, tmp_path, stack)
+            await prepare_environment(config(args={"bonus": 1}).source, tmp_path, stack, max_seq_len=512,
+                                      model_path=tmp_path)

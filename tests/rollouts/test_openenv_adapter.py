@@ -384,9 +384,11 @@ async def test_a_class_serving_one_session_is_refused_at_start_for_a_run_of_grou
     with pytest.raises(ConfigError, match=r"holds 1 episode\(s\) at once, and the run plays source.group_size x "
                                           r"source.concurrency = 6.*SUPPORTS_CONCURRENT_SESSIONS = True"):
         async with AsyncExitStack() as stack:
-            await prepare_environment(source("one session"), tmp_path / "run", stack)
+            await prepare_environment(source("one session"), tmp_path / "run", stack, max_seq_len=512,
+                                      model_path=tmp_path / "no-model")
     async with AsyncExitStack() as stack:
-        adapter = await prepare_environment(source("concurrent"), tmp_path / "run", stack)
+        adapter = await prepare_environment(source("concurrent"), tmp_path / "run", stack, max_seq_len=512,
+                                             model_path=tmp_path / "no-model")
         assert adapter.session_capacity == 1024
 
 

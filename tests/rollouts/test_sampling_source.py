@@ -55,3 +55,29 @@ def test_a_failed_request_drops_its_group_counted_by_error_type_and_the_stream_m
     assert len(buffer) == 0 and source.stats.sampled_tokens == 0
     assert source.stats.dropped == 2 and source.stats.drop_reasons == {"ConnectionError": 2}
     assert source.cursor() == {"kind": "builtin", "next_index": 2}
+
+
+def test_a_failure_repeated_on_every_group_is_one_console_line_per_interval_with_a_count(monkeypatch):
+    """A source failing the same way on every group (a reward function that raises, an environment
+    whose openings never fit) printed a line per group; the drops themselves are counted apart."""
+    from structlog.testing import capture_logs
+
+    from grpod.rollouts.sampling_source import WARNING_EVERY_S, ThrottledWarnings
+
+    now = [100.0]
+    monkeypatch.setattr(anyio, "current_time", lambda: now[0])
+    warnings = ThrottledWarnings()
+    with capture_logs() as logs:
+        for _ in range(5):
+            warnings.warn("episode_failed", "prompt_too_long", task=1)
+        warnings.warn("episode_failed", "environment_timeout", task=2)  # another reason is said at once
+        warnings.warn("reward_failed", "prompt_too_long")  # and another event
+        now[0] += WARNING_EVERY_S
+        warnings.warn("episode_failed", "prompt_too_long", task=9)
+        warnings.warn("episode_failed", "prompt_too_long", task=10)
+    assert [(e["event"], e["reason"], e.get("task"), e.get("same_failures_not_shown")) for e in logs] == [
+        ("episode_failed", "prompt_too_long", 1, None),
+        ("episode_failed", "environment_timeout", 2, None),
+        ("reward_failed", "prompt_too_long", None, None),
+        ("episode_failed", "prompt_too_long", 9, 4),
+    ]
