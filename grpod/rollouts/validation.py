@@ -1,7 +1,8 @@
 """Batch validation: every `RolloutGroup` is checked before it can reach the trainer.
 
 A bad group is rejected with a machine-readable reason code and a short detail, counted and
-logged (`group_rejected`), and the rest of the batch goes on: bad input never crashes the daemon.
+logged (`group_rejected`: a reason's first, then one per 30 s with how many were not shown), and
+the rest of the batch goes on: bad input never crashes the daemon.
 Validation never raises, whatever the group holds (strings where lists belong, None, NaN, ...).
 
 Rules a valid group satisfies (`validate_group`):
@@ -28,6 +29,7 @@ The Atropos wire format is converted in `grpod.rollouts.atropos_wire` with the s
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ from typing import Any
 import structlog
 
 from grpod.rollouts.group import RolloutGroup
+from grpod.service.logs import RepeatThrottle
 
 log = structlog.get_logger(__name__)
 
@@ -374,11 +377,18 @@ def validate_group(
     return None
 
 
+# A reason rejected again within this many seconds is counted, and its warning held back.
+REJECTION_WARNING_EVERY_S = 30.0
+
+
 class RejectionCounter:
-    """Rejected groups per reason, over the life of a run (for `ctl status` and metrics)."""
+    """Rejected groups per reason, over the life of a run (for `ctl status` and metrics), and how
+    often each reason is logged: its first, then one per REJECTION_WARNING_EVERY_S with the count
+    held back (a converged model's duplicate groups printed a warning each, 157 by step 400)."""
 
     def __init__(self) -> None:
         self._counts: Counter[str] = Counter()
+        self.warnings = RepeatThrottle(REJECTION_WARNING_EVERY_S)
 
     def add(self, rejection: Rejection) -> None:
         self._counts[str(rejection.reason)] += 1
@@ -393,14 +403,19 @@ class RejectionCounter:
 
 def record_rejection(item: Any, rejection: Rejection, counter: RejectionCounter | None = None) -> None:
     """Log one `group_rejected` event (and count it): the one place a rejection is reported."""
+    held = 0
     if counter is not None:
         counter.add(rejection)
+        held = counter.warnings.admit(str(rejection.reason), time.monotonic())
+        if held is None:
+            return
     log.warning(
         "group_rejected",
         reason=str(rejection.reason),
         detail=rejection.detail,
         group_id=item.group_id if isinstance(item, RolloutGroup) else None,
         source=item.source if isinstance(item, RolloutGroup) else None,
+        **({"same_reason_not_shown": held} if held else {}),
     )
 
 

@@ -184,6 +184,25 @@ def test_validate_batch_splits_counts_and_logs_each_rejection() -> None:
     assert all(e["detail"] for e in events)
 
 
+def test_a_reason_rejected_again_and_again_is_logged_once_per_interval_and_counted_every_time(monkeypatch) -> None:
+    """A converged model's identical groups, rejected as duplicates, printed a warning each."""
+    import grpod.rollouts.validation as validation
+
+    clock = [100.0]
+    monkeypatch.setattr(validation.time, "monotonic", lambda: clock[0])
+    counter = RejectionCounter()
+    bad = [make_group(group_id=f"bad-{i}") for i in range(7)]
+    for group in bad:
+        group.scores[0] = math.nan
+    with structlog.testing.capture_logs() as logs:
+        validate_batch(bad[:5], **LIMITS, counter=counter)
+        clock[0] += validation.REJECTION_WARNING_EVERY_S
+        validate_batch(bad[5:], **LIMITS, counter=counter)
+    events = [e for e in logs if e["event"] == "group_rejected"]
+    assert [(e["group_id"], e.get("same_reason_not_shown")) for e in events] == [("bad-0", None), ("bad-5", 4)]
+    assert counter.as_dict() == {"nonfinite_score": 7}
+
+
 # --- fuzz: mutations of valid groups ----------------------------------------------------------
 
 BAD_VALUES = [None, "x", "", [], {}, math.nan, math.inf, -math.inf, 1e9, -1, VOCAB, 2.5, True, [1, 2], 10**400]
