@@ -63,7 +63,8 @@ def base_settings(run_dir: Path, model_dir: Path) -> dict[str, Any]:
 
 
 def group_processes(pgid: int) -> list[psutil.Process]:
-    """Live members of process group `pgid` (zombies hold nothing and are not counted)."""
+    """Live members of process group `pgid` (`group_members`: a zombie whose threads are all gone
+    holds nothing and is not counted)."""
     return group_members(pgid)
 
 

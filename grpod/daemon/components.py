@@ -8,7 +8,9 @@ its `bridge` section with the engines, the source its `source` section with the 
 Start-up order (`start_parts`), measured to matter on a CPU machine where vLLM's start dominates:
 the resume point is read, the model directory made sure of, and then the trainer loads while the
 engines launch; the first alignment probe follows once both are up. A failure anywhere stops
-whatever was launched before the error propagates.
+whatever was launched before the error propagates. A cancellation (a stop request) during the
+tiny model's build stops the build at its next warm-up step, with nothing published at
+`model.path`, and nothing is launched after it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from grpod.rollouts.kinds import make_source
 from grpod.rollouts.source import RolloutSource
 from grpod.rollouts.validation import RejectionCounter
 from grpod.run.store import RunStore
+from grpod.service.threads import run_stoppable
 
 log = structlog.get_logger(__name__)
 
@@ -143,7 +146,7 @@ async def start_parts(
     restored = await anyio.to_thread.run_sync(store.resume_point)
     progress.restore_counts(restored.step, restored.extra)
     t = mark("resume_point_s", began)
-    await anyio.to_thread.run_sync(store.ensure_model)
+    await run_stoppable(store.ensure_model)  # a stop during the tiny model's build ends it (~50 ms)
     mark("model_s", t)
     buffer.restore(restored.buffered)
     if restored.checkpoint is not None:

@@ -180,7 +180,8 @@ class Supervisor:
 
     async def _start(self) -> bool:
         """Build and start the components; a stop request cancels the start-up at once (a
-        loading trainer finishes its thread, a launching engine is stopped). True once started."""
+        loading trainer finishes its thread, the tiny model's build stops at its next warm-up
+        step, a launching engine is stopped, none is launched after it). True once started."""
         from grpod.daemon.components import (
             start_parts,  # the trainer stack imports torch
         )

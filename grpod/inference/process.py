@@ -53,6 +53,7 @@ from collections import deque
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import psutil
 import structlog
 
@@ -537,12 +538,18 @@ class InferenceProcess:
         self._port = self._resolve_port()
         self._model_path = Path(model_path)
         argv = self.build_args(model_path, **build_kw)
+        # A start cancelled while it ran without a checkpoint (a build in a thread) launches nothing.
+        await anyio.lowlevel.checkpoint_if_cancelled()
         self._launch(argv)
         self._last_exit_code = None
         log.info("inference_launched", pid=self.pid, port=self._port, model=str(model_path), log=str(self.log_path))
         started = time.monotonic()
         try:
             await self._wait_healthy()
+        except anyio.get_cancelled_exc_class():
+            log.info("inference_start_cancelled", pid=self.pid)  # a stop request, not a failure
+            await self.stop()
+            raise
         except BaseException as exc:
             log.error("inference_start_failed", pid=self.pid, error=(str(exc).splitlines() or [repr(exc)])[0])
             await self.stop()
@@ -639,19 +646,33 @@ class InferenceProcess:
         return exit_code_of(popen)
 
     async def _reap_leader(self) -> int:
-        """Reap the leader once its group is gone; it has exited unless it left the group."""
+        """Reap the leader once its group is gone: it has exited, or is a zombie whose last
+        threads are still exiting (its parent cannot reap it until they are gone: waited for), or
+        it left the group (setpgid/setsid: killed, by its PID, which is ours while unreaped)."""
         popen = self._popen
         code = popen.poll()
         if code is None:
-            log.warning("inference_leader_left_group", pid=popen.pid)
-            popen.kill()
+            left = self._left_group(popen.pid)
+            if left:
+                log.warning("inference_leader_left_group", pid=popen.pid)
+                popen.kill()
             try:
                 code = await anyio.to_thread.run_sync(popen.wait, self.cfg.release_timeout_s)
             except subprocess.TimeoutExpired:
                 raise release.ReleaseTimeoutError(
-                    f"vLLM server process {popen.pid} still running {self.cfg.release_timeout_s:g} s after SIGKILL"
+                    f"vLLM server process {popen.pid} still running {self.cfg.release_timeout_s:g} s after "
+                    + ("SIGKILL" if left else "its process group was gone")
                 ) from None
         return code
+
+    def _left_group(self, pid: int) -> bool:
+        """Whether the unreaped leader `pid` is alive outside the group it was launched in. A
+        zombie (even one still exiting) has not left: its group id is still the launch's."""
+        try:
+            proc = psutil.Process(pid)
+            return proc.status() != psutil.STATUS_ZOMBIE and os.getpgid(pid) != self.pgid
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            return False
 
     def _signal_group(self, sig: signal.Signals) -> None:
         try:

@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ from transformers import (
     Qwen2Tokenizer,
 )
 
-from grpod.models.warmup import greedy_accuracy, sampled_group_stats, warmup
+from grpod.models.warmup import check_stop, greedy_accuracy, sampled_group_stats, warmup
 from grpod.rollouts.arithmetic import ArithmeticTask
 
 log = structlog.get_logger(__name__)
@@ -188,6 +189,7 @@ def init_model(
     group_size: int = 8,
     threads: int | None = 1,
     plus_sign_share: float = DEFAULT_PLUS_SIGN_SHARE,
+    stop: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Build the tiny policy, warm it up on the arithmetic task, measure it, save it at `out`.
 
@@ -199,6 +201,9 @@ def init_model(
     Atomic: everything is written into a sibling `out.tmp-*` directory, fsynced, then renamed to
     `out`, so `out` either holds a complete model or does not exist. `out` must not exist (or be an
     empty directory); an existing model is never overwritten.
+
+    `stop`: once set, the build ends at its next safe point (a warm-up step, a measurement, the
+    save) with `ModelInitStopped`, having written nothing at `out`.
 
     Runs with `threads` torch threads (restored afterwards; None = leave the caller's setting):
     the weights are bitwise deterministic from `seed` for a given thread count, and one thread is
@@ -215,24 +220,28 @@ def init_model(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _init_model(out, seed, warmup_steps, lr, batch_size, eval_size, group_size, plus_sign_share)
+        return _init_model(out, seed, warmup_steps, lr, batch_size, eval_size, group_size, plus_sign_share, stop)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _init_model(
     out: Path, seed: int, warmup_steps: int, lr: float, batch_size: int, eval_size: int | None, group_size: int,
-    plus_sign_share: float,
+    plus_sign_share: float, stop: threading.Event | None,
 ) -> dict[str, Any]:
     started = time.perf_counter()
     model, tok = build_model(seed)
     task = ArithmeticTask(seed=seed)
     problems = task.eval_set(task.held_out_size if eval_size is None else eval_size)
     training = warmup(
-        model, tok, task, warmup_steps, seed=seed, lr=lr, batch_size=batch_size, plus_sign_share=plus_sign_share
+        model, tok, task, warmup_steps, seed=seed, lr=lr, batch_size=batch_size, plus_sign_share=plus_sign_share,
+        stop=stop,
     )
+    check_stop(stop, "before measuring greedy accuracy")
     accuracy = greedy_accuracy(model, tok, problems)
+    check_stop(stop, "before sampling groups")
     sampled = sampled_group_stats(model, tok, problems, group_size=group_size, temperature=1.0, seed=seed)
+    check_stop(stop, "before saving")
     record = {
         "seed": seed,
         "warmup_steps": warmup_steps,

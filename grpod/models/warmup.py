@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 from collections import defaultdict
 from dataclasses import replace
@@ -37,6 +38,17 @@ from grpod.rollouts.arithmetic import (
 log = structlog.get_logger(__name__)
 
 IGNORE_INDEX = -100
+
+
+class ModelInitStopped(Exception):
+    """The model's build was asked to stop (the daemon is stopping) before it was saved."""
+
+
+def check_stop(stop: threading.Event | None, where: str) -> None:
+    """Raise `ModelInitStopped` if `stop` is set: a safe point of the build, `where`."""
+    if stop is not None and stop.is_set():
+        log.info("model_init_stopped", at=where)
+        raise ModelInitStopped(f"the model's build was stopped {where}")
 
 
 def teacher_forcing_batch(
@@ -92,6 +104,7 @@ def warmup(
     lr: float,
     batch_size: int,
     plus_sign_share: float = 0.0,
+    stop: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Fine-tune `model` in place on `steps` batches of training problems.
 
@@ -99,7 +112,8 @@ def warmup(
     (drawn from its own stream, so the problems drawn do not depend on it).
 
     Returns the settings, `first_loss`, `final_loss` (mean over the last tenth of the steps; None
-    for no steps) and `seconds`.
+    for no steps) and `seconds`. Raises `ModelInitStopped` before the first step after `stop` is
+    set (a step takes ~50 ms with one thread here).
 
     Deterministic from `seed` (problems drawn from `random.Random(seed)`, torch seeded likewise):
     the same model, seed and torch thread count give bitwise the same weights. Leaves the model in
@@ -119,6 +133,7 @@ def warmup(
     losses: list[float] = []
     token_cache: dict[str, tuple[list[int], list[int]]] = {}
     for step in range(steps):
+        check_stop(stop, f"at warm-up step {step} of {steps}")
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(step, steps, lr)
         problems = [task.sample(rng) for _ in range(batch_size)]

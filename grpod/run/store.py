@@ -15,6 +15,7 @@ atomic rename) lives once, in `grpod.run.checkpoint`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,7 +144,9 @@ class RunStore:
         self.root = run_dir / "checkpoints"
         self._build_trainer = build_trainer
 
-    def ensure_model(self) -> None:
+    def ensure_model(self, stop: threading.Event | None = None) -> None:
+        """Build the tiny model at `model.path` when it has none (`init_model`: published
+        complete or not at all); `stop` ends a build early with `ModelInitStopped`."""
         path = self.cfg.model.path
         if (path / "config.json").exists():
             return
@@ -152,7 +155,7 @@ class RunStore:
         from grpod.models.tiny import init_model
 
         log.info("model_init", path=str(path))
-        init_model(path, seed=self.cfg.run.seed)
+        init_model(path, seed=self.cfg.run.seed, stop=stop)
 
     def resume_point(self) -> Restored:
         """The newest complete checkpoint's run state (its identity and training shape checked

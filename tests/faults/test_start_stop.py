@@ -25,6 +25,7 @@ import time
 import psutil
 import pytest
 
+from grpod.models.tiny import MODEL_RECORD
 from tests.faults.injection import (
     alive,
     first_line_matching,
@@ -80,6 +81,36 @@ def test_stop_during_vllm_start_up_cancels_it_at_once(tmp_path, fault_model_dir,
         assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
         assert not (run_dir / "grpod.sock").exists()
         assert "during start-up" in daemon.tail(), "the console says why the run ended"
+    finally:
+        daemon.close()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_while_the_tiny_model_is_built_ends_the_start_at_once(tmp_path, fault_case):
+    """A fresh `model.path`: grpod builds and warms up the tiny model (~40 s here) before it
+    launches anything. SIGTERM during that build stops it at its next warm-up step: exit 0 without
+    waiting for the warm-up, vLLM never launched, and `model.path` either a complete model or
+    absent (never a half-written one a later start would take for complete)."""
+    row = fault_case("11 SIGTERM while the tiny model is built")
+    run_dir, model_dir = tmp_path / "run", tmp_path / "models" / "tiny"
+    settings = base_settings(run_dir, model_dir) | {"model.init_if_missing": True}
+    daemon = DaemonProcess(write_config(tmp_path / "grpod.toml", settings), run_dir)
+    try:
+        wait_until(lambda: log_events(run_dir, "model_init"), 120, "the model build started",
+                   describe=daemon.tail)
+        daemon.proc.send_signal(signal.SIGTERM)
+        code = daemon.wait_exit(30)  # the build alone takes longer
+        events = [e["event"] for e in log_events(run_dir)]
+        row.data_lost = "none"
+        row.notes = f"exit {code}; {'warm-up finished' if 'warmup_done' in events else 'build stopped'}"
+        assert code == 0, daemon.tail()
+        assert "warmup_done" not in events, "the stop waited for the warm-up"
+        assert "inference_launched" not in events, "vLLM was launched after the stop"
+        assert [e for e in log_events(run_dir) if e.get("level") in ("error", "critical")] == []
+        (cancelled,) = log_events(run_dir, "start_cancelled")
+        assert "during start-up" in cancelled["reason"]
+        assert not model_dir.exists() or (model_dir / MODEL_RECORD).is_file(), list(model_dir.iterdir())
+        assert list(model_dir.parent.glob("*.tmp-*")) == []
     finally:
         daemon.close()
 

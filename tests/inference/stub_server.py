@@ -6,17 +6,26 @@ and the weight-version routes a launch calls (`POST /update_weight_version`, `GE
 or exits with code N after a message, or never serves;
 `--ignore-term` makes it (and its helper) ignore SIGTERM, as a vLLM waiting on open connections
 does; `--orphan` forks a helper in the same process group that outlives the server, as vLLM's
-EngineCore and Worker do when the API server alone dies.
+EngineCore and Worker do when the API server alone dies; `--linger-on-term S` makes SIGTERM end
+the main thread alone while another thread finishes S seconds later with exit code 0: for those S
+seconds the leader is a zombie that cannot be reaped yet, as a vLLM server whose last thread is
+still exiting (releasing its memory) is.
 """
 
 import argparse
+import ctypes
+import platform
 import http.server
 import json
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
+
+# exit(2), which ends the calling thread only (os._exit ends them all: exit_group).
+SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(platform.machine())
 
 
 class Health(http.server.BaseHTTPRequestHandler):
@@ -59,6 +68,7 @@ def main() -> None:
     parser.add_argument("--no-health", action="store_true")
     parser.add_argument("--ignore-term", action="store_true")
     parser.add_argument("--orphan", action="store_true")
+    parser.add_argument("--linger-on-term", type=float)
     args = parser.parse_args()
     print(f"stub server pid {os.getpid()} port {args.port}", flush=True)
     # Litter the temp dir as vLLM does with its rendezvous files and IPC sockets.
@@ -71,6 +81,17 @@ def main() -> None:
         sys.exit(args.exit_code)
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.linger_on_term is not None:
+
+        def linger(*_):
+            def finish():
+                time.sleep(args.linger_on_term)
+                os._exit(0)
+
+            threading.Thread(target=finish).start()
+            ctypes.CDLL(None).syscall(SYS_EXIT, 0)
+
+        signal.signal(signal.SIGTERM, linger)
     if args.orphan and os.fork() == 0:
         print(f"stub helper pid {os.getpid()}", flush=True)
         while True:

@@ -8,6 +8,7 @@ The same lifecycle with a real vLLM is in tests/e2e/test_inference_process.py.
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import anyio
 import psutil
 import pytest
+import structlog.testing
 from pydantic import ValidationError
 
 from grpod.config import ConfigError, InferenceConfig, ModelConfig
@@ -254,6 +256,26 @@ async def test_stop_escalates_to_sigkill_and_waits_for_orphans(tmp_path):
     finally:
         decoy.kill()
         decoy.wait(timeout=10)
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="the stub needs exit(2)'s number")
+async def test_a_leader_whose_last_thread_is_still_exiting_is_waited_for_not_killed(tmp_path):
+    """A server that exits 0 on SIGTERM, its main thread first: for a while its leader is a
+    zombie that cannot be reaped yet (another thread still runs). That is a leader exiting, not
+    one that left its group: stop waits for it and reaps its exit code 0, without SIGKILL."""
+    proc = StubProcess(tmp_path, "--linger-on-term", "1.0", stop_grace_s=10.0)
+    await proc.start("/m")
+    pgid, port = proc.pgid, proc.port
+    with structlog.testing.capture_logs() as events:
+        await proc.stop()
+    names = [e["event"] for e in events]
+    assert "inference_leader_left_group" not in names and "inference_sigkill" not in names, events
+    assert proc.exit_code == 0
+    (stopped,) = [e for e in events if e["event"] == "inference_stopped"]
+    assert stopped["exit_code"] == 0 and not stopped["sigkill"]
+    _assert_released(pgid, port)
+    assert not psutil.pid_exists(pgid), "the leader was not reaped"
 
 
 @pytest.mark.anyio

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -60,6 +61,38 @@ async def test_wait_group_gone_names_the_survivors_then_returns_once_killed():
     finally:
         sleeper.kill()
         sleeper.wait(timeout=10)
+
+
+# The main thread ends alone (exit(2), not exit_group) while another thread runs until told to end.
+MAIN_THREAD_EXITS_FIRST = """
+import ctypes, os, platform, sys, threading
+def finish():
+    sys.stdin.read()
+    os._exit(0)
+threading.Thread(target=finish).start()
+ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)
+"""
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="the child needs exit(2)'s number")
+async def test_a_zombie_whose_threads_still_run_is_a_member_until_they_end():
+    child = subprocess.Popen([sys.executable, "-c", MAIN_THREAD_EXITS_FIRST], stdin=subprocess.PIPE,
+                             start_new_session=True)
+    try:
+        proc = psutil.Process(child.pid)
+        with anyio.fail_after(30):
+            while proc.status() != psutil.STATUS_ZOMBIE:
+                await anyio.sleep(0.01)
+        assert child.poll() is None, "a zombie whose threads still run cannot be reaped yet"
+        assert [p.pid for p in group_members(child.pid)] == [child.pid]
+        child.stdin.close()
+        await wait_group_gone(child.pid, 10)
+        assert child.wait(timeout=10) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
 
 
 def test_only_vllm_named_segments_mapped_by_the_process_are_leftovers():

@@ -1,4 +1,5 @@
 import json
+import threading
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpod.models import tiny
+from grpod.models import tiny, warmup
 from grpod.models.tiny import (
     CHARACTERS,
     IM_END,
@@ -20,7 +21,7 @@ from grpod.models.tiny import (
     init_model,
     save_model,
 )
-from grpod.models.warmup import greedy_accuracy
+from grpod.models.warmup import ModelInitStopped, greedy_accuracy
 from grpod.rollouts.arithmetic import ArithmeticTask
 
 TOKENIZER = build_tokenizer()
@@ -105,6 +106,35 @@ def test_init_model_failure_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         init_model(tmp_path / "model", warmup_steps=1, eval_size=1)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("stop_during", ["warm-up", "measurements"])
+def test_a_stopped_init_model_ends_at_its_next_safe_point_and_leaves_nothing(tmp_path, monkeypatch, stop_during):
+    stop = threading.Event()
+    warmed = []
+    if stop_during == "warm-up":
+        batch = warmup.teacher_forcing_batch
+
+        def batch_then_stop(*args, **kwargs):  # the stop arrives during the third step
+            warmed.append(1)
+            if len(warmed) == 3:
+                stop.set()
+            return batch(*args, **kwargs)
+
+        monkeypatch.setattr(warmup, "teacher_forcing_batch", batch_then_stop)
+    else:
+        accuracy = tiny.greedy_accuracy
+
+        def accuracy_then_stop(*args, **kwargs):
+            stop.set()
+            return accuracy(*args, **kwargs)
+
+        monkeypatch.setattr(tiny, "greedy_accuracy", accuracy_then_stop)
+    with pytest.raises(ModelInitStopped):
+        init_model(tmp_path / "model", warmup_steps=50, eval_size=1, stop=stop)
+    assert list(tmp_path.iterdir()) == []
+    if stop_during == "warm-up":
+        assert len(warmed) == 3, "the warm-up went on after the stop"
 
 
 def test_init_model_restores_the_thread_count(tmp_path):
