@@ -645,35 +645,6 @@ class InferenceProcess:
                 os.close(pidfd)
         return exit_code_of(popen)
 
-    async def _reap_leader(self) -> int:
-        """Reap the leader once its group is gone: it has exited, or is a zombie whose last
-        threads are still exiting (its parent cannot reap it until they are gone: waited for), or
-        it left the group (setpgid/setsid: killed, by its PID, which is ours while unreaped)."""
-        popen = self._popen
-        code = popen.poll()
-        if code is None:
-            left = self._left_group(popen.pid)
-            if left:
-                log.warning("inference_leader_left_group", pid=popen.pid)
-                popen.kill()
-            try:
-                code = await anyio.to_thread.run_sync(popen.wait, self.cfg.release_timeout_s)
-            except subprocess.TimeoutExpired:
-                raise release.ReleaseTimeoutError(
-                    f"vLLM server process {popen.pid} still running {self.cfg.release_timeout_s:g} s after "
-                    + ("SIGKILL" if left else "its process group was gone")
-                ) from None
-        return code
-
-    def _left_group(self, pid: int) -> bool:
-        """Whether the unreaped leader `pid` is alive outside the group it was launched in. A
-        zombie (even one still exiting) has not left: its group id is still the launch's."""
-        try:
-            proc = psutil.Process(pid)
-            return proc.status() != psutil.STATUS_ZOMBIE and os.getpgid(pid) != self.pgid
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            return False
-
     def _signal_group(self, sig: signal.Signals) -> None:
         try:
             os.killpg(self.pgid, sig)
@@ -710,7 +681,7 @@ class InferenceProcess:
                 log.warning("inference_sigkill", pgid=pgid, grace_s=cfg.stop_grace_s)
                 self._signal_group(signal.SIGKILL)
                 await release.wait_group_gone(pgid, cfg.release_timeout_s)
-        self._last_exit_code = await self._reap_leader()
+        self._last_exit_code = await release.reap_leader(self._popen, pgid, cfg.release_timeout_s)
         self._popen = None
         holder = None if release.port_is_free(cfg.host, port) else self._port_holder()
         if holder is not None:

@@ -19,6 +19,7 @@ import math
 import os
 import shlex
 import socket
+import subprocess
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -237,3 +238,33 @@ def port_holder(port: int, *, exclude_pgid: int | None = None) -> str | None:
         except (psutil.Error, ProcessLookupError):
             continue
     return None
+
+
+async def reap_leader(popen: subprocess.Popen[bytes], pgid: int, timeout_s: float) -> int:
+    """Reap a server's leader once its group `pgid` is gone: it has exited, or is a zombie whose
+    last threads are still exiting (its parent cannot reap it until they are gone: waited for), or
+    it left the group (setpgid/setsid: killed, by its PID, which is ours while unreaped). Its exit
+    code."""
+    code = popen.poll()
+    if code is None:
+        left = _left_group(popen.pid, pgid)
+        if left:
+            log.warning("inference_leader_left_group", pid=popen.pid)
+            popen.kill()
+        try:
+            code = await anyio.to_thread.run_sync(popen.wait, timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ReleaseTimeoutError(
+                f"vLLM server process {popen.pid} still running {timeout_s:g} s after "
+                + ("SIGKILL" if left else "its process group was gone")
+            ) from None
+    return code
+
+
+def _left_group(pid: int, pgid: int) -> bool:
+    """Whether the unreaped leader `pid` is alive outside the group `pgid` it was launched in. A
+    zombie (even one still exiting) has not left: its group id is still the launch's."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and os.getpgid(pid) != pgid
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return False

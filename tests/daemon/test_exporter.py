@@ -27,10 +27,15 @@ def _daemon(tmp_path):
     return daemon
 
 
-def test_collector_exposes_the_daemon_state(tmp_path):
+def _scrape(status) -> str:
+    """The text one scrape of a collector over `status` (a `ctl status` reply's callable) serves."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(_daemon(tmp_path).status))
-    text = generate_latest(registry).decode()
+    registry.register(DaemonCollector(status))
+    return generate_latest(registry).decode()
+
+
+def test_collector_exposes_the_daemon_state(tmp_path):
+    text = _scrape(_daemon(tmp_path).status)
     assert "grpod_step 7.0" in text
     assert 'grpod_rejected_groups_total{reason="length_mismatch"} 2.0' in text
     assert 'grpod_staleness_versions_bucket{le="0"} 1.0' in text
@@ -62,9 +67,7 @@ def test_the_staleness_histogram_is_built_from_its_counts_not_one_entry_per_grou
     """A days-long run trains millions of groups; a scrape reads the status's counts as they are
     (one entry per group blocked the event loop for seconds at 5 million)."""
     status = {"step": 1, "staleness": {"histogram": {"0": 3_000_000_000, "2": 2_000_000_000, "40": 7}}}
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(lambda: status))
-    text = generate_latest(registry).decode()
+    text = _scrape(lambda: status)
     assert 'grpod_staleness_versions_bucket{le="0"} 3e+09' in text
     assert 'grpod_staleness_versions_bucket{le="2"} 5e+09' in text
     assert 'grpod_staleness_versions_bucket{le="32"} 5e+09' in text
