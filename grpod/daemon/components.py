@@ -151,8 +151,7 @@ async def start_parts(
     buffer.restore(restored.buffered)
     if restored.checkpoint is not None:
         desk.restore(restored.extra, f"checkpoint {restored.checkpoint}", restored.step)
-        log.info("resumed", checkpoint=str(restored.checkpoint), step=restored.step,
-                 policy_version=restored.policy_version, buffered_groups=len(restored.buffered))
+        reporter.resumed(restored.checkpoint, restored.step, restored.policy_version, len(restored.buffered))
     engines = build_engines(cfg, run_dir)
     bridge = build_bridge(cfg, run_dir, engines, policy_version=restored.policy_version)
     cores = CoreLoan.plan(cfg.inference, cfg.train, cfg.model.path, engines,

@@ -97,6 +97,13 @@ class Reporter:
         self.metrics.write("sync", self.progress.step, {**sync.as_dict(), "weights_step": weights_step})
         self.sync_alarm.written(weights_step)
 
+    def resumed(self, checkpoint: Path, step: int, policy_version: int, buffered: int) -> None:
+        """A start that resumes a checkpoint: the log, and a console line saying which."""
+        log.info("resumed", checkpoint=str(checkpoint), step=step, policy_version=policy_version, buffered_groups=buffered)
+        if self.cfg.run.progress:
+            print(f"grpod: resuming {checkpoint} at step {step}/{self.progress.steps} (policy version "
+                  f"{policy_version}, {buffered} groups buffered)", file=sys.stderr, flush=True)
+
     def eval_done(self, result: dict[str, Any], when: str, *, step: int) -> None:
         """One `eval` line: `step` is the step whose policy was evaluated (an evaluation beside
         training ends some steps later, `finished_step`; W&B gets it at that later step)."""
@@ -104,7 +111,10 @@ class Reporter:
         p.last_eval = {**result, "when": when, "step": step, "finished_step": p.step}
         self.metrics.write("eval", step, p.last_eval, log_step=p.step)
         log.info("eval", **p.last_eval)
-        if self.cfg.run.progress:
+        if self.cfg.run.progress and _none_scored(result):
+            print(f"eval ({when}, step {step}): no accuracy: none of the {result['eval_size']} held-out problems was "
+                  "scored (every reward call failed, see the log)", file=sys.stderr, flush=True)
+        elif self.cfg.run.progress:
             print(
                 f"eval ({when}, step {step}): accuracy {result['eval_accuracy']:.3f}"
                 + (f", mean@{result['eval_k']} {result['eval_mean_at_k']:.3f}" if "eval_mean_at_k" in result else "")
@@ -182,9 +192,12 @@ class Reporter:
             f"policy version {version}, run dir {self.run_dir}"
         ]
         if len(evals) >= 2:
+            def accuracy(e: dict) -> str:
+                return "none scored" if _none_scored(e) else f"{e['eval_accuracy']:.3f}"
+
             lines.append(
-                f"held-out accuracy: {evals[0]['eval_accuracy']:.3f} (step {evals[0]['step']}) -> "
-                f"{evals[-1]['eval_accuracy']:.3f} (step {evals[-1]['step']}) on {evals[-1]['eval_size']} problems"
+                f"held-out accuracy: {accuracy(evals[0])} (step {evals[0]['step']}) -> "
+                f"{accuracy(evals[-1])} (step {evals[-1]['step']}) on {evals[-1]['eval_size']} problems"
             )
         if stats is not None and stats.dropped:
             reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(stats.drop_reasons.items()))
@@ -192,3 +205,8 @@ class Reporter:
         if p.last_checkpoint:
             lines.append(f"last checkpoint: {p.last_checkpoint['path']}")
         print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _none_scored(result: dict[str, Any]) -> bool:
+    """An evaluation whose every row's reward call failed: its accuracy of 0 measured nothing."""
+    return bool(result.get("eval_size")) and result.get("eval_reward_failures") == result["eval_size"]

@@ -181,6 +181,15 @@ def _prompt_messages(value: Any, chat: bool) -> list[dict[str, str]]:
     return [{"role": "user", "content": value}]
 
 
+def _keyed_rows(key: str, path: Path, dcfg: DatasetConfig, functions: list[RewardFunction]) -> list[DatasetRow]:
+    """`load_rows` of the file the config's `key` names; its errors name the key first (the
+    training file or the held-out one)."""
+    try:
+        return load_rows(path, dcfg, functions)
+    except DatasetError as exc:
+        raise DatasetError(f"{key}: {exc}") from None
+
+
 def load_rows(path: Path, dcfg: DatasetConfig, functions: list[RewardFunction]) -> list[DatasetRow]:
     """Read and check every row of `path` (no tokenizer needed: this runs before anything is
     launched); a DatasetError names the first bad one."""
@@ -201,7 +210,8 @@ def load_rows(path: Path, dcfg: DatasetConfig, functions: list[RewardFunction]) 
     else:
         raise DatasetError(
             f"{path}: no prompt column: expected {dcfg.prompt_column!r} (a string) or {dcfg.messages_column!r} "
-            f"(a list of {{role, content}}); the columns are {names}"
+            f"(a list of {{role, content}}); the columns are {names}. source.dataset.prompt_column / "
+            "messages_column name other columns"
         )
     clashing = [name for name in names if name in RESERVED_COLUMNS]
     if clashing:
@@ -291,12 +301,12 @@ async def prepare_dataset(cfg: GrpodConfig, *, log_path: Path | None = None, tok
     functions = reward_functions(dcfg.rewards)
     for function in functions:  # a missing file is said before a worker starts
         missing_file(function.function)
-    rows = await anyio.to_thread.run_sync(load_rows, dcfg.path, dcfg, functions)
+    rows = await anyio.to_thread.run_sync(_keyed_rows, "source.dataset.path", dcfg.path, dcfg, functions)
     if dcfg.curriculum is not None:
         check_levels(rows, Path(dcfg.path), dcfg.curriculum)
     eval_rows = []
     if cfg.eval.dataset is not None:
-        eval_rows = await anyio.to_thread.run_sync(load_rows, cfg.eval.dataset, dcfg, functions)
+        eval_rows = await anyio.to_thread.run_sync(_keyed_rows, "eval.dataset", cfg.eval.dataset, dcfg, functions)
     scorer = RewardScorer(functions, aggregation=dcfg.reward_aggregation, timeout_s=dcfg.reward_timeout_s,
                           workers=dcfg.reward_workers, memory_mb=dcfg.reward_memory_mb, log_path=log_path)
     try:

@@ -282,7 +282,9 @@ def import_function(spec: str) -> Callable[..., Any]:
         try:
             module = importlib.import_module(target)
         except BaseException as exc:  # noqa: BLE001
-            raise RewardLoadError(f"reward function {spec!r}: cannot import {target!r}: {exc!r}") from exc
+            raise RewardLoadError(f"reward function {spec!r}: cannot import {target!r}: {exc!r} (a module name is "
+                                  f"imported from grpod's working directory, {Path.cwd()}; a path, 'dir/file.py:"
+                                  "function', names a file anywhere)") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RewardLoadError(f"reward function {spec!r}: {target} has no callable {attr!r}")

@@ -155,11 +155,13 @@ class RewardScorer:
                 except RewardFailure as failure:
                     fatal = failure.reason in ("reward_bad_type", "reward_bad_length", "reward_timeout", "reward_crash")
                     if fatal or failure.exc_type in FATAL_AT_PROBE:
+                        # A wrong signature or return is the TRL contract's business; a timeout or a crash is not.
+                        contract = "" if failure.reason in ("reward_timeout", "reward_crash") else (
+                            ". grpod calls it as TRL does: f(prompts=..., completions=..., completion_ids=..., "
+                            "trainer_state=..., <dataset columns>..., **kwargs) returning one float or None per completion")
                         raise RewardLoadError(
                             f"reward function {function.name!r} ({function.where}) failed its start-up call on {where} "
-                            f"with a placeholder completion: {failure.detail}. grpod calls it as TRL does: "
-                            f"f(prompts=..., completions=..., completion_ids=..., trainer_state=..., <dataset columns>..., "
-                            f"**kwargs) returning one float or None per completion"
+                            f"with a placeholder completion: {failure.detail}{contract}"
                         ) from None
                     raised.setdefault(failure.detail, []).append(where)
             if raised:

@@ -167,4 +167,22 @@ def test_the_closing_lines_and_the_log_count_every_dropped_group(loop_config, ca
     assert drops["dropped"] == 28 and drops["drop_reasons"] == {"reward_error": 27, "reward_timeout": 1}
     # An evaluation whose every reward call failed is not an accuracy of 0 without a word.
     loop.reporter.eval_done({"eval_accuracy": 0.0, "eval_size": 8, "eval_reward_failures": 8}, "start", step=0)
-    assert "accuracy 0.000 on 8 held-out problems (8 not scored: reward failures" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "no accuracy: none of the 8 held-out problems was scored (every reward call failed" in said
+    assert "accuracy 0.000" not in said
+    loop.reporter.eval_done({"eval_accuracy": 0.25, "eval_size": 8, "eval_reward_failures": 2}, "end", step=5)
+    assert "accuracy 0.250 on 8 held-out problems (2 not scored: reward failures" in capsys.readouterr().err
+    loop.reporter.summary()
+    assert "held-out accuracy: none scored (step 0) -> 0.250 (step 5) on 8 problems" in capsys.readouterr().err
+
+
+def test_a_resumed_start_says_on_the_console_which_checkpoint_it_resumes(loop_config, capsys):
+    """A resumed run said so only in grpod.log, at info level (the console shows warnings)."""
+    from pathlib import Path
+
+    from tests.daemon.conftest import make_loop
+
+    loop = make_loop(loop_config("run.progress=true", "train.steps=100"), trainer=None)
+    loop.reporter.resumed(Path("/runs/x/checkpoints/step-000040"), 40, 20, 3)
+    assert ("grpod: resuming /runs/x/checkpoints/step-000040 at step 40/100 (policy version 20, 3 groups buffered)"
+            in capsys.readouterr().err)

@@ -227,6 +227,22 @@ def test_a_reward_raising_on_the_placeholder_is_warned_of_once_naming_the_files_
     assert f"raised IndexError('list index out of range') at {module}:2 in " in warning  # <listcomp> before 3.12
 
 
+def test_a_missing_training_or_held_out_file_is_named_by_its_key(tmp_path):
+    """Both said only "<path>: no such dataset file": which of the two settings was wrong?"""
+    from grpod.config import load_config
+    from grpod.rollouts.dataset import prepare_dataset
+
+    rows = tmp_path / "train.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    base = ["source.kind='dataset'", "source.dataset.rewards=[{function='exact'}]", f"model.path={str(tmp_path)!r}"]
+    for overrides, key in [([f"source.dataset.path={str(tmp_path / 'trian.jsonl')!r}", "eval.size=0"], "source.dataset.path"),
+                           ([f"source.dataset.path={str(rows)!r}", f"eval.dataset={str(tmp_path / 'evl.jsonl')!r}"],
+                            "eval.dataset")]:
+        cfg = load_config(None, base + overrides)
+        with pytest.raises(DatasetError, match=f"^{key}: .*no such dataset file"):
+            anyio.run(prepare_dataset, cfg)
+
+
 def test_unknown_suffix_and_missing_file_are_clear(tmp_path):
     with pytest.raises(DatasetError, match="unknown dataset format '.txt'"):
         read_rows(tmp_path / "data.txt")
