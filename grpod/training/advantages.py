@@ -102,8 +102,13 @@ def _from_scores(scores: list[float], cfg: AdvantageConfig, batch: tuple[float, 
         batch_mean, batch_std = batch
         return [(r - batch_mean) / (batch_std + EPS) for r in scores]
     if cfg.scale == "group":
-        std = _std(scores, cfg.std)
-        return [(r - m) / (std + EPS) for r in scores]
+        # In units of the scores' largest magnitude: a deviation of scores at both ends of float's
+        # range (1.7e308 and -1.7e308) overflows, its ratio to the std does not. (Scores within
+        # [-1, 1] are divided by 1: the same floats.)
+        scale = _scale(scores)
+        scaled = [r / scale for r in scores]
+        centre, std = _mean(scaled), _std(scaled, cfg.std)
+        return [(r - centre) / (std + EPS / scale) for r in scaled]
     if cfg.scale == "batch":
         return [(r - m) / (pooled_std + EPS) for r in scores]
     return [r - m for r in scores]

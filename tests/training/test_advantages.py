@@ -179,3 +179,7 @@ def test_scores_near_floats_range_get_the_advantages_small_ones_get(scale):
     # Both ends of float's range at once: deviations of 1.6e308 square to inf unless scaled too.
     spread = compute_advantages([group([-8e307, 8e307])], AdvantageConfig(scale=scale, std="population"))
     assert spread.advantages[0] == pytest.approx([-1.0, 1.0])
+    if scale == "group":  # deviations beyond float's range: 1.7e308 - (-5.7e307) overflowed, every advantage NaN
+        ends = compute_advantages([group([1.7e308, 1.7e308, -1.7e308])], AdvantageConfig(scale=scale))
+        assert ends.advantages[0] == pytest.approx(
+            compute_advantages([group([1.0, 1.0, -1.0])], AdvantageConfig(scale=scale)).advantages[0], rel=1e-6)
