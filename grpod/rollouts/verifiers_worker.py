@@ -46,16 +46,19 @@ import sys
 # Run by file path, this directory is first on the import path, and grpod's `rollouts/signal.py`
 # would shadow the standard library's `signal` (imported by asyncio): put grpod's checkout there
 # instead, before any other import (`grpod.rollouts.reward_worker` is imported from it below).
-sys.path[0] = __file__.rsplit("/", 3)[0]
+# Imported as a module (grpod's tests of `TaskStream`), the import path is left as it is.
+if __name__ == "__main__":
+    sys.path[0] = __file__.rsplit("/", 3)[0]
 
 import asyncio
+import collections
 import itertools
 import json
 import os
 import traceback
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from grpod.rollouts.reward_worker import protocol_channel, read_request, write_reply  # noqa: E402
 from grpod.service.children import cap_memory  # noqa: E402
@@ -226,6 +229,100 @@ def _opening(task: Any) -> list[Any]:
     return messages
 
 
+_END = object()  # the end of a taskset's iteration; a task not held
+
+
+class TaskStream:
+    """One split's tasks in the order `iter(taskset)` yields them, read by index.
+
+    Task `index` is the index-th task, modulo the taskset's length once a finite taskset has been
+    seen to end. A verifiers taskset may be an infinite generator and a run's index grows without
+    end, so only the first `FIRST` tasks (evaluation without an eval split reads tasks
+    0..eval.size-1 of the train stream) and the last `WINDOW` tasks walked are held: memory is
+    bounded whatever the index. An index behind both is reached by iterating the taskset again from
+    its start (`iter(taskset)`; a verifiers `Taskset` starts afresh each time); a taskset that is a
+    one-shot iterator cannot be, and says so.
+
+    A fresh worker (a resume, a restart) walks from task 0 to the run's index: the walk yields to
+    the event loop every `YIELD_EVERY` tasks, so the worker's other calls go on and a cancel (the
+    daemon's timeout) is confirmed within milliseconds; the position reached is kept, and the next
+    call goes on from there. Walks are one at a time (a lock), since they share the iterator.
+    """
+
+    FIRST = 1024
+    WINDOW = 1024
+    YIELD_EVERY = 256
+
+    def __init__(self, taskset: Any, name: str) -> None:
+        self.taskset, self.name = taskset, name
+        self.first: list[Any] = []  # tasks 0 .. FIRST-1, as far as walked
+        self.recent: collections.deque = collections.deque(maxlen=self.WINDOW)  # tasks position-len(recent) .. position-1
+        self.iterator: Iterator[Any] | None = None  # None: start from task 0 at the next walk
+        self.position = 0  # the index of the task `iterator` yields next
+        self.length: int | None = None  # known once a finite taskset has ended
+        self.started = False  # iter(taskset) has been called
+        self.walking = asyncio.Lock()
+
+    def held(self) -> int:
+        """How many task objects the stream holds (bounded by FIRST + WINDOW)."""
+        return len(self.first) + len(self.recent)
+
+    async def task(self, index: int) -> Any:
+        """Task `index` (modulo the taskset's length, when it is finite)."""
+        task = self._kept(index)
+        if task is not _END:
+            return task
+        async with self.walking:
+            while (task := self._kept(index)) is _END:
+                if self.length is not None:
+                    index %= self.length
+                if self.iterator is None or index < self.position - len(self.recent):
+                    self._restart(index)
+                await self._walk(index)
+            return task
+
+    def _kept(self, index: int) -> Any:
+        """Task `index` if it is held, else `_END`."""
+        if self.length is not None:
+            index %= self.length
+        if index < len(self.first):
+            return self.first[index]
+        start = self.position - len(self.recent)
+        return self.recent[index - start] if start <= index < self.position else _END
+
+    def _restart(self, index: int) -> None:
+        """Iterate the taskset again from task 0 (the first walk starts here too)."""
+        iterator = iter(self.taskset)
+        if self.started and iterator is self.taskset:
+            raise UserCodeError(
+                f"task {index} of taskset {self.name!r} is behind the {self.held()} tasks kept, and the taskset "
+                f"is a one-shot iterator ({type(self.taskset).__name__}) that cannot be iterated again from its "
+                "start: make it an iterable (a vf.Taskset, a list) whose iter() starts over"
+            )
+        self.iterator, self.position, self.started = iterator, 0, True
+        self.recent.clear()
+
+    async def _walk(self, index: int) -> None:
+        """Advance until task `index` is held or the taskset ends (its length learned)."""
+        while self.position <= index:
+            try:
+                task = next(self.iterator, _END)
+            except BaseException:
+                self.iterator = None  # a generator that raised is over: start again next time
+                raise
+            if task is _END:
+                if self.position == 0:
+                    raise UserCodeError(f"the taskset {self.name!r} has no tasks")
+                self.length, self.iterator = self.position, None
+                return
+            if self.position == len(self.first) < self.FIRST:
+                self.first.append(task)
+            self.recent.append(task)
+            self.position += 1
+            if self.position % self.YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a cancel lands here; the position reached is kept
+
+
 class EnvironmentHost:
     """The loaded environment, its task streams per split, and the open episodes."""
 
@@ -241,25 +338,20 @@ class EnvironmentHost:
             evaluation = {"taskset": {"id": spec["name"], **(spec.get("args") or {}), **spec["eval_args"]}}
             envs["eval"] = vf.load_environment(vf.resolve_env_config(evaluation))
         self.envs = envs
-        self.tasks: dict[str, tuple[Any, list[Any]]] = {split: (iter(env.taskset), []) for split, env in envs.items()}
+        self.tasks = {split: TaskStream(env.taskset, env.config.taskset.id) for split, env in envs.items()}
         self.episodes: dict[int, _Episode] = {}
         self.ids = itertools.count(1)
 
-    def task(self, index: int, split: str) -> Any:
-        """Task `index` of `split` (modulo the size of a finite taskset)."""
-        stream, seen = self.tasks.get(split, self.tasks["train"])
-        while len(seen) <= index:
-            task = next(stream, None)
-            if task is None:
-                break
-            seen.append(task)
-        if not seen:
-            raise UserCodeError(f"the taskset {self.env.config.taskset.id!r} has no tasks")
-        return seen[index % len(seen)]
+    async def task(self, index: int, split: str) -> Any:
+        """Task `index` of `split` (modulo the size of a finite taskset; `TaskStream`)."""
+        return await self.tasks.get(split, self.tasks["train"]).task(index)
+
+    async def opening(self, index: int, split: str) -> list[dict[str, str]]:
+        return _wire(_opening(await self.task(index, split)))
 
     async def open(self, index: int, split: str) -> tuple[int, list[dict[str, str]]]:
         env = self.envs.get(split, self.env)
-        episode = _Episode(env, self.task(index, split))
+        episode = _Episode(env, await self.task(index, split))
         key = next(self.ids)
         self.episodes[key] = episode
         episode.runner = asyncio.get_running_loop().create_task(episode.play())
@@ -319,7 +411,7 @@ async def _serve(host: EnvironmentHost, requests: Any, replies: Any) -> None:
     closed, since its reply reached nobody) and answers once it is gone: the daemon's way out of a
     call past its timeout without killing the worker, and proof that the event loop runs."""
     loop = asyncio.get_running_loop()
-    calls = {"task": lambda i, s: _wire(_opening(host.task(i, s))), "open": host.open,
+    calls = {"task": host.opening, "open": host.open,
              "respond": host.respond, "reward": host.reward, "close": host.close}
     running: dict[int, asyncio.Task] = {}
 

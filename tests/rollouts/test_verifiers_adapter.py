@@ -264,6 +264,48 @@ async def test_a_blocked_event_loop_gets_the_worker_replaced(tmp_path):
         await episode.aclose()
 
 
+# An infinite taskset of tiny tasks: task i's prompt is "i".
+ENDLESS_ENV = '''
+import verifiers.v1 as vf
+
+
+class EndlessTaskset(vf.Taskset[vf.Task, vf.TasksetConfig]):
+    INFINITE = True
+
+    def load(self):
+        i = 0
+        while True:
+            yield vf.Task(vf.TaskData(prompt=str(i)))
+            i += 1
+
+
+__all__ = ["EndlessTaskset"]
+'''
+
+
+async def test_a_fresh_worker_reaches_a_far_index_of_an_infinite_taskset(tmp_path):
+    """A resumed run's first open, in a fresh worker, walks the taskset to its index (some
+    seconds). The walk yields to the worker's event loop: a call past timeout_s is cancelled in
+    the worker (not killed as blocked), the walk keeps its place, and a later open gets there
+    (the whole walk blocked the loop: the worker was killed and began again at task 0, every time)."""
+    (tmp_path / "vf_endless.py").write_text(textwrap.dedent(ENDLESS_ENV))
+    far = 300_000
+    async with VerifiersAdapter(calculator(name="vf_endless", path=[tmp_path], timeout_s=1.0), run_dir=tmp_path) as adapter:
+        for _ in range(100):
+            try:
+                opening, episode = await adapter.open(far, "train")
+                break
+            except EnvironmentFailure as failure:
+                assert failure.reason == "environment_timeout", failure
+                assert "cancelled in the worker, which goes on" in str(failure)
+        else:
+            pytest.fail(f"open({far}) never answered within timeout_s")
+        await episode.aclose()
+        assert opening[-1] == {"role": "user", "content": str(far)}
+        assert adapter.health()["restarts"] == 0
+        assert await adapter.task(far + 1, "train") == [{"role": "user", "content": str(far + 1)}]
+
+
 async def test_exit_leaves_no_process_on_every_path(tmp_path):
     adapter = VerifiersAdapter(calculator(), run_dir=tmp_path)
     with anyio.CancelScope() as scope:
