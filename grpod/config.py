@@ -867,7 +867,8 @@ class LossConfig(_Section):
     mask_truncated: bool = Field(
         False,
         description="No loss on completions that hit max_tokens (Atropos: overrides truncated / finish_reason "
-        '"length").',
+        '"length"; an environment\'s episode: its last model turn hit max_tokens, or the episode its token budget '
+        "while the environment would have gone on; one that used its max_turns is complete).",
     )
     logprob_chunk_tokens: int = Field(
         1024, ge=1, description="The trainer's fp32 log-softmax is computed this many tokens at a time."

@@ -127,10 +127,12 @@ class ChatTurns:
         return total
 
     def too_long(self, messages: Sequence[Message], room: int) -> bool:
-        """Whether `messages` certainly need more than `room` ids: their text is longer than `room`
-        of the vocabulary's longest tokens. (A tokenizer whose normaliser collapses runs of spaces
-        could fit such a text; an environment's message that long is refused as too long anyway.)"""
-        return self.chars(messages) > room * self.max_token_chars
+        """Whether `messages` certainly need more than `room` ids: there are more of them than
+        `room` (each renders to one id at least: a reply of 100,000 empty messages passed and was
+        rendered for 2.8 s on the event loop), or their text is longer than `room` of the
+        vocabulary's longest tokens. (A tokenizer whose normaliser collapses runs of spaces could
+        fit such a text; an environment's message that long is refused as too long anyway.)"""
+        return len(messages) > room or self.chars(messages) > room * self.max_token_chars
 
     def after_model_turn(self, sampled_ids: Sequence[int], messages: Sequence[Message]) -> list[int]:
         """The ids to append after a model turn that sampled `sampled_ids` when `messages` follow

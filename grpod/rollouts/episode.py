@@ -58,6 +58,9 @@ class Episode:
     versions: list[int]
     turns: list[ModelTurn] = field(default_factory=list)
     reward: float | None = None
+    # Ended by the episode's token budget while the environment would have gone on (its reply, or
+    # the next turn, did not fit): unfinished, like a model turn cut off at max_tokens.
+    cut: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -120,8 +123,9 @@ class Episode:
 
     @property
     def truncated(self) -> bool:
-        """True when the last model turn was cut off at its token budget."""
-        return bool(self.turns) and self.turns[-1].finish_reason == "length"
+        """True when the last model turn was cut off at its token budget, or the episode at its
+        (`cut`): `train.loss.mask_truncated` trains neither."""
+        return self.cut or (bool(self.turns) and self.turns[-1].finish_reason == "length")
 
     @property
     def oldest_version(self) -> int | None:

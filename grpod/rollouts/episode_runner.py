@@ -32,9 +32,13 @@ never half of it.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+
 import anyio
+from jinja2 import TemplateError
 
 from grpod.inference.policy import Policy
 from grpod.rollouts.chat_turns import ChatTurns, Message
@@ -60,11 +64,19 @@ def _ids(what: str, render, *args) -> list[int]:
     earlier turns) is the environment's error, named."""
     try:
         return render(*args)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, TemplateError) as exc:  # a template's raise_exception: "roles must alternate"
         raise EnvironmentFailure(
             "environment_error", f"the environment's {what} cannot be rendered and tokenised: {type(exc).__name__}: "
             f"{str(exc)[:300]}"
         ) from None
+
+
+def finite_reward(reward: object) -> float:
+    """An environment's reward as a float: a finite real number (a bool counts 1 / 0, as TRL reads
+    it), else the environment's error, named (a NaN reached the queue as a scored group)."""
+    if isinstance(reward, numbers.Real) and math.isfinite(reward):
+        return float(reward)
+    raise EnvironmentFailure("environment_error", f"the environment's reward is {reward!r:.80}: not a finite number")
 
 
 def opening_ids(turns: ChatTurns, messages: Sequence[Message], max_episode_tokens: int) -> list[int]:
@@ -122,6 +134,7 @@ class EpisodeRunner:
         for k in range(limits.max_turns):
             room = limits.max_episode_tokens - len(episode.tokens)
             if room < 1:
+                episode.cut = True
                 break
             async with self.policy.engine(self.engine_wait_s) as lease:
                 (completion,) = await lease.client.generate(
@@ -142,12 +155,14 @@ class EpisodeRunner:
                 break
             reply = checked_reply(reply, f"the environment's reply to turn {k + 1}")
             if self.turns.too_long(reply, limits.max_episode_tokens - len(episode.tokens)):
-                break  # as below, decided before rendering or tokenising it: the reply may be megabytes
+                episode.cut = True  # as below, decided before rendering or tokenising it: the reply may be megabytes
+                break
             following = _ids(f"reply to turn {k + 1}", self.turns.after_model_turn, completion.token_ids, reply)
             if len(episode.tokens) + len(following) >= limits.max_episode_tokens:
-                break  # no room for the next turn's first sampled id
+                episode.cut = True  # no room for the next turn's first sampled id
+                break
             episode.add_environment_turn(following)
-        episode.reward = float(await self._ask("reward", environment.reward()))
+        episode.reward = finite_reward(await self._ask("reward", environment.reward()))
         return episode
 
     async def play_group(

@@ -155,6 +155,23 @@ async def test_a_first_task_that_leaves_no_room_for_a_model_turn_stops_the_start
                                   tokenizer=tokenizer)
 
 
+async def test_a_chat_template_that_refuses_the_openings_roles_stops_the_start_with_a_config_error(tmp_path, tokenizer):
+    """A template's raise_exception (Gemma: "System role not supported") is a jinja2 TemplateError:
+    the start ended in a traceback instead of exit 2 naming what failed."""
+    import copy
+
+    from grpod.models.tiny import CHAT_TEMPLATE
+
+    gemma_like = copy.deepcopy(tokenizer)
+    gemma_like.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                                "{{ raise_exception('System role not supported') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE)
+    with pytest.raises(ConfigError, match="task 0: the environment's opening cannot be rendered and tokenised: "
+                                          "TemplateError: System role not supported"):
+        async with AsyncExitStack() as stack:
+            await prepare_environment(config().source, tmp_path, stack, max_seq_len=512, model_path=tmp_path,
+                                      tokenizer=gemma_like)
+
+
 async def test_a_resumed_source_continues_the_task_stream(tokenizer):
     cfg = config()
     source = source_over(solver(tokenizer), tokenizer, KnownAnswers(cfg.source.environment), cfg, cursor={"next_index": 7})
