@@ -173,19 +173,21 @@ def test_a_reply_the_template_cannot_take_or_that_speaks_as_the_model_is_the_env
     assert failure.value.reason == "environment_error" and expected in str(failure.value), str(failure.value)
 
 
+async def stops_after_two_ids(prompt, **kwargs):
+    """A scripted engine's turn: two ids, the second ending the turn."""
+    return [Completion([5, 2], [-0.5, -0.5], "stop", "x")]
+
+
 def test_a_reply_of_many_empty_messages_is_refused_without_being_rendered_and_the_cut_episode_is_truncated(tokenizer):
     """100,000 empty messages weighed 0 characters: they passed the size guard and were rendered
     and tokenised on the event loop (2.8 s) before being thrown away. An episode the budget ends
     while the environment would go on is unfinished: `mask_truncated` must not train it as done."""
-    async def generate(prompt, **kwargs):
-        return [Completion([5, 2], [-0.5, -0.5], "stop", "x")]
-
     class Empties(FixedTool):
         async def respond(self, text: str):
             self.seen.append(text)
             return [{"role": "tool", "content": ""}] * 100_000
 
-    runner, _ = runner_over(generate, tokenizer, max_turns=3)
+    runner, _ = runner_over(stops_after_two_ids, tokenizer, max_turns=3)
     rendered = []
     runner.turns.after_model_turn = lambda *args: rendered.append(args) or []
     episode = anyio.run(lambda: runner.play(USER, Empties([])))
@@ -200,14 +202,11 @@ def test_a_reward_that_is_not_a_finite_number_is_the_environments_error(tokenize
     of failures reset), then validation or dynamic sampling threw it away, naming no environment."""
     from grpod.rollouts.environments import EnvironmentFailure
 
-    async def generate(prompt, **kwargs):
-        return [Completion([5, 2], [-0.5, -0.5], "stop", "x")]
-
     class Scores(FixedTool):
         async def reward(self):
             return reward
 
-    runner, _ = runner_over(generate, tokenizer)
+    runner, _ = runner_over(stops_after_two_ids, tokenizer)
     with pytest.raises(EnvironmentFailure, match="the environment's reward is .*: not a finite number") as failure:
         anyio.run(lambda: runner.play(USER, Scores([])))
     assert failure.value.reason == "environment_error"
@@ -218,14 +217,11 @@ def test_a_true_reward_counts_one_and_a_template_that_refuses_a_role_is_the_envi
 
     from grpod.rollouts.environments import EnvironmentFailure
 
-    async def generate(prompt, **kwargs):
-        return [Completion([5, 2], [-0.5, -0.5], "stop", "x")]
-
     class Passes(FixedTool):
         async def reward(self):
             return True
 
-    runner, _ = runner_over(generate, tokenizer)
+    runner, _ = runner_over(stops_after_two_ids, tokenizer)
     assert anyio.run(lambda: runner.play(USER, Passes([]))).reward == 1.0
 
     def refuses(*args):  # Gemma's and Mistral's templates raise_exception on roles they do not take
