@@ -88,10 +88,13 @@ class Evaluations:
     async def _evaluate(self) -> None:
         running = self._running
         assert running is not None
-        error_free = False
         try:
             result = await self.source.evaluate(self.cfg.size, self.cfg.max_tokens)
-            error_free = True
+            if result is None and not self._said_none:
+                # Atropos environments and replays have no held-out set of grpod's: say so once.
+                self._said_none = True
+                log.warning("eval_unavailable", source=type(self.source).__name__,
+                            why=f"this source has no held-out set: eval.size = {self.cfg.size} evaluates nothing")
         except Exception as exc:  # noqa: BLE001 — an evaluation failure is reported, not fatal
             error = first_error(exc) or exc
             log.warning("eval_failed", when=running["when"], step=running["step"], error=f"{type(error).__name__}: {error}"[:300])
@@ -99,11 +102,6 @@ class Evaluations:
         finally:
             self._running = None
             self._idle.set()
-        if result is None and error_free and not self._said_none:
-            # Atropos environments and replays have no held-out set of grpod's: say so once.
-            self._said_none = True
-            log.warning("eval_unavailable", source=type(self.source).__name__,
-                        why=f"this source has no held-out set: eval.size = {self.cfg.size} evaluates nothing")
         if result is not None:
             seconds = round(time.monotonic() - running["began"], 3)
             self.reporter.eval_done({**result, "eval_s": seconds}, running["when"], step=running["step"])

@@ -24,7 +24,7 @@ an environment that cannot start stops `grpod start` with exit 2 before anything
 0's opening is tokenized there as every episode tokenizes it (`opening_ids`): one that leaves no
 room for a model turn within the episode's tokens is refused too, since every group of such
 tasks would drop as `prompt_too_long` and no step would train. Dropped groups are counted each,
-and said on the console once per reason every `WARNING_EVERY_S` (`ThrottledWarnings`).
+and said on the console once per reason every `REPEAT_EVERY_S` (`ThrottledWarnings`).
 """
 
 from __future__ import annotations

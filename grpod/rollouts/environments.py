@@ -18,6 +18,8 @@ source as `EnvironmentFailure` with a short `reason` (`environment_crash`, `envi
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Literal, Protocol
 
 from grpod.rollouts.chat_turns import Message
@@ -41,6 +43,19 @@ class EnvironmentTimeout(EnvironmentFailure):
 
 
 REPLY_ROLES = ("user", "tool")
+
+
+def finite_number(value: Any) -> float | None:
+    """`value` as a float when it is a finite real number, else None (an int past float's range,
+    10**400, included). The one test of an environment's reward: every adapter's, and each
+    OpenEnv step's."""
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def checked_reply(reply: Any, where: str) -> list[Message]:

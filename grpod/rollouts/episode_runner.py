@@ -32,8 +32,6 @@ never half of it.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,7 +40,13 @@ from jinja2 import TemplateError
 
 from grpod.inference.policy import Policy
 from grpod.rollouts.chat_turns import ChatTurns, Message
-from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, TurnEnvironment, checked_reply
+from grpod.rollouts.environments import (
+    EnvironmentFailure,
+    EnvironmentTimeout,
+    TurnEnvironment,
+    checked_reply,
+    finite_number,
+)
 from grpod.rollouts.episode import Episode, episode_group
 from grpod.rollouts.group import RolloutGroup
 
@@ -72,11 +76,13 @@ def _ids(what: str, render, *args) -> list[int]:
 
 
 def finite_reward(reward: object) -> float:
-    """An environment's reward as a float: a finite real number (a bool counts 1 / 0, as TRL reads
-    it), else the environment's error, named (a NaN reached the queue as a scored group)."""
-    if isinstance(reward, numbers.Real) and math.isfinite(reward):
-        return float(reward)
-    raise EnvironmentFailure("environment_error", f"the environment's reward is {reward!r:.80}: not a finite number")
+    """An environment's reward as a float: a finite real number (`finite_number`; a bool counts
+    1 / 0, as TRL reads it), else the environment's error, named (a NaN reached the queue as a
+    scored group)."""
+    number = finite_number(reward)
+    if number is None:
+        raise EnvironmentFailure("environment_error", f"the environment's reward is {reward!r:.80}: not a finite number")
+    return number
 
 
 def opening_ids(turns: ChatTurns, messages: Sequence[Message], max_episode_tokens: int) -> list[int]:

@@ -57,7 +57,6 @@ import functools
 import inspect
 import itertools
 import json
-import math
 import os
 import random
 import signal
@@ -78,7 +77,7 @@ from grpod.config import EnvironmentConfig
 from grpod.inference import release
 from grpod.inference.process import LaunchLog, exit_code_of
 from grpod.rollouts.chat_turns import Message
-from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split, checked_reply
+from grpod.rollouts.environments import EnvironmentFailure, EnvironmentTimeout, Split, checked_reply, finite_number
 from grpod.service.children import cap_memory, die_with_parent, parent_env
 
 log = structlog.get_logger(__name__)
@@ -117,14 +116,9 @@ def step_reward(reward: Any, where: str) -> float:
     null) for 0; else the environment's error."""
     if reward is None:
         return 0.0
-    try:
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-            raise TypeError
-        value = float(reward)
-        if not math.isfinite(value):
-            raise OverflowError
-    except (TypeError, OverflowError):
-        raise EnvironmentFailure("environment_error", f"{where}: its reward is {reward!r:.60}, expected a finite number") from None
+    value = None if isinstance(reward, bool) else finite_number(reward)  # JSON's true is no reward of OpenEnv's
+    if value is None:
+        raise EnvironmentFailure("environment_error", f"{where}: its reward is {reward!r:.60}, expected a finite number")
     return value
 
 

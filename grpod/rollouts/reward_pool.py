@@ -18,7 +18,7 @@ Guarantees:
 - `aclose()` kills every worker and waits for each; the kernel kills them if the daemon dies;
 - a call whose function raised has its traceback written to `log_path` (rewards.log, where the
   workers' prints go): the first of each function and exception type in full, then at most one
-  per TRACEBACK_EVERY_S saying how many were not shown, and at `aclose()` the count of those
+  per REPEAT_EVERY_S saying how many were not shown, and at `aclose()` the count of those
   never shown; the call's detail (grpod.log) names the deepest line of the user's code.
 
 Nothing here blocks the event loop: the pipes are anyio streams, the kill and the reaping are
@@ -60,8 +60,6 @@ REAP_TIMEOUT_S = 10.0
 # Once a reply's length has arrived, its body (written with it) is read without interruption, in
 # at most this long: a reader cancelled between the two would leave the stream mid-frame.
 BODY_READ_S = 10.0
-# A function raising the same exception type on every call has its traceback written this often.
-TRACEBACK_EVERY_S = 30.0
 # What reading from or writing to a worker's pipes raises once it died or its pipe was closed.
 PIPE_ERRORS = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.IncompleteRead, OSError)
 
@@ -123,7 +121,7 @@ class RewardPool:
         self._missing = 0
         self._outstanding = 0
         self._closed = False
-        self._tracebacks = RepeatThrottle(TRACEBACK_EVERY_S)
+        self._tracebacks = RepeatThrottle()  # by (function, exception type)
 
     # ---- lifetime --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -147,7 +145,7 @@ class RewardPool:
                 await self._kill(worker)
         for (index, exc_type), held in self._tracebacks.drain().items():
             self._write_log(f"{self._raised(index, exc_type)} {held} more time(s) since its last traceback above "
-                            f"(not shown: at most one per {TRACEBACK_EVERY_S:g} s)\n")
+                            f"(not shown: at most one per {self._tracebacks.every_s:g} s)\n")
 
     async def __aenter__(self) -> RewardPool:
         await self.start()
@@ -225,7 +223,7 @@ class RewardPool:
 
     def _write_traceback(self, index: int, exc_type: str, formatted: str) -> None:
         """`formatted` (a traceback) into the log, unless one of this function and type was written under
-        TRACEBACK_EVERY_S ago (then it is counted, and said with the next one written)."""
+        REPEAT_EVERY_S ago (then it is counted, and said with the next one written)."""
         held = self._tracebacks.admit((index, exc_type), anyio.current_time())
         if held is None:
             return
@@ -234,7 +232,7 @@ class RewardPool:
 
     def _write_log(self, text: str) -> None:
         """Appended to `log_path` (stderr without one, where the workers write then): a traceback
-        of at most 64 KiB, at most once per TRACEBACK_EVERY_S per function and type."""
+        of at most 64 KiB, at most once per REPEAT_EVERY_S per function and type."""
         try:
             if self.log_path is None:
                 sys.stderr.write(text)

@@ -28,8 +28,6 @@ log = structlog.get_logger(__name__)
 
 # After a failed generation (vLLM restarting or dead), wait this long before the next request.
 GENERATION_RETRY_S = 0.5
-# A source failing the same way on every group says so once per this many seconds, with a count.
-WARNING_EVERY_S = 30.0
 
 
 @dataclass
@@ -52,12 +50,12 @@ class SamplingStats(SourceStats):
 
 class ThrottledWarnings:
     """A source's console warnings about dropped groups: one line per event and reason per
-    WARNING_EVERY_S, saying how many were not shown (a reward function or an environment failing
+    REPEAT_EVERY_S, saying how many were not shown (a reward function or an environment failing
     on every group must not print a line per group). Only the console is throttled: the source
     counts every drop in its stats (`SourceStats.failed`), which the source alarm reads."""
 
     def __init__(self) -> None:
-        self._throttle = RepeatThrottle(WARNING_EVERY_S)  # by (event, reason)
+        self._throttle = RepeatThrottle()  # by (event, reason)
 
     def warn(self, event: str, reason: str, **fields: Any) -> None:
         held = self._throttle.admit((event, reason), anyio.current_time())

@@ -377,18 +377,14 @@ def validate_group(
     return None
 
 
-# A reason rejected again within this many seconds is counted, and its warning held back.
-REJECTION_WARNING_EVERY_S = 30.0
-
-
 class RejectionCounter:
     """Rejected groups per reason, over the life of a run (for `ctl status` and metrics), and how
-    often each reason is logged: its first, then one per REJECTION_WARNING_EVERY_S with the count
+    often each reason is logged: its first, then one per REPEAT_EVERY_S with the count
     held back (a converged model's duplicate groups printed a warning each, 157 by step 400)."""
 
     def __init__(self) -> None:
         self._counts: Counter[str] = Counter()
-        self.warnings = RepeatThrottle(REJECTION_WARNING_EVERY_S)
+        self.warnings = RepeatThrottle()
 
     def add(self, rejection: Rejection) -> None:
         self._counts[str(rejection.reason)] += 1

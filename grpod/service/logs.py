@@ -400,15 +400,21 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+# A message repeated on every group (a reward function's error, a dropped episode, a rejected
+# group) is written once per this many seconds, with a count of those held back.
+REPEAT_EVERY_S = 30.0
+
+
 class RepeatThrottle:
     """How often one kind of repeated message is written: the first of each key, then at most one
-    per `every_s`, the one shown saying how many of its key were held back since the last.
+    per `every_s` (REPEAT_EVERY_S), the one shown saying how many of its key were held back since
+    the last.
 
     A reward function that raises on every group (or an environment that fails every episode)
     must not write a line, or a traceback, per group: the reader needs the first in full and a
     count, not ten thousand copies."""
 
-    def __init__(self, every_s: float) -> None:
+    def __init__(self, every_s: float = REPEAT_EVERY_S) -> None:
         self.every_s = every_s
         self._seen: dict[Any, tuple[float, int]] = {}
 

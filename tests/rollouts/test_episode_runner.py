@@ -196,7 +196,7 @@ def test_a_reply_of_many_empty_messages_is_refused_without_being_rendered_and_th
     assert not finished.cut and not finished.truncated
 
 
-@pytest.mark.parametrize("reward", [float("nan"), float("inf"), None, "1.0"])
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), None, "1.0", 10**400])
 def test_a_reward_that_is_not_a_finite_number_is_the_environments_error(tokenizer, reward):
     """verifiers passed a NaN reward through: the group counted as scored (the source alarm's run
     of failures reset), then validation or dynamic sampling threw it away, naming no environment."""

@@ -62,7 +62,8 @@ def test_a_failure_repeated_on_every_group_is_one_console_line_per_interval_with
     whose openings never fit) printed a line per group; the drops themselves are counted apart."""
     from structlog.testing import capture_logs
 
-    from grpod.rollouts.sampling_source import WARNING_EVERY_S, ThrottledWarnings
+    from grpod.rollouts.sampling_source import ThrottledWarnings
+    from grpod.service.logs import REPEAT_EVERY_S
 
     now = [100.0]
     monkeypatch.setattr(anyio, "current_time", lambda: now[0])
@@ -72,7 +73,7 @@ def test_a_failure_repeated_on_every_group_is_one_console_line_per_interval_with
             warnings.warn("episode_failed", "prompt_too_long", task=1)
         warnings.warn("episode_failed", "environment_timeout", task=2)  # another reason is said at once
         warnings.warn("reward_failed", "prompt_too_long")  # and another event
-        now[0] += WARNING_EVERY_S
+        now[0] += REPEAT_EVERY_S
         warnings.warn("episode_failed", "prompt_too_long", task=9)
         warnings.warn("episode_failed", "prompt_too_long", task=10)
     assert [(e["event"], e["reason"], e.get("task"), e.get("same_failures_not_shown")) for e in logs] == [

@@ -187,6 +187,7 @@ def test_validate_batch_splits_counts_and_logs_each_rejection() -> None:
 def test_a_reason_rejected_again_and_again_is_logged_once_per_interval_and_counted_every_time(monkeypatch) -> None:
     """A converged model's identical groups, rejected as duplicates, printed a warning each."""
     import grpod.rollouts.validation as validation
+    from grpod.service.logs import REPEAT_EVERY_S
 
     clock = [100.0]
     monkeypatch.setattr(validation.time, "monotonic", lambda: clock[0])
@@ -196,7 +197,7 @@ def test_a_reason_rejected_again_and_again_is_logged_once_per_interval_and_count
         group.scores[0] = math.nan
     with structlog.testing.capture_logs() as logs:
         validate_batch(bad[:5], **LIMITS, counter=counter)
-        clock[0] += validation.REJECTION_WARNING_EVERY_S
+        clock[0] += REPEAT_EVERY_S
         validate_batch(bad[5:], **LIMITS, counter=counter)
     events = [e for e in logs if e["event"] == "group_rejected"]
     assert [(e["group_id"], e.get("same_reason_not_shown")) for e in events] == [("bad-0", None), ("bad-5", 4)]
