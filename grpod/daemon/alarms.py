@@ -25,7 +25,7 @@ from typing import Any
 
 import structlog
 
-from grpod.run.checkpoint import CheckpointDiskFull
+from grpod.run.checkpoint import CheckpointNotWritten
 from grpod.run.store import BrokenTrainerState
 
 log = structlog.get_logger(__name__)
@@ -184,9 +184,9 @@ class SyncAlarm(WriteAlarm):
 
 
 class CheckpointAlarm(WriteAlarm):
-    """A periodic or an operator's checkpoint that failed (`CheckpointDiskFull`, a read-only or
-    failing filesystem); the next checkpoint retries. (The shutdown checkpoint's failure is the
-    run's exit status.)"""
+    """A periodic or an operator's checkpoint that failed (`CheckpointNotWritten`: a full or
+    read-only filesystem; or any other failure); the next checkpoint retries. (The shutdown
+    checkpoint's failure is the run's exit status.)"""
 
     name = "checkpoint"
     meanwhile = "training goes on and the next checkpoint retries"
@@ -200,6 +200,6 @@ class CheckpointAlarm(WriteAlarm):
             raise
         except Exception as exc:  # noqa: BLE001 — a failed checkpoint is the alarm's, the run goes on
             log.exception("checkpoint_failed")
-            error = str(exc) if isinstance(exc, CheckpointDiskFull) else f"{type(exc).__name__}: {exc}"
+            error = str(exc) if isinstance(exc, CheckpointNotWritten) else f"{type(exc).__name__}: {exc}"
             self.failed(step, error)
             return None, error

@@ -16,9 +16,12 @@ Guarantees of `write_checkpoint`, against a kill (SIGKILL, OOM) at any instant:
 - a checkpoint of the same step is replaced by renaming the old one aside first; if the process
   dies between the two renames, `clean_stale_temp` puts the old one back.
 A write that fails leaves nothing visible (its temporary directory is removed) and the newest
-complete checkpoint stays the newest. When it failed because the filesystem is full — an OSError
-ENOSPC, or torch's writer reporting the same as `[enforce fail at inline_container.cc] unexpected
-pos` with no errno — it is a `CheckpointDiskFull` naming the filesystem, the file and the space.
+complete checkpoint stays the newest. When it failed because of its filesystem, it is a
+`CheckpointNotWritten` naming the filesystem, the file and what to do, whichever call failed:
+- full — an OSError ENOSPC, or torch's writer reporting the same as `[enforce fail at
+  inline_container.cc] unexpected pos` with no errno: `CheckpointDiskFull`, with the space;
+- read-only (remounted so after an I/O error, or by an operator) — EROFS from a mkdir, or torch's
+  `open file failed with strerror: Read-only file system`: the mount's own flag says so.
 
 A `step-NNNNNN` that still fails verification (disk corruption, a hand edit) is skipped by
 `latest_checkpoint` with a warning, which then falls back to the previous one.
@@ -67,12 +70,17 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint directory is incomplete or its files do not match its manifest."""
 
 
-class CheckpointDiskFull(CheckpointError):
-    """A checkpoint write ran out of space; nothing of it is left, older checkpoints are intact."""
+class CheckpointNotWritten(CheckpointError):
+    """A checkpoint write failed because of its filesystem (read-only, full); nothing of it is
+    left, older checkpoints are intact. The message names the filesystem, the file and the cure."""
 
     def __init__(self, message: str, *, mount: Path, path: Path) -> None:
         super().__init__(message)
         self.mount, self.path = mount, path
+
+
+class CheckpointDiskFull(CheckpointNotWritten):
+    """A checkpoint write ran out of space."""
 
 
 # A failed write with less free space than this left on its filesystem ran out of it: a write
@@ -209,9 +217,9 @@ def write_checkpoint(
     try:
         tmpdir.mkdir()
     except OSError as exc:
-        full = _disk_full(root, final, exc) if exc.errno in (errno.ENOSPC, errno.EDQUOT) else None
-        if full is not None:
-            raise full from exc
+        named = _not_written(root, root, final, exc)
+        if named is not None:
+            raise named from exc
         raise
     try:
         populate(tmpdir)
@@ -227,10 +235,10 @@ def write_checkpoint(
         }
         _write_manifest(tmpdir, manifest)
     except BaseException as exc:
-        full = _disk_full(tmpdir, final, exc) if isinstance(exc, Exception) else None
+        named = _not_written(tmpdir, root, final, exc) if isinstance(exc, Exception) else None
         shutil.rmtree(tmpdir, ignore_errors=True)
-        if full is not None:
-            raise full from exc
+        if named is not None:
+            raise named from exc
         raise
     aside = None
     if final.exists():
@@ -252,28 +260,36 @@ def write_checkpoint(
     return final
 
 
-def _disk_full(tmpdir: Path, final: Path, exc: Exception) -> CheckpointDiskFull | None:
-    """`exc` as a CheckpointDiskFull when the write failed for want of space, else None. Looked at
-    before the partial write is removed (which frees the space again)."""
+def _not_written(tmpdir: Path, root: Path, final: Path, exc: Exception) -> CheckpointNotWritten | None:
+    """`exc` as a CheckpointNotWritten when the write failed because of its filesystem (full, or
+    read-only), else None. Looked at before the partial write is removed (which frees the space
+    again); `tmpdir` is `root` when the write failed making it."""
     chain, seen = exc, []
     while chain is not None and len(seen) < 10:
         seen.append(chain)
         chain = chain.__cause__ or chain.__context__
-    no_space = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in seen)
+    errnos = {e.errno for e in seen if isinstance(e, OSError)}
     try:
         fs = os.statvfs(tmpdir)
     except OSError:
         return None
-    free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
-    if not no_space and free >= DISK_FULL_FREE_BYTES:
-        return None
     mount = _mount_point(tmpdir)
-    path = _newest_file(tmpdir) or tmpdir
-    shown = final / path.relative_to(tmpdir) if path != tmpdir else final
+    path = (_newest_file(tmpdir) or tmpdir) if tmpdir != root else root
+    shown = final / path.relative_to(tmpdir) if tmpdir != root and path != tmpdir else final
+    cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else '-'}"
+    if errno.EROFS in errnos or fs.f_flag & os.ST_RDONLY:
+        return CheckpointNotWritten(
+            f"read-only file system at {mount} ({_fs_type(mount)}) writing {shown}: {cause}; the checkpoint was "
+            "not written (older ones are intact): make it writable again (a filesystem the kernel remounted "
+            "read-only after an I/O error needs its disk checked first)",
+            mount=mount, path=shown,
+        )
+    free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+    if not errnos & {errno.ENOSPC, errno.EDQUOT} and free >= DISK_FULL_FREE_BYTES:
+        return None
     return CheckpointDiskFull(
         f"no space left on {mount} ({_fs_type(mount)}, {free} of {total} bytes free) writing {shown}: "
-        f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else '-'}; the checkpoint was not written "
-        "(older ones are intact): free space there",
+        f"{cause}; the checkpoint was not written (older ones are intact): free space there",
         mount=mount, path=shown,
     )
 

@@ -398,6 +398,7 @@ def _full_filesystem(monkeypatch, free: int) -> None:
     class Full:
         def __init__(self, st):
             self.f_frsize, self.f_blocks, self.f_bavail = 4096, st.f_blocks, free // 4096
+            self.f_flag = st.f_flag
 
     monkeypatch.setattr(os, "statvfs", lambda path: Full(real(path)))
 
@@ -427,6 +428,48 @@ def test_a_write_out_of_space_is_named_and_leaves_nothing(tmp_path: Path, monkey
     assert message.startswith("no space left on /") and "step-000002/trainer_state.pt" in message, message
     assert caught.value.path == tmp_path / "step-000002" / "trainer_state.pt"
     assert [c.step for c in list_checkpoints(tmp_path)] == [1] and _hidden_dirs(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["mkdir", "torch"])
+def test_a_write_on_a_read_only_filesystem_is_named_whichever_call_failed(tmp_path: Path, monkeypatch, where) -> None:
+    """A filesystem remounted read-only fails the write wherever it is: EROFS from making the
+    temporary directory, or torch's `open file failed with strerror` (a RuntimeError, no errno)
+    from a file inside it. Either is a CheckpointNotWritten naming the filesystem and the file,
+    not one of two raw errors; the older checkpoint stays. (The mount's flag is faked here; the
+    fault case remounts a tmpfs.)"""
+    import errno
+
+    from grpod.run.checkpoint import CheckpointDiskFull, CheckpointNotWritten
+
+    _write(tmp_path, 1)
+    real_statvfs, real_mkdir = os.statvfs, Path.mkdir
+
+    class ReadOnly:
+        def __init__(self, st):
+            self.f_frsize, self.f_blocks, self.f_bavail = st.f_frsize, st.f_blocks, st.f_bavail
+            self.f_flag = st.f_flag | os.ST_RDONLY
+
+    def populate(directory: Path) -> None:
+        (directory / "model.bin").write_bytes(b"weights")
+        monkeypatch.setattr(os, "statvfs", lambda path: ReadOnly(real_statvfs(path)))
+        raise RuntimeError("[enforce fail at inline_container.cc:747] . open file failed with strerror: "
+                           "Read-only file system")
+
+    def mkdir(self, *args, **kwargs):
+        if self.name.startswith(".tmp-"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    if where == "mkdir":
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(CheckpointNotWritten) as caught:
+        write_checkpoint(tmp_path, 2, populate, {}, keep_last=3)
+    assert not isinstance(caught.value, CheckpointDiskFull)
+    message = str(caught.value)
+    assert message.startswith("read-only file system at /"), message
+    shown = "step-000002/model.bin" if where == "torch" else "step-000002:"
+    assert shown in message and "the checkpoint was not written (older ones are intact)" in message, message
+    assert [c.step for c in list_checkpoints(tmp_path)] == [1]
 
 
 def test_a_failure_with_space_left_is_not_called_disk_full(tmp_path: Path, monkeypatch) -> None:
