@@ -1517,6 +1517,15 @@ class GrpodConfig(_Section):
                 f"train.warmup_steps = {self.train.warmup_steps} is not below train.steps = {steps}: the learning rate "
                 f"never reaches train.lr (at the last step it is {steps / self.train.warmup_steps:.2g} of it)"
             )
+        source = self.source
+        if (source.kind == "environment" and source.environment.adapter == "verifiers" and self.eval.size
+                and "eval" not in source.environment.args):
+            notes.append(
+                f"eval.size = {self.eval.size} with a verifiers environment and no source.environment.args.eval: a "
+                f"taskset has no held-out split, so each evaluation plays training tasks 0-{self.eval.size - 1} and "
+                "eval_accuracy is not a held-out figure; set args.eval to the held-out taskset's arguments (another "
+                "seed, another split)"
+            )
         return notes
 
     @property

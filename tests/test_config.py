@@ -362,3 +362,19 @@ def test_valid_settings_most_likely_not_meant_are_said_as_notes():
     load_config(ROOT / "etc" / "grpod.toml", ["bridge.mode=shared", "bridge.sync_every=1000"], quiet)
     assert quiet == ["bridge.mode = 'shared' (--set) over the file's 'none': ignored the file's bridge.reload "
                      "(keys of bridge.mode = 'none' only)"], "shared syncs in its fence, not by sync_every"
+
+
+def test_a_verifiers_evaluation_without_a_held_out_split_is_said_to_play_training_tasks():
+    """A verifiers taskset has one stream of tasks: without args.eval, evaluation reads tasks
+    0..eval.size-1 of the training stream, which the run trains on first; that was reported as
+    held-out accuracy in silence."""
+    env = ["source.kind=environment", 'source.environment.adapter="verifiers"', 'source.environment.name="vf_calculator"']
+    notes: list[str] = []
+    load_config(ROOT / "etc" / "grpod.toml", [*env, "eval.size=32"], notes)
+    said = [note for note in notes if "verifiers" in note]
+    assert len(said) == 1 and "plays training tasks 0-31" in said[0] and "args.eval" in said[0], notes
+    for fine in (["eval.size=0"], ["eval.size=32", "source.environment.args.eval.seed=99"],
+                 ["eval.size=32", 'source.environment.adapter="calculator"']):
+        notes = []
+        load_config(ROOT / "etc" / "grpod.toml", [*env, *fine], notes)
+        assert not [note for note in notes if "held-out" in note], (fine, notes)
