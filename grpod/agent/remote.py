@@ -214,9 +214,10 @@ class RemoteInference(InferenceEngine):
                 continue
             if self.process.launch == launch:
                 self.process.ended(answer.get("exit_code"))
+            exited = f"vLLM on {self.agent_url} exited with code {answer.get('exit_code')}"
             if answer.get("current"):
-                return f"vLLM on {self.agent_url} was relaunched by its agent (launch {answer['current']} replaced {launch})"
-            return f"vLLM on {self.agent_url} exited with code {answer.get('exit_code')}"
+                return f"{exited} and was relaunched by its agent (launch {answer['current']} replaced {launch})"
+            return exited
 
     async def agent_status(self) -> dict[str, Any]:
         """The agent's `GET /status` (every engine it serves; AgentRequestError when it does not

@@ -37,7 +37,6 @@ child processes) then starts without paying torch's ~3 s import.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -52,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from grpod.run.filesystem import cause, newest_file, refusal
 
 log = structlog.get_logger(__name__)
 
@@ -81,11 +82,6 @@ class CheckpointNotWritten(CheckpointError):
 
 class CheckpointDiskFull(CheckpointNotWritten):
     """A checkpoint write ran out of space."""
-
-
-# A failed write with less free space than this left on its filesystem ran out of it: a write
-# fills the filesystem up to its last block before it fails.
-DISK_FULL_FREE_BYTES = 1 << 20
 
 
 class ResumeError(CheckpointError):
@@ -262,67 +258,17 @@ def write_checkpoint(
 
 def _not_written(tmpdir: Path, root: Path, final: Path, exc: Exception) -> CheckpointNotWritten | None:
     """`exc` as a CheckpointNotWritten when the write failed because of its filesystem (full, or
-    read-only), else None. Looked at before the partial write is removed (which frees the space
-    again); `tmpdir` is `root` when the write failed making it."""
-    chain, seen = exc, []
-    while chain is not None and len(seen) < 10:
-        seen.append(chain)
-        chain = chain.__cause__ or chain.__context__
-    errnos = {e.errno for e in seen if isinstance(e, OSError)}
-    try:
-        fs = os.statvfs(tmpdir)
-    except OSError:
+    read-only: `grpod.run.filesystem`), else None. `tmpdir` is `root` when the write failed making it."""
+    why = refusal(tmpdir, exc)
+    if why is None:
         return None
-    mount = _mount_point(tmpdir)
-    path = (_newest_file(tmpdir) or tmpdir) if tmpdir != root else root
-    shown = final / path.relative_to(tmpdir) if tmpdir != root and path != tmpdir else final
-    cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else '-'}"
-    if errno.EROFS in errnos or fs.f_flag & os.ST_RDONLY:
-        return CheckpointNotWritten(
-            f"read-only file system at {mount} ({_fs_type(mount)}) writing {shown}: {cause}; the checkpoint was "
-            "not written (older ones are intact): make it writable again (a filesystem the kernel remounted "
-            "read-only after an I/O error needs its disk checked first)",
-            mount=mount, path=shown,
-        )
-    free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
-    if not errnos & {errno.ENOSPC, errno.EDQUOT} and free >= DISK_FULL_FREE_BYTES:
-        return None
-    return CheckpointDiskFull(
-        f"no space left on {mount} ({_fs_type(mount)}, {free} of {total} bytes free) writing {shown}: "
-        f"{cause}; the checkpoint was not written (older ones are intact): free space there",
-        mount=mount, path=shown,
+    path = newest_file(tmpdir) if tmpdir != root else None
+    shown = final / path.relative_to(tmpdir) if path is not None else final
+    kind = CheckpointDiskFull if why.full else CheckpointNotWritten
+    return kind(
+        f"{why.what} writing {shown}: {cause(exc)}; the checkpoint was not written (older ones are intact): {why.cure}",
+        mount=why.mount, path=shown,
     )
-
-
-def _mount_point(path: Path) -> Path:
-    path = Path(os.path.realpath(path))
-    while not os.path.ismount(path) and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _fs_type(mount: Path) -> str:
-    try:
-        with open("/proc/mounts") as fh:
-            found = [line.split()[2] for line in fh if len(line.split()) > 2 and line.split()[1] == str(mount)]
-    except OSError:
-        return "filesystem"
-    return found[-1] if found else "filesystem"
-
-
-def _newest_file(directory: Path) -> Path | None:
-    """The file written last under `directory` (the one a failed write was writing)."""
-    newest: tuple[int, Path] | None = None
-    for dirpath, _dirs, names in os.walk(directory):
-        for name in names:
-            path = Path(dirpath) / name
-            try:
-                mtime = path.stat().st_mtime_ns
-            except OSError:
-                continue
-            if newest is None or mtime >= newest[0]:
-                newest = (mtime, path)
-    return newest[1] if newest else None
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:

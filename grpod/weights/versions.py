@@ -8,6 +8,9 @@ Guarantees:
 - a version directory is complete or absent: it is written under a hidden partial name and
   renamed into place once the writer returned (a directory of the same version left by a failed
   sync or an earlier run is replaced);
+- a write the filesystem refused (read-only, full) is a `WeightsNotWritten` naming it, whatever
+  the writer raised (safetensors' own error has no errno): the bridge's sync takes it as a sync
+  not saved, not as a broken bridge;
 - `prune` keeps the newest `keep` versions up to the current one (never fewer than
   `MIN_KEPT`: vLLM may still be finishing requests on the previous version, and reloads an
   evicted adapter from its directory), removes every version newer than the current one (left by
@@ -25,11 +28,18 @@ from pathlib import Path
 
 import structlog
 
+from grpod.run.filesystem import cause, newest_file, refusal
+
 log = structlog.get_logger(__name__)
 
 MIN_KEPT = 2
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _PARTIAL_PREFIX = ".partial-"
+
+
+class WeightsNotWritten(OSError):
+    """A version's files could not be written because of their filesystem (read-only, full),
+    whichever call met it (`grpod.run.filesystem`); an OSError, as a failed mkdir or open is."""
 
 
 def version_dir_name(version: int) -> str:
@@ -57,14 +67,19 @@ class VersionedDirs:
     def write(self, version: int, writer: Callable[[Path], object]) -> Path:
         """`writer(directory)` fills a fresh partial directory, which is then published as
         `version`. Blocking: run it in a worker thread."""
-        self.root.mkdir(parents=True, exist_ok=True)
         target = self.path_for(version)
         partial = self.root / f"{_PARTIAL_PREFIX}{target.name}"
-        shutil.rmtree(partial, ignore_errors=True)
         try:
-            writer(partial)
-        except BaseException:
+            self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
+            writer(partial)
+        except BaseException as exc:
+            why = refusal(self.root, exc) if isinstance(exc, Exception) else None
+            written = newest_file(partial) if partial.is_dir() else None
+            shutil.rmtree(partial, ignore_errors=True)
+            if why is not None:
+                shown = target / written.relative_to(partial) if written is not None else target
+                raise WeightsNotWritten(f"{why.what} writing {shown}: {cause(exc)}: {why.cure}") from exc
             raise
         if target.exists():
             shutil.rmtree(target)

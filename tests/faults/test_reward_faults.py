@@ -76,11 +76,13 @@ FAULTY_CALLS = 50
 WORKERS = 2
 # A reward call run in the event loop would hold it for the whole call (a hang never returns, the
 # regex and the busy loop run for seconds), on each of the 50 faulty calls: 99 % of the reads must
-# take under 100 ms, and the slowest under 1 s. (Under the whole suite's load one read alone took
-# 401 ms, another time 541 ms, with the 99th percentile at 74 and 102 ms.)
-STATUS_BOUND_S = 1.0
+# take under 300 ms, and the slowest under 2.5 s. The bounds are loose on purpose: they tell a
+# loop held by a reward from a loop shared with a step on 2 loaded cores. (Under the whole
+# suite's load one read alone took 401 ms, another time 541 ms, with the 99th percentile at 74
+# and 102 ms: a bound of 100 ms failed by chance.)
+STATUS_BOUND_S = 2.5
 LOG_MAX_MB = 0.25
-STATUS_P99_S = 0.1
+STATUS_P99_S = 0.3
 
 
 def _rows() -> list[dict]:

@@ -194,8 +194,9 @@ async def test_a_groups_environments_open_together(tokenizer):
     with anyio.fail_after(10):
         group = await source.generate_group()
     assert group is not None and len(group.tokens) == 3 and group.scores == [1.0] * 3
-    # One set-up's time for the group's three episodes: one after another would take 1.2 s.
-    assert anyio.current_time() - started < 0.8
+    # One set-up's time for the group's three episodes: one after another would take 1.2 s (the
+    # bound leaves a loaded machine most of the rest).
+    assert anyio.current_time() - started < 1.1
 
 
 class Failing(CalculatorAdapter):

@@ -144,3 +144,46 @@ def test_the_written_adapter_is_the_trainers(tmp_path, lora_trainer):
             lora_b.zero_()
     b_tensors = [t for k, t in saved.items() if "lora_B" in k]
     assert b_tensors and any(torch.all(t == 0.125) for t in b_tensors)
+
+
+def test_a_write_the_filesystem_refused_is_named_whatever_the_writer_raised(tmp_path: Path, monkeypatch) -> None:
+    """A filesystem remounted read-only between two files of a version: safetensors raises its own
+    SafetensorError (no errno, not an OSError), which the bridge took for a broken bridge and the
+    run ended. It is a WeightsNotWritten (an OSError: a sync not saved) naming the filesystem and
+    the file; nothing partial is left. (The mount's flag is faked here; the fault case remounts a
+    tmpfs.)"""
+    import os
+
+    from safetensors.torch import save_file
+
+    from grpod.weights.versions import WeightsNotWritten
+
+    versions = VersionedDirs(tmp_path / "weights")
+    real = os.statvfs
+
+    class ReadOnly:
+        def __init__(self, st):
+            self.f_frsize, self.f_blocks, self.f_bavail = st.f_frsize, st.f_blocks, st.f_bavail
+            self.f_flag = st.f_flag | os.ST_RDONLY
+
+    remount = [True]
+
+    def writer(directory: Path) -> None:
+        directory.mkdir()
+        (directory / "config.json").write_text("{}")
+        if remount[0]:
+            monkeypatch.setattr(os, "statvfs", lambda path: ReadOnly(real(path)))
+        save_file({"w": torch.zeros(2)}, str(directory / "missing" / "model.safetensors"))  # SafetensorError
+
+    with pytest.raises(WeightsNotWritten) as caught:
+        versions.write(3, writer)
+    assert isinstance(caught.value, OSError) and type(caught.value.__cause__).__name__ == "SafetensorError"
+    message = str(caught.value)
+    assert message.startswith("read-only file system at /"), message
+    assert f"writing {versions.path_for(3) / 'config.json'}: SafetensorError: " in message, message
+    assert list((tmp_path / "weights").iterdir()) == [], "nothing partial left"
+    monkeypatch.setattr(os, "statvfs", real)
+    remount[0] = False
+    with pytest.raises(Exception) as other:  # a writer's own failure on a writable filesystem stays itself
+        versions.write(4, writer)
+    assert not isinstance(other.value, WeightsNotWritten)
