@@ -260,8 +260,8 @@ def _kill_mid_step(daemon: DaemonProcess, run_dir) -> tuple[int, float]:
 
 
 def _kill_mid_checkpoint(daemon: DaemonProcess, run_dir, before_kill=lambda: None) -> tuple[str, float]:
-    """SIGKILL the daemon as soon as a checkpoint directory is being written (`before_kill` run
-    just before); (its name, kill time)."""
+    """SIGKILL the daemon as soon as a checkpoint directory is being written (frozen there, then
+    `before_kill` run); (its name, kill time)."""
     before = set(temp_checkpoints(run_dir))
 
     def writing():
@@ -271,6 +271,9 @@ def _kill_mid_checkpoint(daemon: DaemonProcess, run_dir, before_kill=lambda: Non
         return new[0] if new else None
 
     tmp = wait_until(writing, 400, "a checkpoint being written", poll_s=0.001)
+    # Frozen first (the daemon's own PID, which this test started): the write stays half done
+    # however long `before_kill` takes; a SIGKILL ends a stopped process as it does a running one.
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
     before_kill()
     daemon.proc.kill()
     killed_at = time.monotonic()
