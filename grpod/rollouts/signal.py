@@ -9,8 +9,9 @@ from __future__ import annotations
 from grpod.config import AdvantageConfig
 from grpod.rollouts.group import RolloutGroup
 
-# Scores closer than this count as equal (reward functions return exact values; this absorbs
-# float noise from averaged or weighted rewards).
+# Scores closer than this, relative to their magnitude (at least 1), count as equal (reward
+# functions return exact values; this absorbs float noise from averaged or weighted rewards, which
+# grows with the scores: at 1e8 one float step is 1.5e-8).
 ZERO_VARIANCE_TOL = 1e-9
 
 
@@ -52,9 +53,13 @@ def scored_indices(group: RolloutGroup) -> list[int]:
 
 
 def all_equal(values: list[float]) -> bool:
-    """Whether `values` (none counts) are equal within ZERO_VARIANCE_TOL: centred on their own mean,
-    they give no advantage."""
-    return not values or max(values) - min(values) <= ZERO_VARIANCE_TOL
+    """Whether `values` (none counts) are equal within ZERO_VARIANCE_TOL of their magnitude:
+    centred on their own mean, they give no advantage (only float noise, which normalising by the
+    group's spread would blow up to whole advantages)."""
+    if not values:
+        return True
+    low, high = min(values), max(values)
+    return high - low <= ZERO_VARIANCE_TOL * max(1.0, abs(low), abs(high))
 
 
 def is_zero_variance(group: RolloutGroup, scores: list[float], cfg: AdvantageConfig) -> bool:

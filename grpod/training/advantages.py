@@ -18,10 +18,12 @@ GRPO's centring is within the group: what a completion is compared with is its s
 divides by one spread for the whole step, so a group whose scores barely differ does not get its
 noise blown up to unit scale as "group" does.
 
-A group whose (shaped) scores are all equal (a zero-variance group) carries no learning signal
-among its siblings; with `drop_zero_variance` it is left out of the step entirely (its tokens are
-not trained on and not counted in the loss normalisers) and counted in
-`AdvantageResult.dropped_zero_variance`.
+A group whose (shaped) scores are all equal (a zero-variance group: equal within a tolerance
+relative to their magnitude, `grpod.rollouts.signal.all_equal`) carries no learning signal among
+its siblings; with `drop_zero_variance` it is left out of the step entirely (its tokens are not
+trained on and not counted in the loss normalisers) and counted in
+`AdvantageResult.dropped_zero_variance`; without it, it is kept with advantage 0 (not the float
+noise between its scores, which "group" would divide up to unit scale).
 
 With `use_source_advantages`, a group that arrives with advantages (Atropos environments may send
 them) uses those as they are instead (times `weight`); such a group counts as zero-variance when
@@ -126,6 +128,7 @@ def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig, complet
     """Advantages for every kept group; see the module docstring for the formulas."""
     result = AdvantageResult()
     kept_scores: list[list[float]] = []
+    kept_flat: list[bool] = []  # kept without a signal (drop_zero_variance off): advantage 0, not noise
     shaped = [shaped_scores(group, cfg, completion_budget) for group in groups]
     sourced = [source_advantages(group, cfg) is not None for group in groups]
     flat_step = _flat_step(groups, shaped, sourced, cfg)
@@ -137,6 +140,7 @@ def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig, complet
             continue
         result.groups.append(group)
         kept_scores.append(scores)
+        kept_flat.append(no_signal and not from_source)
 
     # Each kept group's scored completions (unscorable ones are in no statistic).
     scored = [[scores[i] for i in scored_indices(g)] for g, scores in zip(result.groups, kept_scores)]
@@ -146,12 +150,12 @@ def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig, complet
     batch = (_mean(every), _std(every, cfg.std)) if every else (0.0, 0.0)
     pooled_std = _std(residuals, cfg.std) if residuals else 0.0
 
-    for group, scores in zip(result.groups, kept_scores, strict=True):
+    for group, scores, flat in zip(result.groups, kept_scores, kept_flat, strict=True):
         advantages = source_advantages(group, cfg)
         if advantages is None:
             indices = scored_indices(group)
             advantages = [0.0] * len(scores)
-            if indices:
+            if indices and not flat:
                 for i, a in zip(indices, _from_scores([scores[i] for i in indices], cfg, batch, pooled_std)):
                     advantages[i] = a
         advantages = [

@@ -183,3 +183,18 @@ def test_scores_near_floats_range_get_the_advantages_small_ones_get(scale):
         ends = compute_advantages([group([1.7e308, 1.7e308, -1.7e308])], AdvantageConfig(scale=scale))
         assert ends.advantages[0] == pytest.approx(
             compute_advantages([group([1.0, 1.0, -1.0])], AdvantageConfig(scale=scale)).advantages[0], rel=1e-6)
+
+
+def test_scores_equal_but_for_float_noise_are_zero_variance_at_any_magnitude():
+    """Equal scores of 1e12 that differ by one float step (1.2e-4 there: a weighted sum taken in
+    another order) passed the absolute 1e-9 as varied, and the group scale, whose eps shrinks with
+    the scores, made that noise whole advantages of +-1. The tolerance is relative to the scores."""
+    noisy = [1e12, math.nextafter(1e12, math.inf), 1e12, 1e12]
+    assert noisy[1] - noisy[0] > 1e-9
+    result = compute_advantages([group(noisy), group([1e12, 0.0, 1e12, 0.0])], AdvantageConfig(scale="group"))
+    assert result.dropped_zero_variance == 1 and len(result.groups) == 1 and result.groups[0].scores[1] == 0.0
+    kept = compute_advantages([group(noisy)], AdvantageConfig(scale="group", drop_zero_variance=False))
+    assert kept.advantages == [[0.0, 0.0, 0.0, 0.0]], kept.advantages
+    # Small scores keep the absolute tolerance: 1e-6 apart is a signal, 1e-12 apart is not.
+    assert compute_advantages([group([0.5, 0.5 + 1e-6])], AdvantageConfig()).dropped_zero_variance == 0
+    assert compute_advantages([group([0.5, 0.5 + 1e-12])], AdvantageConfig()).dropped_zero_variance == 1
