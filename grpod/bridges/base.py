@@ -61,6 +61,7 @@ from grpod.bridges.probe import (
     trainer_scores,
 )
 from grpod.config import LORA_MODES, ModelConfig
+from grpod.errors import first_error
 from grpod.inference.engine import InferenceEngine, RestartBudgetSpent
 from grpod.inference.policy import Policy
 from grpod.inference.process import InferenceStartError
@@ -482,18 +483,32 @@ class Bridge(ModeSteps):
         at that version's sync; the pool admits it once the probe passes."""
         began = time.perf_counter()
         await self._relaunch_lost(engine, reason)
-        await self._catch_up(engine)
-        self.pool.mark_current([engine], self.policy.version)
-        # Probed against the trainer's scores recorded at the current version's sync, never its live weights.
-        reference = self.probes.reference_for(self.policy.version)
-        if reference is None:
-            raise self._failed(f"no probe reference recorded for policy version {self.policy.version}; {engine.name} stays closed")
-        if self.pool.single:
-            self._fire("RECOVERED")
-            result = await self._probe_and_serve(reference, engines=[engine])
-        else:
-            result = await self._probe([engine], reference)
-            self.pool.admit([engine])
+        try:
+            await self._catch_up(engine)
+            self.pool.mark_current([engine], self.policy.version)
+            # Probed against the trainer's scores recorded at the current version's sync, never its live weights.
+            reference = self.probes.reference_for(self.policy.version)
+            if reference is None:
+                raise self._failed(f"no probe reference recorded for policy version {self.policy.version}; "
+                                   f"{engine.name} stays closed")
+            if self.pool.single:
+                self._fire("RECOVERED")
+                result = await self._probe_and_serve(reference, engines=[engine])
+            else:
+                result = await self._probe([engine], reference)
+                self.pool.admit([engine])
+        except Exception as exc:  # noqa: BLE001 — the new launch died rejoining (a pool retries), or failed
+            cause = first_error(exc) or exc  # a task group's wrapper: say what failed in it
+            if isinstance(cause, (BridgeFailed, ProbeMismatch)):
+                raise
+            error = f"{type(cause).__name__}: {cause}"[:300]
+            if self.pool.single or not await engine.lost():
+                raise self._failed(f"{engine.name} was relaunched ({reason[:200]}) but could not rejoin: {error}") from exc
+            # Out of the syncs and closed still: its watch finds this launch lost too and relaunches it
+            # within its restart budget, as it would any launch that dies.
+            log.warning("inference_rejoin_failed", bridge=self.mode, engine=engine.name, restarts=engine.restarts,
+                        error=error)
+            return
         log.info("inference_recovered", bridge=self.mode, engine=engine.name, rejoined_at=self.policy.version,
                  seconds=round(time.perf_counter() - began, 3), probe=result.as_dict())
 

@@ -271,10 +271,16 @@ class Supervisor:
             await anyio.sleep(interval)
 
     async def _watch_bridge(self) -> None:
+        """The engines' health watches. What ends them stops the run the one way a run stops, its
+        checkpoint first: a BridgeFailed, or anything else a recovery raised (not out of the task
+        group, which would end the run with no checkpoint)."""
         try:
             await self.parts.bridge.watch()
         except BridgeFailed as exc:
             self._fail(f"bridge failed: {exc}")
+        except Exception as exc:  # noqa: BLE001 — said as the run's failure; the shutdown checkpoints
+            log.exception("bridge_watch_failed")
+            self._fail(f"bridge failed: {type(exc).__name__}: {exc}"[:500])
 
     async def _watch_source(self) -> None:
         """Raise and clear the source alarm; end the run after `source.fail_after_s` of failures.
