@@ -21,6 +21,7 @@ from grpod.bridges.base import BridgeFailed, SyncNotSaved
 from grpod.bridges.none import NoneBridge
 from grpod.bridges.probe import ProbeMismatch
 from grpod.config import GrpodConfig
+from grpod.errors import first_error
 from grpod.inference.process import InferenceStartError
 from grpod.inference.supervised import SupervisedInference
 
@@ -517,6 +518,68 @@ def test_an_engine_of_a_pool_dying_while_probed_leaves_it_and_the_next_sync_goes
     bridge = anyio.run(main)
     second = bridge.engines[1]
     assert second.version == 2 and second.restarts == 1 and bridge.processes[1].current.weights == 3.0
+
+
+def test_a_relaunched_engine_of_a_pool_dying_while_it_rejoins_is_relaunched_again_by_its_watch(tmp_path):
+    """Its watch relaunched it, and the new launch died while probed before it rejoined: the error
+    came out of the watches as it was (not a BridgeFailed), and the run ended with no checkpoint and
+    restarts left in the budget. Now that launch is lost like any other: relaunched again, within
+    the budget, and it rejoins."""
+
+    async def main():
+        bridge = _pool(tmp_path)
+        await bridge.start()
+        second = bridge.engines[1]
+        doomed = [True]
+
+        def launched(vllm):
+            if doomed[0]:
+                doomed[0] = False
+                vllm.die_at = "score"  # the first relaunch dies in its rejoining probe
+
+        bridge.processes[1].on_launch = launched
+        bridge.processes[1].current.kill()
+        await _watch_until(bridge, lambda: second.available and second.restarts == 2)
+        return bridge
+
+    bridge = anyio.run(main)
+    first, second = bridge.engines
+    assert second.restarts == 2 and not second.recovering and bridge.state == "SERVING"
+    assert len(bridge.processes[1].vllms) == 3 and "score" in bridge.processes[1].current.calls
+    assert "FAIL" not in [t.event for t in bridge.machine.history]
+
+
+def test_a_relaunched_engine_that_cannot_rejoin_for_another_reason_fails_the_bridge(tmp_path):
+    """Not a death (its catch-up refused, the engine answers /health): a BridgeFailed, which the
+    daemon stops on with its checkpoint, not an error out of the watches."""
+
+    async def main():
+        bridge = _pool(tmp_path)
+        await bridge.start()
+        bridge.trainer.weights = 2.0
+        slow = bridge.processes[1]
+        slow.go = anyio.Event()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bridge.watch)
+            slow.current.kill()
+            while not bridge.engines[1].recovering:
+                await anyio.sleep(0.01)
+            await bridge.sync_now()  # version 1 lands while it relaunches: it must catch up
+
+            async def fail_apply(engine, staged, version, phases):
+                raise RuntimeError("reload refused")
+
+            bridge._apply = fail_apply
+            slow.go.set()
+            await anyio.sleep(2)
+            tg.cancel_scope.cancel()
+        return bridge
+
+    with pytest.raises(BaseException) as caught:
+        anyio.run(main)
+    failed = first_error(caught.value, BridgeFailed)
+    assert failed is not None and "engine-1 was relaunched" in str(failed) and "reload refused" in str(failed), caught.value
 
 
 def test_the_only_engine_dying_while_probed_is_failed_with_the_reason(tmp_path):
