@@ -140,7 +140,7 @@ class LoraBridge(Bridge):
 
     def _prune_adapters(self) -> None:
         assert self.adapter is not None
-        self.adapters.prune(self.adapter.version, self.cfg.keep_adapters)
+        self.adapters.prune(self.adapter.version, self.cfg.keep_adapters, protect=self.in_use(self.engines))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "adapter": self.adapter.as_dict() if self.adapter else None}

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -165,9 +166,27 @@ class ModeSteps:
     model: ModelConfig
     policy: Policy
     current_weights: Path
+    launching: Counter[Path]  # what launches in progress read as they start (`_reading`)
 
     def _launch_kwargs(self) -> dict[str, Any]:
         return {}
+
+    @contextmanager
+    def _reading(self, weights: Path, launch_kwargs: dict[str, Any]) -> Iterator[None]:
+        """Around a launch: the weights it loads and a LoRA adapter it preloads are in use until it
+        returns (vLLM reads them while it starts, 10-100 s); `in_use` lists them for the prunes."""
+        paths = [Path(weights), *(Path(path) for path in (launch_kwargs.get("lora_modules") or {}).values())]
+        self.launching.update(paths)
+        try:
+            yield
+        finally:
+            self.launching.subtract(paths)
+            for path in [path for path, count in self.launching.items() if count <= 0]:
+                del self.launching[path]
+
+    def in_use(self, engines: list[InferenceEngine]) -> list[Path]:
+        """What no prune may remove: each engine's launch weights and what launches in progress read."""
+        return [engine.weights for engine in engines if engine.weights is not None] + list(self.launching)
 
     async def _after_launch(self, engine: InferenceEngine) -> None:
         """A mode's step between an engine's launch and its probe (shared: attach the weights)."""
@@ -178,7 +197,9 @@ class ModeSteps:
 
     async def _launch(self, engine: InferenceEngine, weights: Path) -> None:
         """Launch `engine` on `weights` the mode's way: its arguments, then its after-launch step."""
-        await engine.launch(weights, self.policy.version, **self._launch_kwargs())
+        kwargs = self._launch_kwargs()
+        with self._reading(weights, kwargs):
+            await engine.launch(weights, self.policy.version, **kwargs)
         await self._after_launch(engine)
 
     async def _initial_weights(self, resumed_weights: Path | None) -> Path:
@@ -239,6 +260,7 @@ class Bridge(ModeSteps):
         self.machine = StateMachine(self.mode, self.TABLE, self.State["IDLE"])
         self.stats = BridgeStats()
         self.current_weights: Path = model.path
+        self.launching = Counter()
         self.probes = ProbeSchedule(cfg)
 
     def provide_trainer(self, trainer) -> None:
@@ -284,7 +306,9 @@ class Bridge(ModeSteps):
     async def _relaunch(self, engine: InferenceEngine, weights: Path, phases: dict[str, float] | None = None) -> None:
         """Stop the engine, wait until it released everything, launch it on `weights`."""
         self.probes.launched()
-        await engine.relaunch(weights, self.policy.version, phases, **self._launch_kwargs())
+        kwargs = self._launch_kwargs()
+        with self._reading(weights, kwargs):
+            await engine.relaunch(weights, self.policy.version, phases, **kwargs)
         await self._after_launch(engine)
 
     async def start(self, *, resumed_weights: Path | None = None) -> ProbeResult:

@@ -85,5 +85,4 @@ class NoneBridge(Bridge):
 
     async def _applied(self, staged: Path, version: int) -> None:
         self.current_weights = staged
-        protect = [e.weights for e in self.engines if e.weights is not None]
-        self.versions.prune(version, KEEP_WEIGHTS, protect=protect)
+        self.versions.prune(version, KEEP_WEIGHTS, protect=self.in_use(self.engines))

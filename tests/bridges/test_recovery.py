@@ -582,6 +582,54 @@ def test_a_relaunched_engine_that_cannot_rejoin_for_another_reason_fails_the_bri
     assert failed is not None and "engine-1 was relaunched" in str(failed) and "reload refused" in str(failed), caught.value
 
 
+def test_the_weights_a_relaunch_loads_are_not_pruned_by_the_syncs_that_land_while_it_starts(tmp_path):
+    """A pool engine's relaunch reads the current weights (version 1) when it begins; vLLM loads
+    them for 10-100 s. Two syncs landing meanwhile pruned version 1 (two versions are kept), and the
+    launch found no weights: a failed start, a restart spent. What a launch in progress reads is
+    kept until it returns; the next prune after it removes it."""
+
+    async def main():
+        bridge = _pool(tmp_path)
+        await bridge.start()
+        bridge.trainer.weights = 2.0
+        await bridge.sync_now()
+        first, second = bridge.engines
+        slow = bridge.processes[1]
+        slow.go = anyio.Event()
+        seen = {}
+        start = slow.start
+
+        async def loading(weights, **kwargs):
+            await slow.go.wait()
+            seen[Path(weights)] = (Path(weights) / "w").exists()
+            slow.go = None
+            await start(weights, **kwargs)
+
+        slow.start = loading
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bridge.watch)
+                slow.current.kill()
+                while not second.recovering:
+                    await anyio.sleep(0.01)
+                for weights in (3.0, 4.0):
+                    bridge.trainer.weights = weights
+                    await bridge.sync_now()
+                slow.go.set()
+                while not second.available:
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+        assert seen == {tmp_path / "run" / "weights" / "v000001": True}, seen
+        assert bridge.launching == {}, "nothing in use once the launch returned"
+        bridge.trainer.weights = 5.0
+        await bridge.sync_now()
+        return bridge
+
+    bridge = anyio.run(main)
+    second = bridge.engines[1]
+    assert second.restarts == 1 and bridge.processes[1].current.weights == 5.0
+
+
 def test_the_only_engine_dying_while_probed_is_failed_with_the_reason(tmp_path):
     async def main():
         bridge = await _started(tmp_path)
