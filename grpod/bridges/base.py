@@ -23,16 +23,20 @@ The trainer is touched only by the task that owns it (the step loop, or start-up
 reads the trainer: it probes a relaunched engine against the scores recorded at the current
 version's sync (every sync records them, probed or not).
 
-A lost engine is met in one of two places, and a relaunch spends its restart budget:
+A lost engine is met in one of two places (`EngineLosses`), and a relaunch spends its restart
+budget:
 - between syncs, by its health watch (the pool's `watch` → `recover` → this bridge's `_bring_up`):
   relaunched on the weights of the current policy version, caught up to it, and probed against
-  that version's recorded scores; one of a pool is relaunched while the others sync on;
+  that version's recorded scores; one of a pool is relaunched while the others sync on, and a
+  relaunch that dies before it rejoins is found lost by its watch again;
 - during a sync, by the sync itself (the apply step or the probe fails and the engine does not
   answer `/health`): one of a pool leaves it (its watch brings it back) and the sync goes on
-  without it; the only engine, lost in the apply step, is relaunched on the weights it served
-  before the sync and the same sync applied once more, ending with the usual probe. A second
-  failure, a failure while the engine is healthy (it refused the weights) or the only engine
-  lost while probed is FAILED.
+  without it; the only engine, or the last one serving, lost in the apply step, is relaunched on
+  the weights it served before the sync and the same sync applied once more, ending with the
+  usual probe. A second failure, a failure while the engine is healthy (it refused the weights)
+  or the only engine lost while probed is FAILED.
+What a launch in progress reads (its weights, an adapter it preloads) is kept from the prunes of
+the syncs that land meanwhile (`in_use`). A stop ends a recovery under way without a relaunch.
 
 Each mode's module holds only what is particular to it: its states, transition table and its
 `ModeSteps` (`_save` / `_apply` / `_launch_kwargs` / `_after_launch` / `_applied` ...).
@@ -234,7 +238,119 @@ class ModeSteps:
         return self.current_weights
 
 
-class Bridge(ModeSteps):
+class EngineLosses:
+    """How a bridge meets a lost engine: the dead of a change leave the pool or are relaunched
+    within it (`_meet_dead`), a lost engine is relaunched out of its restart budget
+    (`_relaunch_lost`) and a relaunched one is caught up and probed before it rejoins (`_bring_up`,
+    the pool's callback). `Bridge` supplies the state, the pool and the probes."""
+
+    mode: ClassVar[str]
+    machine: StateMachine
+    pool: EnginePool
+    policy: Policy
+    probes: ProbeSchedule
+    current_weights: Path
+    _fire: Callable[..., None]
+    _failed: Callable[[str], BridgeFailed]
+    _relaunch: Callable[..., Awaitable[None]]
+    _catch_up: Callable[[InferenceEngine], Awaitable[None]]
+    _probe: Callable[..., Awaitable[ProbeResult]]
+    _probe_and_serve: Callable[..., Awaitable[ProbeResult]]
+
+    @property
+    def _stopping(self) -> bool:
+        """The bridge is stopping (or stopped): a recovery under way ends without relaunching."""
+        return self.machine.state.name in ("STOPPING", "STOPPED")
+
+    async def _meet_dead(self, engines: list[InferenceEngine], cause: Exception, version: int, phases: dict[str, float]) -> bool:
+        """A sync's change to `engines` failed with `cause`: the dead of a pool leave it, the only engine is relaunched
+        on the weights it served before (the caller applies the sync again). False: none died, they refused it."""
+        lost = await self.pool.drop_dead(engines, cause, version)
+        for engine in lost.stranded:
+            await self._relaunch_mid_sync(engine, lost.cause, version, phases)
+        return bool(lost.dead)
+
+    async def _relaunch_lost(self, engine: InferenceEngine, reason: str, *, during: str | None = None) -> None:
+        """Relaunch a lost engine on the current weights, out of its restart budget (spent: BridgeFailed,
+        which a sync's failure reports as FAILED itself), once more for each launch that dies or hangs
+        starting. The only engine, or the last one serving a sync (`during`): the bridge is RECOVERING
+        meanwhile and the sync keeps its turn; between syncs a pool's others sync on."""
+        self._spend_restart(engine, reason, during)
+        serving = [e.name for e in self.pool.members() if e is not engine]
+        log.warning("inference_lost", bridge=self.mode, engine=engine.name, pid=engine.process.pid,
+                    restarts=engine.restarts, error=reason, during=during, serving=serving)
+        alone = self.pool.single or during == "sync"
+        if alone:
+            self._fire("LOST", error=reason)
+        async with self.pool.syncs_meanwhile(keep_turn=alone):
+            while True:
+                try:
+                    return await self._relaunch(engine, self.current_weights)
+                except InferenceStartError as exc:
+                    if self._stopping:  # the bridge's stop ended this start: nothing to relaunch for
+                        return
+                    reason = f"its relaunch failed: {str(exc).splitlines()[0][:300]}"
+                    log.warning("inference_relaunch_failed", engine=engine.name, restarts=engine.restarts, error=reason)
+                    self._spend_restart(engine, reason, during)
+
+    def _spend_restart(self, engine: InferenceEngine, reason: str, during: str | None) -> None:
+        try:
+            engine.spend_restart(reason)
+        except RestartBudgetSpent as exc:
+            raise (BridgeFailed(str(exc)) if during else self._failed(str(exc))) from None
+
+    async def _relaunch_mid_sync(self, engine: InferenceEngine, cause: BaseException, version: int, phases: dict[str, float]) -> None:
+        """The only engine (or the last one serving) died while a sync was applied: relaunch it on
+        the weights it served before the sync (the caller then applies the sync again). No probe
+        here: the trainer is already at `version`, the engine is not yet."""
+        how = "stalled" if engine.stalled else "died"
+        reason = f"vLLM {how} during the sync to version {version} ({type(cause).__name__}: {cause})"
+        with timed(phases, "recover"):
+            await self._relaunch_lost(engine, reason, during="sync")
+            self._fire("RETRY")
+        log.info("inference_recovered", bridge=self.mode, engine=engine.name, seconds=round(phases["recover"], 3), during="sync")
+
+    async def _bring_up(self, engine: InferenceEngine, reason: str) -> None:
+        """The pool's callback for an engine its watch found lost (it holds the pool's turn):
+        relaunch it, catch it up to the current version and probe it against the scores recorded
+        at that version's sync; the pool admits it once the probe passes."""
+        began = time.perf_counter()
+        await self._relaunch_lost(engine, reason)
+        if self._stopping:
+            return
+        try:
+            await self._catch_up(engine)
+            self.pool.mark_current([engine], self.policy.version)
+            # Probed against the trainer's scores recorded at the current version's sync, never its live weights.
+            reference = self.probes.reference_for(self.policy.version)
+            if reference is None:
+                raise self._failed(f"no probe reference recorded for policy version {self.policy.version}; "
+                                   f"{engine.name} stays closed")
+            if self.pool.single:
+                self._fire("RECOVERED")
+                result = await self._probe_and_serve(reference, engines=[engine])
+            else:
+                result = await self._probe([engine], reference)
+                self.pool.admit([engine])
+        except Exception as exc:  # noqa: BLE001 — the new launch died rejoining (a pool retries), or failed
+            cause = first_error(exc) or exc  # a task group's wrapper: say what failed in it
+            if isinstance(cause, (BridgeFailed, ProbeMismatch)):
+                raise
+            error = f"{type(cause).__name__}: {cause}"[:300]
+            if self._stopping:
+                return
+            if self.pool.single or not await engine.lost():
+                raise self._failed(f"{engine.name} was relaunched ({reason[:200]}) but could not rejoin: {error}") from exc
+            # Out of the syncs and closed still: its watch finds this launch lost too and relaunches it
+            # within its restart budget, as it would any launch that dies.
+            log.warning("inference_rejoin_failed", bridge=self.mode, engine=engine.name, restarts=engine.restarts,
+                        error=error)
+            return
+        log.info("inference_recovered", bridge=self.mode, engine=engine.name, rejoined_at=self.policy.version,
+                 seconds=round(time.perf_counter() - began, 3), probe=result.as_dict())
+
+
+class Bridge(ModeSteps, EngineLosses):
     mode: ClassVar[str]
     # Whether a sync can be split into `stage_sync` (trainer half) and `finish_sync` (engine
     # half) with training going on in between: true when the mode ships a copy of the weights.
@@ -455,86 +571,6 @@ class Bridge(ModeSteps):
                     raise
                 if not engine.recovering:
                     await self._apply(engine, staged, version, phases)
-
-    async def _meet_dead(self, engines: list[InferenceEngine], cause: Exception, version: int, phases: dict[str, float]) -> bool:
-        """A sync's change to `engines` failed with `cause`: the dead of a pool leave it, the only engine is relaunched
-        on the weights it served before (the caller applies the sync again). False: none died, they refused it."""
-        lost = await self.pool.drop_dead(engines, cause, version)
-        for engine in lost.stranded:
-            await self._relaunch_mid_sync(engine, lost.cause, version, phases)
-        return bool(lost.dead)
-
-    # ---- losing an engine -------------------------------------------------------------------
-    async def _relaunch_lost(self, engine: InferenceEngine, reason: str, *, during: str | None = None) -> None:
-        """Relaunch a lost engine on the current weights, out of its restart budget (spent: BridgeFailed,
-        which a sync's failure reports as FAILED itself), once more for each launch that dies or hangs
-        starting. The only engine: the bridge is RECOVERING meanwhile; a pool's others sync on."""
-        self._spend_restart(engine, reason, during)
-        serving = [e.name for e in self.pool.members() if e is not engine]
-        log.warning("inference_lost", bridge=self.mode, engine=engine.name, pid=engine.process.pid,
-                    restarts=engine.restarts, error=reason, during=during, serving=serving)
-        if self.pool.single:
-            self._fire("LOST", error=reason)
-        async with self.pool.syncs_meanwhile():
-            while True:
-                try:
-                    return await self._relaunch(engine, self.current_weights)
-                except InferenceStartError as exc:
-                    reason = f"its relaunch failed: {str(exc).splitlines()[0][:300]}"
-                    log.warning("inference_relaunch_failed", engine=engine.name, restarts=engine.restarts, error=reason)
-                    self._spend_restart(engine, reason, during)
-
-    def _spend_restart(self, engine: InferenceEngine, reason: str, during: str | None) -> None:
-        try:
-            engine.spend_restart(reason)
-        except RestartBudgetSpent as exc:
-            raise (BridgeFailed(str(exc)) if during else self._failed(str(exc))) from None
-
-    async def _relaunch_mid_sync(self, engine: InferenceEngine, cause: BaseException, version: int, phases: dict[str, float]) -> None:
-        """The only engine died while a sync was applied: relaunch it on the weights it served
-        before the sync (the caller then applies the sync again). No probe here: the trainer is
-        already at `version`, the engine is not yet."""
-        how = "stalled" if engine.stalled else "died"
-        reason = f"vLLM {how} during the sync to version {version} ({type(cause).__name__}: {cause})"
-        with timed(phases, "recover"):
-            await self._relaunch_lost(engine, reason, during="sync")
-            self._fire("RETRY")
-        log.info("inference_recovered", bridge=self.mode, engine=engine.name, seconds=round(phases["recover"], 3), during="sync")
-
-    async def _bring_up(self, engine: InferenceEngine, reason: str) -> None:
-        """The pool's callback for an engine its watch found lost (it holds the pool's turn):
-        relaunch it, catch it up to the current version and probe it against the scores recorded
-        at that version's sync; the pool admits it once the probe passes."""
-        began = time.perf_counter()
-        await self._relaunch_lost(engine, reason)
-        try:
-            await self._catch_up(engine)
-            self.pool.mark_current([engine], self.policy.version)
-            # Probed against the trainer's scores recorded at the current version's sync, never its live weights.
-            reference = self.probes.reference_for(self.policy.version)
-            if reference is None:
-                raise self._failed(f"no probe reference recorded for policy version {self.policy.version}; "
-                                   f"{engine.name} stays closed")
-            if self.pool.single:
-                self._fire("RECOVERED")
-                result = await self._probe_and_serve(reference, engines=[engine])
-            else:
-                result = await self._probe([engine], reference)
-                self.pool.admit([engine])
-        except Exception as exc:  # noqa: BLE001 — the new launch died rejoining (a pool retries), or failed
-            cause = first_error(exc) or exc  # a task group's wrapper: say what failed in it
-            if isinstance(cause, (BridgeFailed, ProbeMismatch)):
-                raise
-            error = f"{type(cause).__name__}: {cause}"[:300]
-            if self.pool.single or not await engine.lost():
-                raise self._failed(f"{engine.name} was relaunched ({reason[:200]}) but could not rejoin: {error}") from exc
-            # Out of the syncs and closed still: its watch finds this launch lost too and relaunches it
-            # within its restart budget, as it would any launch that dies.
-            log.warning("inference_rejoin_failed", bridge=self.mode, engine=engine.name, restarts=engine.restarts,
-                        error=error)
-            return
-        log.info("inference_recovered", bridge=self.mode, engine=engine.name, rejoined_at=self.policy.version,
-                 seconds=round(time.perf_counter() - began, 3), probe=result.as_dict())
 
     async def watch(self) -> None:
         """Every engine's health watch, each recovering its engine when lost (BridgeFailed: one cannot be)."""

@@ -7,8 +7,9 @@ they serve. It owns:
 - who is current at which version: `mark_current` is the one place an engine is marked as serving
   a version after a change (a sync's apply, a relaunched engine's catch-up; a launch tags its own);
 - leaving on death: an engine of a pool that died while being changed leaves it (gate closed, out
-  of the syncs) and its health watch brings it back; the only engine cannot leave, and the change
-  relaunches it instead (`drop_dead` says which is which);
+  of the syncs) and its health watch brings it back; the only engine, or the last one serving
+  (the others being relaunched), cannot leave, and the change relaunches it instead (`drop_dead`
+  says which is which);
 - rejoining after relaunch + probe: the health watches (`watch`) hand a lost engine to `recover`,
   which calls the bridge's `bring_up` (relaunch on the current version's weights, catch up, probe);
   a passing probe admits it back (`admit`: gate open, in the syncs again);
@@ -99,8 +100,9 @@ class EnginePool:
     def leave(self, engine: InferenceEngine, cause: BaseException, version: int) -> bool:
         """`engine` died while changed or probed: one of a pool leaves it (gate closed, out of the
         syncs; its watch relaunches it, to rejoin after a probe) and the others go on. False for
-        the only engine: nothing would serve, so the change relaunches it instead."""
-        if self.single:
+        the only engine, and for the last one serving (the others are being relaunched): nothing
+        would serve, and a sync would publish a version no engine has, so the change relaunches it."""
+        if not any(other is not engine for other in self.members()):
             return False
         self._take_out(engine)
         log.warning("engine_left_sync", bridge=self.owner, engine=engine.name, version=version,
@@ -139,11 +141,12 @@ class EnginePool:
             await self._bring_up(engine, reason)
 
     @asynccontextmanager
-    async def syncs_meanwhile(self) -> AsyncIterator[None]:
+    async def syncs_meanwhile(self, *, keep_turn: bool = False) -> AsyncIterator[None]:
         """Around a lost engine's relaunch, within `recover` (which holds the turn): the other
         engines of a pool sync on while it relaunches (the turn is let go until the block ends);
-        the only engine keeps the turn, as no engine could be synced."""
-        if self.single:
+        the only engine keeps the turn, as no engine could be synced, and so does a relaunch within
+        a sync (`keep_turn`: the sync it belongs to holds the turn until it ends)."""
+        if self.single or keep_turn:
             yield
             return
         self.turn.release()
@@ -154,10 +157,19 @@ class EnginePool:
                 await self.turn.acquire()
 
     async def stop(self) -> None:
-        """Shut every engine down (shielded: each waits until its engine released everything)."""
+        """Shut every engine down (shielded: each waits until its engine released everything);
+        one that fails to stop does not leave the others running: the first failure is raised
+        once every engine was stopped."""
+        failures: list[Exception] = []
         with anyio.CancelScope(shield=True):
             for engine in self.engines:
-                await engine.shutdown()
+                try:
+                    await engine.shutdown()
+                except Exception as exc:  # noqa: BLE001 — raised below, after the others
+                    log.error("engine_stop_failed", engine=engine.name, error=f"{type(exc).__name__}: {exc}"[:300])
+                    failures.append(exc)
+        if failures:
+            raise failures[0]
 
     def describe(self) -> dict[str, Any]:
         """For `ctl status`: restarts, the first engine as `vllm`, and every engine."""

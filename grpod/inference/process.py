@@ -454,6 +454,7 @@ class InferenceProcess:
         self._record = LaunchRecord(self.run_dir / f"vllm{suffix}.launch.json")
         self._last_exit_code: int | None = None
         self._launch_token: str | None = None
+        self._stopping = anyio.Lock()  # one stop at a time: a start's own, a bridge's, a shutdown's
 
     @property
     def log_path(self) -> Path:
@@ -659,10 +660,12 @@ class InferenceProcess:
         end, and every wait inside is bounded by `stop_grace_s` / `release_timeout_s`.
         """
         with anyio.CancelScope(shield=True):
-            await self._stop()
+            async with self._stopping:  # a second stop waits, then finds nothing left to stop
+                await self._stop()
 
     async def _stop(self) -> None:
-        if self._popen is None:
+        popen = self._popen
+        if popen is None:
             return
         pgid, port, cfg = self.pgid, self._port, self.cfg
         started = time.monotonic()
@@ -681,7 +684,7 @@ class InferenceProcess:
                 log.warning("inference_sigkill", pgid=pgid, grace_s=cfg.stop_grace_s)
                 self._signal_group(signal.SIGKILL)
                 await release.wait_group_gone(pgid, cfg.release_timeout_s)
-        self._last_exit_code = await release.reap_leader(self._popen, pgid, cfg.release_timeout_s)
+        self._last_exit_code = await release.reap_leader(popen, pgid, cfg.release_timeout_s)
         self._popen = None
         holder = None if release.port_is_free(cfg.host, port) else self._port_holder()
         if holder is not None:

@@ -630,6 +630,42 @@ def test_the_weights_a_relaunch_loads_are_not_pruned_by_the_syncs_that_land_whil
     assert second.restarts == 1 and bridge.processes[1].current.weights == 5.0
 
 
+def test_the_last_serving_engine_of_a_pool_dying_mid_sync_is_relaunched_within_it(tmp_path):
+    """engine-1 is being relaunched by its watch when engine-0, the last one serving, dies at the
+    sync's pause. It used to leave as any engine of a pool does: the sync then had no member, still
+    published version 1 (which no engine served) and failed the run on a probe of no engine. Now
+    it is relaunched within the sync, as the only engine is, and the sync lands on it."""
+
+    async def main():
+        bridge = _pool(tmp_path)
+        await bridge.start()
+        first, second = bridge.engines
+        slow = bridge.processes[1]
+        slow.go = anyio.Event()
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bridge.watch)
+                slow.current.kill()
+                while not second.recovering:
+                    await anyio.sleep(0.01)
+                bridge.processes[0].current.die_at = "pause"
+                bridge.trainer.weights = 2.0
+                record = await bridge.sync_now()
+                assert record.version == 1 and record.probe["ok"] and bridge.state == "SERVING"
+                assert first.version == 1 and first.available and bridge.processes[0].current.weights == 2.0
+                slow.go.set()
+                while not second.available:
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+        return bridge
+
+    bridge = anyio.run(main)
+    first, second = bridge.engines
+    assert first.restarts == 1 and second.restarts == 1 and second.version == 1
+    events = [t.event for t in bridge.machine.history]
+    assert "FAIL" not in events and events.count("LOST") == 1 and "RETRY" in events, events
+
+
 def test_the_only_engine_dying_while_probed_is_failed_with_the_reason(tmp_path):
     async def main():
         bridge = await _started(tmp_path)

@@ -327,6 +327,40 @@ async def test_cancelled_start_stops_what_it_launched(tmp_path):
 
 
 @pytest.mark.anyio
+async def test_a_stop_while_the_start_waits_for_health_is_one_stop_not_two(tmp_path):
+    """A bridge's stop meeting a relaunch still waiting for /health: the start's own stop (its
+    server exited) and the bridge's ran at once on one process, and the second read the process
+    the first had just reaped (AttributeError): the pool's stop ended there, the other engines
+    unstopped. Now the second waits for the first, then finds nothing left to stop."""
+    proc = StubProcess(tmp_path, "--no-health")
+    outcome: dict[str, str] = {}
+
+    async def start() -> None:
+        try:
+            await proc.start("/m")
+            outcome["start"] = "healthy"
+        except InferenceStartError as exc:
+            outcome["start"] = str(exc).splitlines()[0]
+
+    async def stop() -> None:
+        while proc.pid is None:
+            await anyio.sleep(0.01)
+        await anyio.sleep(0.3)
+        await proc.stop()
+        outcome["stop"] = "stopped"
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(start)
+            tg.start_soon(stop)
+    assert outcome["stop"] == "stopped" and "exited with code -15 before becoming healthy" in outcome["start"], outcome
+    text = proc.log_path.read_text()
+    pgid = int(text.split("stub server pid ")[1].split()[0])
+    assert proc.pid is None and not proc.running
+    _assert_released(pgid, proc.port)
+
+
+@pytest.mark.anyio
 async def test_a_foreign_server_on_the_port_is_refused_never_adopted(tmp_path):
     """Issue #16 hole 1: another process binds the fixed port after the free-port check (a vLLM
     left by a killed grpod), while this launch is still loading. Its healthy answers lack this
