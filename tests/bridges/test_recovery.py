@@ -442,6 +442,25 @@ async def _watch_until(bridge, condition, timeout_s: float = 10.0) -> None:
             tg.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def _second_relaunching(bridge, timeout_s: float = 10.0):
+    """The bridge's health watches running, engine-1 killed and held in its relaunch (its `go`)
+    for the block; after it, let go and waited for until it rejoined."""
+    second, slow = bridge.engines[1], bridge.processes[1]
+    slow.go = slow.go or anyio.Event()
+    with anyio.fail_after(timeout_s):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bridge.watch)
+            slow.current.kill()
+            while not second.recovering:
+                await anyio.sleep(0.01)
+            yield
+            slow.go.set()
+            while not second.available:
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+
+
 def test_one_engine_of_a_pool_is_relaunched_while_the_others_sync_then_rejoins_caught_up(tmp_path):
     """Issue #15: one engine dying never pauses training. Its relaunch runs outside the sync
     slot; syncs meanwhile update the others; it rejoins at the current version, after a probe."""
@@ -450,22 +469,11 @@ def test_one_engine_of_a_pool_is_relaunched_while_the_others_sync_then_rejoins_c
         bridge = _pool(tmp_path)
         await bridge.start()
         first, second = bridge.engines
-        slow = bridge.processes[1]
-        slow.go = anyio.Event()
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(bridge.watch)
-                slow.current.kill()
-                while not second.recovering:
-                    await anyio.sleep(0.01)
-                assert not second.available and first.available and bridge.state == "SERVING"
-                bridge.trainer.weights = 2.0
-                record = await bridge.sync_now()  # the pool syncs without the relaunching engine
-                assert record.version == 1 and first.version == 1 and bridge.processes[0].current.weights == 2.0
-                slow.go.set()
-                while not second.available:
-                    await anyio.sleep(0.01)
-                tg.cancel_scope.cancel()
+        async with _second_relaunching(bridge):
+            assert not second.available and first.available and bridge.state == "SERVING"
+            bridge.trainer.weights = 2.0
+            record = await bridge.sync_now()  # the pool syncs without the relaunching engine
+            assert record.version == 1 and first.version == 1 and bridge.processes[0].current.weights == 2.0
         return bridge
 
     bridge = anyio.run(main)
@@ -593,7 +601,6 @@ def test_the_weights_a_relaunch_loads_are_not_pruned_by_the_syncs_that_land_whil
         await bridge.start()
         bridge.trainer.weights = 2.0
         await bridge.sync_now()
-        first, second = bridge.engines
         slow = bridge.processes[1]
         slow.go = anyio.Event()
         seen = {}
@@ -606,19 +613,10 @@ def test_the_weights_a_relaunch_loads_are_not_pruned_by_the_syncs_that_land_whil
             await start(weights, **kwargs)
 
         slow.start = loading
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(bridge.watch)
-                slow.current.kill()
-                while not second.recovering:
-                    await anyio.sleep(0.01)
-                for weights in (3.0, 4.0):
-                    bridge.trainer.weights = weights
-                    await bridge.sync_now()
-                slow.go.set()
-                while not second.available:
-                    await anyio.sleep(0.01)
-                tg.cancel_scope.cancel()
+        async with _second_relaunching(bridge):
+            for weights in (3.0, 4.0):
+                bridge.trainer.weights = weights
+                await bridge.sync_now()
         assert seen == {tmp_path / "run" / "weights" / "v000001": True}, seen
         assert bridge.launching == {}, "nothing in use once the launch returned"
         bridge.trainer.weights = 5.0
@@ -639,24 +637,13 @@ def test_the_last_serving_engine_of_a_pool_dying_mid_sync_is_relaunched_within_i
     async def main():
         bridge = _pool(tmp_path)
         await bridge.start()
-        first, second = bridge.engines
-        slow = bridge.processes[1]
-        slow.go = anyio.Event()
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(bridge.watch)
-                slow.current.kill()
-                while not second.recovering:
-                    await anyio.sleep(0.01)
-                bridge.processes[0].current.die_at = "pause"
-                bridge.trainer.weights = 2.0
-                record = await bridge.sync_now()
-                assert record.version == 1 and record.probe["ok"] and bridge.state == "SERVING"
-                assert first.version == 1 and first.available and bridge.processes[0].current.weights == 2.0
-                slow.go.set()
-                while not second.available:
-                    await anyio.sleep(0.01)
-                tg.cancel_scope.cancel()
+        first = bridge.engines[0]
+        async with _second_relaunching(bridge):
+            bridge.processes[0].current.die_at = "pause"
+            bridge.trainer.weights = 2.0
+            record = await bridge.sync_now()
+            assert record.version == 1 and record.probe["ok"] and bridge.state == "SERVING"
+            assert first.version == 1 and first.available and bridge.processes[0].current.weights == 2.0
         return bridge
 
     bridge = anyio.run(main)
