@@ -186,8 +186,10 @@ class StepLoop:
             if self.desk.draining or (self.source_exhausted and len(self.buffer) < n):
                 return await self.buffer.take_available(n) or None
             if not self.cfg.source.overlap and len(self.buffer) < n:
-                await self.source.fill(self.buffer, n - len(self.buffer))
-                self.source_exhausted = self.source.stats.exhausted
+                if await self._fill(n - len(self.buffer)):
+                    self.source_exhausted = self.source.stats.exhausted
+                elif not await self.at_boundary():
+                    return None
                 continue
 
             async def ready() -> bool:
@@ -199,6 +201,22 @@ class StepLoop:
             if not await self.at_boundary():
                 return None
         return None
+
+    async def _fill(self, count: int) -> bool:
+        """The source's `fill` (no overlap), raced against the operator: True once it returned.
+        A fill safe to cancel (Atropos's waits for a batch as long as it takes) gives way to
+        anything that needs the loop (a request, a change, pause, drain, stop); one that is not
+        (a sampling source's drew its prompts) gives way to a stop only, as the fetch task does,
+        and finishes (a generation) before the boundary serves a request."""
+
+        async def fill() -> bool:
+            await self.source.fill(self.buffer, count)
+            return True
+
+        if self.source.fill_cancel_safe:
+            return bool(await self.desk.first_or_attention(fill))
+        winner, _ = await first_of(fill, self.desk.stopping.wait)
+        return winner == 0
 
     async def step(self, groups: list[RolloutGroup], waited_s: float = 0.0) -> None:
         started = time.perf_counter()

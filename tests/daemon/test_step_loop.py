@@ -550,3 +550,68 @@ async def test_a_broken_trainer_stops_the_run_at_its_checkpoint(loop_config):
         await loop.run()
     assert "the trainer is broken" in repr(caught.value)
     assert loop.progress.step == 1
+
+
+class WaitingFillSource(IdleSource):
+    """A source whose `fill` waits until the test opens `gate` (Atropos's waits for a batch as long
+    as it takes), then delivers; each fill waits for a new gate. `fill_cancel_safe` as the test says."""
+
+    def __init__(self, *, cancel_safe: bool) -> None:
+        super().__init__(groups(4))
+        self.fill_cancel_safe = cancel_safe
+        self.gate = anyio.Event()
+        self.fills = 0
+
+    async def fill(self, buffer, count: int) -> None:
+        self.fills += 1
+        await self.gate.wait()
+        self.gate = anyio.Event()  # the next fill waits again
+        await super().fill(buffer, count)
+
+
+async def test_without_overlap_a_waiting_fill_serves_the_operator_and_a_stop(loop_config):
+    """source.overlap = false, the source's fill waiting for data: `ctl checkpoint` is answered
+    and `ctl stop` ends the loop, the fill cancelled (it is safe to cancel, as Atropos's is)."""
+    source = WaitingFillSource(cancel_safe=True)
+    loop = loop_with(loop_config, "train.steps=3", source=source)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(loop.run)
+            await anyio.wait_all_tasks_blocked()
+            info = await loop.desk.ctl_checkpoint({})
+            assert info["step"] == 0, "answered while the fill waits"
+            await anyio.wait_all_tasks_blocked()
+            assert source.fills == 2, "the fill was cancelled for the checkpoint, then asked again"
+            await loop.desk.ctl_stop({})
+    assert loop.progress.step == 0 and loop.progress.stop_reason == "ctl stop" and len(source.groups) == 4
+
+
+async def test_without_overlap_a_fill_not_safe_to_cancel_finishes_before_a_request_but_not_before_a_stop(loop_config):
+    """A sampling source's fill loses the prompts it drew if cancelled: an operator's request waits
+    for it (bounded: a generation), a stop does not."""
+    source = WaitingFillSource(cancel_safe=False)
+    loop = loop_with(loop_config, "train.steps=3", source=source)
+    replies, done = [], anyio.Event()
+
+    async def run():
+        await loop.run()
+        done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await anyio.wait_all_tasks_blocked()
+
+        async def checkpoint():
+            replies.append(await loop.desk.ctl_checkpoint({}))
+
+        tg.start_soon(checkpoint)
+        await anyio.wait_all_tasks_blocked()
+        assert replies == [] and source.fills == 1, "the fill goes on"
+        source.gate.set()
+        await settled_at(loop, 1)
+        assert replies[0]["step"] in (0, 1) and loop.trainer.batches == [["g0", "g1"]]
+        assert source.fills == 2
+        with anyio.fail_after(10):
+            await loop.desk.ctl_stop({})
+            await done.wait()
+    assert loop.progress.step == 1 and loop.progress.stop_reason == "ctl stop"
