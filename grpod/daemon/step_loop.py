@@ -152,7 +152,8 @@ class StepLoop:
         while not self.desk.stop_requested:
             self.desk.apply_changes(self.progress.step, self._apply_setting)
             for request in self.desk.take_requests("sync"):
-                await self._carry_out(self.schedule.requested(), [request])
+                if await self._evaluation_ended_before_stop([request]):
+                    await self._carry_out(self.schedule.requested(), [request])
             for request in self.desk.take_requests("checkpoint"):
                 try:
                     info, error = await self.reporter.checkpoint_alarm.guard(self.progress.step, self.checkpoint)
@@ -274,6 +275,8 @@ class StepLoop:
         """The step's sync, as the schedule decides (an operator's request taken meanwhile is
         served here rather than again at the boundary). True when the step spent time on a sync."""
         requests = self.desk.take_requests("sync")
+        if requests and not await self._evaluation_ended_before_stop(requests):
+            requests = []
         decision = self.schedule.after_step(
             self.progress.step, trained=not skipped, fenced=bool(fenced), requested=bool(requests),
             held=self.evaluations.holds_syncs,
@@ -283,13 +286,11 @@ class StepLoop:
     async def _carry_out(self, decision: Sync, requests: list) -> bool:
         """Run the sync the schedule decided, if it ships one, and answer `requests` with it: the
         step's own may be pipelined (its engines' half finishes in the background); an operator's
-        waits for a running evaluation to end (the engines keep its version to its end). True
-        when a sync ran or was staged."""
+        runs once no evaluation does (`_evaluation_ended_before_stop`). True when a sync ran or
+        was staged."""
         if not decision.ships:
             return False
         step = self.progress.step
-        if decision is Sync.FORCED:
-            await self.evaluations.idle()
         try:
             if decision is Sync.STEP and self.cfg.source.overlap and self.bridge.pipelined:
                 # The trainer half now; the engines apply and probe while the next step trains.
@@ -311,6 +312,19 @@ class StepLoop:
         for request in requests:
             request.complete(record.as_dict())
         return True
+
+    async def _evaluation_ended_before_stop(self, requests: list) -> bool:
+        """An operator's sync waits for a running evaluation to end (the engines keep its version
+        to its end), unless a stop comes first: then `requests` are answered that the daemon is
+        stopping, nothing is synced (the evaluation is abandoned), and False returned."""
+        if self.evaluations.describe() is None:
+            return True
+        winner, _ = await first_of(self.evaluations.idle, self.desk.stopping.wait)
+        if winner == 0:
+            return True
+        for request in requests:
+            request.complete(error="the daemon is stopping")
+        return False
 
     async def _end_evaluation(self) -> None:
         """The running evaluation ends, then the engines get the trainer's weights: before the

@@ -8,6 +8,7 @@ import anyio
 import pytest
 
 from grpod.bridges.base import StagedSync, SyncRecord
+from grpod.daemon.control import ControlError
 from grpod.rollouts.group import RolloutGroup
 from tests.daemon.conftest import IdleSource, ListSource, StandInBridge, make_loop
 
@@ -615,3 +616,27 @@ async def test_without_overlap_a_fill_not_safe_to_cancel_finishes_before_a_reque
             await loop.desk.ctl_stop({})
             await done.wait()
     assert loop.progress.step == 1 and loop.progress.stop_reason == "ctl stop"
+
+
+async def test_a_stop_after_a_ctl_sync_waiting_for_an_evaluation_ends_the_loop_without_the_sync(loop_config):
+    """`ctl sync` waits for the evaluation running beside training; a stop meanwhile abandons the
+    evaluation (as without the sync) and answers the sync that the daemon is stopping."""
+    loop, bridge, source = evaluating_loop(loop_config, "train.steps=5")
+    replies = []
+
+    async def sync():
+        try:
+            replies.append(await loop.desk.ctl_sync({}))
+        except ControlError as exc:
+            replies.append(str(exc))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(loop.run)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(sync)
+            await anyio.wait_all_tasks_blocked()
+            assert replies == [] and loop.evaluations.describe() is not None, "the sync waits for the evaluation"
+            await loop.desk.ctl_stop({})
+    assert replies == ["the daemon is stopping"] and bridge.syncs == []
+    assert loop.evaluations.describe() is None and loop.served_step == 0
