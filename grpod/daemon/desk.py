@@ -13,7 +13,8 @@ into state the step loop reads at its boundaries, and wakes the loop when it wai
   with every change still pending in it (a second `set` of a key corrects the first), applied at
   the boundary, numbered and kept for `ctl status` and the next checkpoint, from which a resumed
   run applies the `ctl set` values again (`restore`);
-- `stop`: `stopping`, set once with the first reason.
+- `stop`: `stopping`, set once with the first reason; also set by `close` when the run ends
+  any other way. Once it is set, `sync`, `checkpoint`, `set` and `pause` are refused.
 
 Precedence of a setting, kept across reloads: the config file, then the `--set` overrides of
 `grpod start`, then `ctl set`. SIGHUP re-reads the file, applies the same `--set` overrides over
@@ -52,6 +53,8 @@ CONFIG_HISTORY = 100
 
 T = TypeVar("T")
 BOUNDARY_KINDS = ("sync", "checkpoint")
+# What a request that needs a boundary is answered once the run is ending.
+STOPPING = "the daemon is stopping"
 
 
 @dataclass
@@ -181,6 +184,21 @@ class OperatorDesk:
         for request in requests:
             request.complete(error=reason)
 
+    def close(self, reason: str) -> None:
+        """The run is ending (`Supervisor._shutdown`), however it ended: a run that ended by itself
+        (steps done, drained, the source exhausted) requested no stop, yet no boundary comes any
+        more. From now on `sync`, `checkpoint`, `set` and `pause` are refused as for a stop, and
+        the requests waiting are answered so."""
+        if not self.stopping.is_set():
+            log.info("desk_closed", reason=reason, step=self.progress.step)
+            self.stopping.set()
+        self.wake()
+        self.fail_requests(STOPPING)
+
+    def _refuse_when_stopping(self) -> None:
+        if self.stop_requested:
+            raise ControlError(STOPPING)
+
     # ---- requests --------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
         if not self.stopping.is_set():
@@ -190,8 +208,7 @@ class OperatorDesk:
         self.wake()
 
     async def _boundary(self, kind: str) -> dict[str, Any]:
-        if self.stop_requested:
-            raise ControlError("the daemon is stopping")
+        self._refuse_when_stopping()
         request = BoundaryRequest(kind)
         self._requests.append(request)
         self.wake()
@@ -289,6 +306,7 @@ class OperatorDesk:
         return self._status()
 
     async def ctl_pause(self, args: dict[str, Any]) -> dict[str, Any]:
+        self._refuse_when_stopping()  # no boundary comes to pause at
         self.paused = True
         if self._resumed.is_set():
             self._resumed = anyio.Event()
@@ -326,6 +344,7 @@ class OperatorDesk:
         key, value = args.get("key"), args.get("value")
         if not isinstance(key, str) or "value" not in args:
             raise ControlError('expected args {"key": "train.lr", "value": 1e-5}')
+        self._refuse_when_stopping()  # no boundary comes to apply it at (nor a checkpoint to keep it)
         replaced = self._changes.get(key)
         try:
             changes = self._plan({key: value}, "ctl set")

@@ -37,7 +37,7 @@ from anyio.abc import TaskGroup
 
 from grpod.bridges.base import BridgeFailed, StagedSync, SyncNotSaved, SyncRecord
 from grpod.config import GrpodConfig
-from grpod.daemon.desk import OperatorDesk
+from grpod.daemon.desk import STOPPING, OperatorDesk
 from grpod.daemon.evaluation import Evaluations
 from grpod.daemon.live import SettingChange
 from grpod.service.notify import Heartbeat
@@ -323,7 +323,7 @@ class StepLoop:
         if winner == 0:
             return True
         for request in requests:
-            request.complete(error="the daemon is stopping")
+            request.complete(error=STOPPING)
         return False
 
     async def _end_evaluation(self) -> None:

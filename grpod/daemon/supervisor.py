@@ -220,7 +220,7 @@ class Supervisor:
         """The one way a started (or cancelled) run ends."""
         self.progress.phase = RunPhase.STOPPING
         self.notifier.stopping(f"stopping at step {self.progress.step}: {self.progress.stop_reason}")
-        self.desk.fail_requests("the daemon is stopping")
+        self.desk.close(self.progress.stop_reason or "shutdown")  # no boundary comes any more
         parts = self.parts
         # The checkpoint first: a stop's grace period may end during the evaluation after it. A
         # checkpoint of this very state exists: nothing trained, no group accepted, no sync and
