@@ -525,9 +525,11 @@ class _SourceCommon(_Section):
     temperature: float = Field(
         1.0,
         ge=0.01,
+        le=2.0,
         description="Sampling temperature; the trainer divides its logits by the same one. At least 0.01: vLLM "
         "samples greedily below 1e-5 and warns of numerical errors below 0.01, and a tiny temperature overflows "
-        "the trainer's logits.",
+        "the trainer's logits. At most 2: vLLM refuses every request above it (HTTP 400, temperature must be "
+        "in [0, 2]).",
     )
     top_p: float = Field(
         1.0,

@@ -265,3 +265,16 @@ def test_a_refusal_lists_the_live_keys_this_run_has():
     message = str(refused.value)
     assert "source.dataset.rest_epochs: no such key in the running config" in message
     assert "live keys: train.lr," in message and "source.dataset" not in message.split("live keys:")[1]
+
+
+def test_a_temperature_vllm_refuses_is_refused_by_ctl_set_and_the_config(tmp_path):
+    """vLLM refuses every generation above temperature 2 (HTTP 400 "temperature must be in
+    [0, 2]"): `ctl set source.temperature=2.5` was accepted and every later request failed."""
+    cfg = load_config(None, [f"run.dir={str(tmp_path)!r}"])
+    desk = OperatorDesk(cfg, RunProgress(cfg.train.steps))
+    with pytest.raises(ControlError, match=r"source.temperature.*less than or equal to 2"):
+        anyio.run(desk.ctl_set, {"key": "source.temperature", "value": 2.5})
+    assert not desk.pending() and not desk.operator_values
+    assert anyio.run(desk.ctl_set, {"key": "source.temperature", "value": 2.0})["accepted"][0]["new"] == 2.0
+    with pytest.raises(ConfigError, match="source.temperature"):
+        load_config(None, ["source.temperature=2.5"])
