@@ -250,12 +250,15 @@ class Supervisor:
 
     # ---- the watchers -------------------------------------------------------------------------
     async def _signals(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            async for signum in signals:
-                if signum == signal.SIGHUP:
-                    self.desk.reload_file()
-                else:
-                    self.desk.request_stop(signal.Signals(signum).name)
+        """A stop at once; a reload in a task of its own (its read is a worker thread's), so that a
+        SIGTERM after a SIGHUP never waits for the file."""
+        async with anyio.create_task_group() as reloads:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+                async for signum in signals:
+                    if signum == signal.SIGHUP:
+                        reloads.start_soon(self.desk.reload_file)
+                    else:
+                        self.desk.request_stop(signal.Signals(signum).name)
 
     async def _watchdog(self) -> None:
         """WATCHDOG=1 at half systemd's interval (the protocol is periodic), while healthy."""
