@@ -17,6 +17,7 @@ import ipaddress
 import json
 import os
 import re
+import stat
 import sys
 import tomllib
 from pathlib import Path
@@ -525,9 +526,11 @@ class _SourceCommon(_Section):
     temperature: float = Field(
         1.0,
         ge=0.01,
+        le=2.0,
         description="Sampling temperature; the trainer divides its logits by the same one. At least 0.01: vLLM "
         "samples greedily below 1e-5 and warns of numerical errors below 0.01, and a tiny temperature overflows "
-        "the trainer's logits.",
+        "the trainer's logits. At most 2: vLLM refuses every request above it (HTTP 400, temperature must be "
+        "in [0, 2]).",
     )
     top_p: float = Field(
         1.0,
@@ -1659,10 +1662,13 @@ def parse_config(tree: dict[str, Any], origin: str = "<config>") -> GrpodConfig:
         raise ConfigError(_describe(err, origin)) from None
 
 
-def read_config_tree(path: Path) -> dict[str, Any]:
-    """A config file's TOML as a tree (not validated); ConfigError saying why it cannot be read."""
+def read_config_tree(path: Path, *, max_bytes: int | None = None) -> dict[str, Any]:
+    """A config file's TOML as a tree (not validated); ConfigError saying why it cannot be read.
+    With `max_bytes` (a running daemon's reload), only a regular file of at most that many bytes:
+    the read of a FIFO waits for a writer, forever if none comes, and a 16 MB TOML takes 15 s to
+    parse."""
     try:
-        text = path.read_text()
+        text = path.read_text() if max_bytes is None else _read_regular_file(path, max_bytes).decode()
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except OSError as exc:
@@ -1675,6 +1681,20 @@ def read_config_tree(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
     except (ValueError, RecursionError) as exc:  # an integer of > 4300 digits, nesting too deep
         raise ConfigError(f"{path}: unusable TOML: {str(exc)[:200]}") from None
+
+
+def _read_regular_file(path: Path, max_bytes: int) -> bytes:
+    """`path`'s bytes if it is a regular file of at most `max_bytes`, else ConfigError. Opened
+    without blocking, so a FIFO is refused rather than waited on."""
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            raise ConfigError(f"{path}: not a regular file (a FIFO, a device or a directory): refused, its read "
+                              f"may never end; give the path of the config file itself")
+        data = file.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ConfigError(f"{path}: over {max_bytes} bytes, more than a config file has: refused, its parse "
+                          f"would hold the daemon")
+    return data
 
 
 def tree_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:

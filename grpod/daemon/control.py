@@ -16,7 +16,7 @@ other way is logged and closed, never propagated into the server's task group.
 
 Nor does a crowd of connections: at most `MAX_CONNECTIONS` are served at once (the next one is
 answered with an error and closed), a connection that sends nothing for `IDLE_TIMEOUT_S` is
-closed, and an accept that fails because the process is out of file descriptors is logged and
+closed, so is one that reads no reply for as long (its sends fill the socket's buffers), and an accept that fails because the process is out of file descriptors is logged and
 retried after `ACCEPT_RETRY_S`, while training goes on.
 """
 
@@ -152,8 +152,12 @@ class ControlServer:
                         continue
                     reply = encode_reply(await self.dispatch(line))
                     try:
-                        await stream.send(reply)
+                        with anyio.fail_after(self.idle_timeout_s):
+                            await stream.send(reply)
                     except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        return
+                    except TimeoutError:  # the client sends requests and reads no replies
+                        log.warning("control_connection_unread", idle_timeout_s=self.idle_timeout_s)
                         return
         except Exception:  # noqa: BLE001 — one connection's failure is never the daemon's
             self.errors += 1

@@ -13,7 +13,8 @@ into state the step loop reads at its boundaries, and wakes the loop when it wai
   with every change still pending in it (a second `set` of a key corrects the first), applied at
   the boundary, numbered and kept for `ctl status` and the next checkpoint, from which a resumed
   run applies the `ctl set` values again (`restore`);
-- `stop`: `stopping`, set once with the first reason.
+- `stop`: `stopping`, set once with the first reason; also set by `close` when the run ends
+  any other way. Once it is set, `sync`, `checkpoint`, `set` and `pause` are refused.
 
 Precedence of a setting, kept across reloads: the config file, then the `--set` overrides of
 `grpod start`, then `ctl set`. SIGHUP re-reads the file, applies the same `--set` overrides over
@@ -52,6 +53,10 @@ CONFIG_HISTORY = 100
 
 T = TypeVar("T")
 BOUNDARY_KINDS = ("sync", "checkpoint")
+# The largest config file a reload reads (a config is a few kB; a 16 MB one took 15 s to parse).
+RELOAD_MAX_BYTES = 1 << 20
+# What a request that needs a boundary is answered once the run is ending.
+STOPPING = "the daemon is stopping"
 
 
 @dataclass
@@ -68,6 +73,23 @@ class BoundaryRequest:
         self.done.set()
 
 
+def read_reload(path: Path, overrides: list[str], loaded_keys: frozenset[str]) -> tuple[set[str], GrpodConfig]:
+    """A reload's read, in a worker thread: the keys `path` sets and the config it makes with the
+    `overrides` over it (ConfigError if it cannot be used). The file is read once, so what is
+    checked is what is validated; one that no longer sets a key of `loaded_keys` (those it set
+    when last loaded) is refused: an emptied or half-written file (an editor's save, a truncated
+    copy) would put every key it lost back to its default, the live ones at once."""
+    tree = read_config_tree(path, max_bytes=RELOAD_MAX_BYTES)
+    file_keys = tree_keys(tree)
+    if lost := sorted(loaded_keys - file_keys):
+        raise ConfigError(
+            f"{path} no longer sets {', '.join(lost[:8])}{' ...' if len(lost) > 8 else ''} "
+            f"({len(lost)} keys it set when loaded): refused, so that a half-written file resets "
+            f"nothing; to change such a key, write its new value"
+        )
+    return file_keys, config_from_tree(tree, str(path), overrides)
+
+
 class OperatorDesk:
     def __init__(self, cfg: GrpodConfig, progress: RunProgress, *, config_path: Path | None = None,
                  overrides: list[str] = (), status: Callable[[], dict[str, Any]] = dict) -> None:
@@ -80,6 +102,7 @@ class OperatorDesk:
         self.overrides = list(overrides)
         # The keys the file set when it was last loaded: a reload that loses any is refused.
         self._file_keys = self._read_file_keys()
+        self._reloading = anyio.Lock()
         # The values set with `ctl set`, by key: the last layer of every reload.
         self.operator_values: dict[str, Any] = {}
         self._status = status
@@ -181,6 +204,21 @@ class OperatorDesk:
         for request in requests:
             request.complete(error=reason)
 
+    def close(self, reason: str) -> None:
+        """The run is ending (`Supervisor._shutdown`), however it ended: a run that ended by itself
+        (steps done, drained, the source exhausted) requested no stop, yet no boundary comes any
+        more. From now on `sync`, `checkpoint`, `set` and `pause` are refused as for a stop, and
+        the requests waiting are answered so."""
+        if not self.stopping.is_set():
+            log.info("desk_closed", reason=reason, step=self.progress.step)
+            self.stopping.set()
+        self.wake()
+        self.fail_requests(STOPPING)
+
+    def _refuse_when_stopping(self) -> None:
+        if self.stop_requested:
+            raise ControlError(STOPPING)
+
     # ---- requests --------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
         if not self.stopping.is_set():
@@ -190,8 +228,7 @@ class OperatorDesk:
         self.wake()
 
     async def _boundary(self, kind: str) -> dict[str, Any]:
-        if self.stop_requested:
-            raise ControlError("the daemon is stopping")
+        self._refuse_when_stopping()
         request = BoundaryRequest(kind)
         self._requests.append(request)
         self.wake()
@@ -227,26 +264,24 @@ class OperatorDesk:
         except ConfigError:
             return set()
 
-    def reload_file(self) -> None:
+    async def reload_file(self) -> None:
         """SIGHUP: re-read the config file, with the `--set` overrides and the `ctl set` values
         over it (the precedence in the module docstring); queue the live keys that differ, refuse
-        the rest (logged). A file that cannot be used changes nothing and ends nothing."""
+        the rest (logged). A file that cannot be used changes nothing and ends nothing. The file
+        is read and parsed in a worker thread (a regular file of at most RELOAD_MAX_BYTES), the
+        result applied here on the event loop; reloads apply one at a time, in order."""
         if self.config_path is None:
             log.warning("reload_refused", reason="the daemon was started without --config")
             return
-        origin = f"SIGHUP {self.config_path}"
+        async with self._reloading:
+            await self._reload(self.config_path)
+
+    async def _reload(self, path: Path) -> None:
+        origin = f"SIGHUP {path}"
         try:
-            tree = read_config_tree(self.config_path)  # read once: checked and validated alike
-            file_keys = tree_keys(tree)
-            if lost := sorted(self._file_keys - file_keys):
-                # An emptied or half-written file (an editor's save, a truncated copy) would put
-                # every key it lost back to its default, the live ones at once.
-                raise ConfigError(
-                    f"{self.config_path} no longer sets {', '.join(lost[:8])}{' ...' if len(lost) > 8 else ''} "
-                    f"({len(lost)} keys it set when loaded): refused, so that a half-written file resets "
-                    f"nothing; to change such a key, write its new value"
-                )
-            reloaded = config_from_tree(tree, str(self.config_path), self.overrides)
+            file_keys, reloaded = await anyio.to_thread.run_sync(
+                read_reload, path, self.overrides, frozenset(self._file_keys)
+            )
             layered = reloaded.model_dump(mode="json")
             kept = sorted(key for key, value in self.operator_values.items() if get_key(layered, key) != value)
             if self.operator_values:
@@ -258,24 +293,24 @@ class OperatorDesk:
             live = {key: value for key, value in wanted.items() if key in LIVE_KEYS}
             changes = self._plan(live, origin)
         except ConfigError as exc:
-            log.error("reload_refused", path=str(self.config_path), reason=str(exc))
+            log.error("reload_refused", path=str(path), reason=str(exc), kept="the running settings; the run goes on")
             return
         except Exception as exc:  # noqa: BLE001 — a reload never ends the run; the log says why
-            log.exception("reload_refused", path=str(self.config_path), reason=f"{type(exc).__name__}: {exc}")
+            log.exception("reload_refused", path=str(path), reason=f"{type(exc).__name__}: {exc}")
             return
         if refused:
             log.warning(
                 "reload_refused",
-                path=str(self.config_path),
+                path=str(path),
                 keys=refused,
                 reason="these keys cannot change while running (restart grpod to apply them)",
             )
         if kept:
-            log.info("reload_kept_ctl_set", path=str(self.config_path), keys=kept,
+            log.info("reload_kept_ctl_set", path=str(path), keys=kept,
                      reason="set with `ctl set`, which takes precedence over the file and --set")
         self._file_keys = file_keys
         queued = self._queue(changes, "SIGHUP")
-        log.info("reload_accepted", path=str(self.config_path), changes=[vars(c) for c in queued])
+        log.info("reload_accepted", path=str(path), changes=[vars(c) for c in queued])
 
     # ---- the control commands (`grpod ctl <name>`) ----------------------------------------
     @classmethod
@@ -289,6 +324,7 @@ class OperatorDesk:
         return self._status()
 
     async def ctl_pause(self, args: dict[str, Any]) -> dict[str, Any]:
+        self._refuse_when_stopping()  # no boundary comes to pause at
         self.paused = True
         if self._resumed.is_set():
             self._resumed = anyio.Event()
@@ -326,6 +362,7 @@ class OperatorDesk:
         key, value = args.get("key"), args.get("value")
         if not isinstance(key, str) or "value" not in args:
             raise ControlError('expected args {"key": "train.lr", "value": 1e-5}')
+        self._refuse_when_stopping()  # no boundary comes to apply it at (nor a checkpoint to keep it)
         replaced = self._changes.get(key)
         try:
             changes = self._plan({key: value}, "ctl set")

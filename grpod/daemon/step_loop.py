@@ -37,7 +37,7 @@ from anyio.abc import TaskGroup
 
 from grpod.bridges.base import BridgeFailed, StagedSync, SyncNotSaved, SyncRecord
 from grpod.config import GrpodConfig
-from grpod.daemon.desk import OperatorDesk
+from grpod.daemon.desk import STOPPING, OperatorDesk
 from grpod.daemon.evaluation import Evaluations
 from grpod.daemon.live import SettingChange
 from grpod.service.notify import Heartbeat
@@ -152,7 +152,8 @@ class StepLoop:
         while not self.desk.stop_requested:
             self.desk.apply_changes(self.progress.step, self._apply_setting)
             for request in self.desk.take_requests("sync"):
-                await self._carry_out(self.schedule.requested(), [request])
+                if await self._evaluation_ended_before_stop([request]):
+                    await self._carry_out(self.schedule.requested(), [request])
             for request in self.desk.take_requests("checkpoint"):
                 try:
                     info, error = await self.reporter.checkpoint_alarm.guard(self.progress.step, self.checkpoint)
@@ -186,8 +187,10 @@ class StepLoop:
             if self.desk.draining or (self.source_exhausted and len(self.buffer) < n):
                 return await self.buffer.take_available(n) or None
             if not self.cfg.source.overlap and len(self.buffer) < n:
-                await self.source.fill(self.buffer, n - len(self.buffer))
-                self.source_exhausted = self.source.stats.exhausted
+                if await self._fill(n - len(self.buffer)):
+                    self.source_exhausted = self.source.stats.exhausted
+                elif not await self.at_boundary():
+                    return None
                 continue
 
             async def ready() -> bool:
@@ -199,6 +202,22 @@ class StepLoop:
             if not await self.at_boundary():
                 return None
         return None
+
+    async def _fill(self, count: int) -> bool:
+        """The source's `fill` (no overlap), raced against the operator: True once it returned.
+        A fill safe to cancel (Atropos's waits for a batch as long as it takes) gives way to
+        anything that needs the loop (a request, a change, pause, drain, stop); one that is not
+        (a sampling source's drew its prompts) gives way to a stop only, as the fetch task does,
+        and finishes (a generation) before the boundary serves a request."""
+
+        async def fill() -> bool:
+            await self.source.fill(self.buffer, count)
+            return True
+
+        if self.source.fill_cancel_safe:
+            return bool(await self.desk.first_or_attention(fill))
+        winner, _ = await first_of(fill, self.desk.stopping.wait)
+        return winner == 0
 
     async def step(self, groups: list[RolloutGroup], waited_s: float = 0.0) -> None:
         started = time.perf_counter()
@@ -256,6 +275,8 @@ class StepLoop:
         """The step's sync, as the schedule decides (an operator's request taken meanwhile is
         served here rather than again at the boundary). True when the step spent time on a sync."""
         requests = self.desk.take_requests("sync")
+        if requests and not await self._evaluation_ended_before_stop(requests):
+            requests = []
         decision = self.schedule.after_step(
             self.progress.step, trained=not skipped, fenced=bool(fenced), requested=bool(requests),
             held=self.evaluations.holds_syncs,
@@ -265,13 +286,11 @@ class StepLoop:
     async def _carry_out(self, decision: Sync, requests: list) -> bool:
         """Run the sync the schedule decided, if it ships one, and answer `requests` with it: the
         step's own may be pipelined (its engines' half finishes in the background); an operator's
-        waits for a running evaluation to end (the engines keep its version to its end). True
-        when a sync ran or was staged."""
+        runs once no evaluation does (`_evaluation_ended_before_stop`). True when a sync ran or
+        was staged."""
         if not decision.ships:
             return False
         step = self.progress.step
-        if decision is Sync.FORCED:
-            await self.evaluations.idle()
         try:
             if decision is Sync.STEP and self.cfg.source.overlap and self.bridge.pipelined:
                 # The trainer half now; the engines apply and probe while the next step trains.
@@ -293,6 +312,19 @@ class StepLoop:
         for request in requests:
             request.complete(record.as_dict())
         return True
+
+    async def _evaluation_ended_before_stop(self, requests: list) -> bool:
+        """An operator's sync waits for a running evaluation to end (the engines keep its version
+        to its end), unless a stop comes first: then `requests` are answered that the daemon is
+        stopping, nothing is synced (the evaluation is abandoned), and False returned."""
+        if self.evaluations.describe() is None:
+            return True
+        winner, _ = await first_of(self.evaluations.idle, self.desk.stopping.wait)
+        if winner == 0:
+            return True
+        for request in requests:
+            request.complete(error=STOPPING)
+        return False
 
     async def _end_evaluation(self) -> None:
         """The running evaluation ends, then the engines get the trainer's weights: before the

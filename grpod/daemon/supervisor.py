@@ -220,7 +220,7 @@ class Supervisor:
         """The one way a started (or cancelled) run ends."""
         self.progress.phase = RunPhase.STOPPING
         self.notifier.stopping(f"stopping at step {self.progress.step}: {self.progress.stop_reason}")
-        self.desk.fail_requests("the daemon is stopping")
+        self.desk.close(self.progress.stop_reason or "shutdown")  # no boundary comes any more
         parts = self.parts
         # The checkpoint first: a stop's grace period may end during the evaluation after it. A
         # checkpoint of this very state exists: nothing trained, no group accepted, no sync and
@@ -250,12 +250,15 @@ class Supervisor:
 
     # ---- the watchers -------------------------------------------------------------------------
     async def _signals(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            async for signum in signals:
-                if signum == signal.SIGHUP:
-                    self.desk.reload_file()
-                else:
-                    self.desk.request_stop(signal.Signals(signum).name)
+        """A stop at once; a reload in a task of its own (its read is a worker thread's), so that a
+        SIGTERM after a SIGHUP never waits for the file."""
+        async with anyio.create_task_group() as reloads:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+                async for signum in signals:
+                    if signum == signal.SIGHUP:
+                        reloads.start_soon(self.desk.reload_file)
+                    else:
+                        self.desk.request_stop(signal.Signals(signum).name)
 
     async def _watchdog(self) -> None:
         """WATCHDOG=1 at half systemd's interval (the protocol is periodic), while healthy."""

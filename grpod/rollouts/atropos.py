@@ -245,6 +245,9 @@ class _Backoff:
 
 class AtroposSource:
     kind = "atropos"
+    # `fill` loses nothing when cancelled: the batch request is shielded, its groups are pending
+    # (in the cursor) until the buffer holds them, and the wait between polls is a sleep.
+    fill_cancel_safe = True
 
     def __init__(
         self,

@@ -35,6 +35,7 @@ def record_groups(path: Path, step: int, groups: list[RolloutGroup]) -> None:
 
 class ReplaySource:
     kind = "replay"
+    fill_cancel_safe = True  # the cursor advances only once the buffer holds the group
 
     def __init__(self, src: ReplaySourceConfig, *, cursor: dict | None = None) -> None:
         path = src.replay_path

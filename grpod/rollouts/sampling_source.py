@@ -72,6 +72,8 @@ class Sampled:
 
 class SamplingSource:
     kind = "sampling"
+    # A cancelled `fill` loses the prompts its generations drew (the cursor has passed them).
+    fill_cancel_safe = False
 
     async def generate_group(self) -> RolloutGroup | None:
         raise NotImplementedError

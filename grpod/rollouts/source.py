@@ -69,6 +69,10 @@ class SourceStats:
 class RolloutSource(Protocol):
     kind: str
     stats: SourceStats
+    # Whether `fill` may be cancelled at any await and lose nothing (what it took is in the buffer
+    # or in the cursor): the loop then cancels a waiting fill to serve the operator, otherwise
+    # only for a stop.
+    fill_cancel_safe: bool
 
     def cursor(self) -> dict[str, Any]:
         """Where the source is, for the checkpoint (`make_source(..., cursor=)` continues there)."""

@@ -60,6 +60,7 @@ class ListSource:
     """Groups handed over on request (`fill`), or all at once by `run` (then exhausted)."""
 
     kind = "list"
+    fill_cancel_safe = False  # `fill` pops a group before the buffer holds it
 
     def __init__(self, groups=()) -> None:
         self.groups = list(groups)

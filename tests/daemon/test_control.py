@@ -206,6 +206,51 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_idle_timeout(tmp_pa
     assert result["closed_by_server"] and result["reply"]["ok"] and result["open"] == 0
 
 
+def test_a_connection_that_never_reads_its_replies_is_closed_after_the_idle_timeout(tmp_path):
+    """A client that sends requests and never reads: the reply's send blocked forever once the
+    socket's buffers filled, holding the connection (128 such filled the cap; even `ctl stop` was
+    turned away). Now the send is bounded by the idle timeout and the connection closed."""
+    path = tmp_path / "run" / "grpod.sock"
+    result = {}
+
+    async def big(args):
+        return {"blob": "x" * 8192}
+
+    def flood(path) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(path))
+        s.setblocking(False)
+        try:
+            for _ in range(1000):
+                s.send(b'{"cmd": "status"}\n')
+        except BlockingIOError:
+            pass  # the server stopped reading: its reply's send is blocked
+        return s
+
+    async def main():
+        server = ControlServer(path, {"status": big}, request_timeout_s=5)
+        server.idle_timeout_s = 0.5
+        async with anyio.create_task_group() as tg:
+            await tg.start(server.serve)
+            unread = await anyio.to_thread.run_sync(flood, path)
+            try:
+                with anyio.fail_after(5):
+                    while not server.requests:  # accepted and being served
+                        await anyio.sleep(0.01)
+                with anyio.move_on_after(10):
+                    while server.connections:
+                        await anyio.sleep(0.05)
+                result["open"] = server.connections
+                result["after"] = await anyio.to_thread.run_sync(request, path, "status")
+            finally:
+                unread.close()
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert result["open"] == 0, "the connection that never reads is let go"
+    assert result["after"]["ok"]
+
+
 def test_connections_over_the_limit_are_turned_away_with_a_reason(tmp_path):
     """Issue: 1100 idle connections ended the daemon (`run_failed reason='BrokenResourceError: '`)."""
     from grpod.daemon.control import MAX_CONNECTIONS

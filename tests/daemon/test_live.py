@@ -94,7 +94,7 @@ def test_sighup_applies_safe_subset_and_refuses_the_rest(desk, tmp_path):
     text += '\n[bridge]\nmode = "shared"\n[source]\ntemperature = 0.7\n'
     desk.config_path.write_text(text)
     with structlog.testing.capture_logs() as events:
-        desk.reload_file()
+        anyio.run(desk.reload_file)
     desk.boundary()
     assert desk.cfg.train.lr == 0.002 and desk.cfg.source.temperature == 0.7
     assert desk.cfg.bridge.mode == "none", "a key that needs a restart is refused"
@@ -107,7 +107,7 @@ def test_sighup_applies_safe_subset_and_refuses_the_rest(desk, tmp_path):
 
 def test_sighup_with_broken_file_changes_nothing(desk):
     desk.config_path.write_text("[train\n")
-    desk.reload_file()
+    anyio.run(desk.reload_file)
     assert not desk.pending()
     assert json.dumps(desk.cfg.model_dump(mode="json"))
 
@@ -121,13 +121,13 @@ def test_sighup_with_a_file_that_lost_keys_changes_nothing(desk, cut):
     lines = whole.splitlines(keepends=True)
     desk.config_path.write_text("" if cut == "emptied" else "".join(lines[: len(lines) // 2]))
     with structlog.testing.capture_logs() as events:
-        desk.reload_file()
+        anyio.run(desk.reload_file)
     assert not desk.pending()
     (refused,) = [e for e in events if e["event"] == "reload_refused"]
     assert "no longer sets" in refused["reason"] and "train.lr" in refused["reason"], refused
 
     desk.config_path.write_text(whole.replace("lr = 0.0001", "lr = 0.0002"))
-    desk.reload_file()
+    anyio.run(desk.reload_file)
     desk.boundary()
     assert desk.cfg.train.lr == 0.0002
 
@@ -182,14 +182,14 @@ def test_sighup_keeps_set_overrides_and_ctl_set_values(tmp_path):
     anyio.run(desk.ctl_set, {"key": "train.loss.clip_high", "value": 0.4})
     desk.apply_changes(1, lambda change: None)
     with structlog.testing.capture_logs() as events:
-        desk.reload_file()
+        anyio.run(desk.reload_file)
     assert not desk.pending(), events
     assert not [e for e in events if e["event"] == "reload_refused"], events
     assert cfg.train.lr == 3e-5 and cfg.train.loss.clip_high == 0.4
 
     config.write_text(config.read_text().replace("clip_high = 0.28", "clip_high = 0.3").replace("temperature = 1.0", "temperature = 0.7"))
     with structlog.testing.capture_logs() as events:
-        desk.reload_file()
+        anyio.run(desk.reload_file)
     desk.apply_changes(2, lambda change: None)
     assert cfg.source.temperature == 0.7, "the file's own change applies"
     assert cfg.train.loss.clip_high == 0.4 and cfg.train.lr == 3e-5
@@ -201,7 +201,7 @@ def test_sighup_with_a_file_that_is_not_utf8_changes_nothing(desk):
     """Issue #30, 4: the reload is refused (logged); the daemon goes on."""
     desk.config_path.write_bytes(b"[train]\nlr = 0.002\n# \xff\n")
     with structlog.testing.capture_logs() as events:
-        desk.reload_file()
+        anyio.run(desk.reload_file)
     assert not desk.pending()
     assert any(e["event"] == "reload_refused" and "UTF-8" in e["reason"] for e in events), events
 
@@ -240,7 +240,7 @@ def test_a_resumed_run_applies_the_stopped_runs_ctl_set_values_again(tmp_path):
     assert [c["version"] for c in desk.config_changes] == [1, 2, 3, 4], "the stopped run's changes go on"
     assert build_trainer(resumed).optimizer.param_groups[0]["lr"] == pytest.approx(2e-5)
 
-    desk.reload_file()
+    anyio.run(desk.reload_file)
     assert not desk.pending() and resumed.train.lr == 2e-5, "a reload keeps them, as it keeps a ctl set"
 
 
@@ -265,3 +265,72 @@ def test_a_refusal_lists_the_live_keys_this_run_has():
     message = str(refused.value)
     assert "source.dataset.rest_epochs: no such key in the running config" in message
     assert "live keys: train.lr," in message and "source.dataset" not in message.split("live keys:")[1]
+
+
+def test_a_temperature_vllm_refuses_is_refused_by_ctl_set_and_the_config(tmp_path):
+    """vLLM refuses every generation above temperature 2 (HTTP 400 "temperature must be in
+    [0, 2]"): `ctl set source.temperature=2.5` was accepted and every later request failed."""
+    cfg = load_config(None, [f"run.dir={str(tmp_path)!r}"])
+    desk = OperatorDesk(cfg, RunProgress(cfg.train.steps))
+    with pytest.raises(ControlError, match=r"source.temperature.*less than or equal to 2"):
+        anyio.run(desk.ctl_set, {"key": "source.temperature", "value": 2.5})
+    assert not desk.pending() and not desk.operator_values
+    assert anyio.run(desk.ctl_set, {"key": "source.temperature", "value": 2.0})["accepted"][0]["new"] == 2.0
+    with pytest.raises(ConfigError, match="source.temperature"):
+        load_config(None, ["source.temperature=2.5"])
+
+
+def test_a_reload_refuses_a_fifo_without_blocking_the_daemon(desk, tmp_path):
+    """SIGHUP with a FIFO as the config path blocked the event loop in its read until a writer
+    came (forever: no ctl, no steps). Now it is refused, read off the loop; the run goes on."""
+    import os
+    import threading
+    import time
+
+    fifo = tmp_path / "grpod.fifo"
+    os.mkfifo(fifo)
+    desk.config_path = fifo
+
+    def unblock_an_old_reader():  # the old read waited in open() for a writer: end it after 2 s
+        time.sleep(2)
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # nobody reads it: as it should be
+            pass
+
+    threading.Thread(target=unblock_an_old_reader, daemon=True).start()
+    ticks = []
+
+    async def main():
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await anyio.sleep(0.01)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await anyio.sleep(0.05)
+            await desk.reload_file()
+            tg.cancel_scope.cancel()
+
+    with structlog.testing.capture_logs() as events:
+        anyio.run(main)
+    (refused,) = [e for e in events if e["event"] == "reload_refused"]
+    assert refused["path"] == str(fifo) and "not a regular file" in refused["reason"], refused
+    assert max(b - a for a, b in zip(ticks, ticks[1:])) < 1.0, "the event loop went on"
+    assert not desk.pending()
+
+
+def test_a_reload_refuses_a_file_over_1_mib(desk):
+    """A 16 MB TOML held the event loop 15 s in its parse; a config file is a few kB."""
+    text = desk.config_path.read_text().replace("lr = 0.0001", "lr = 0.002")
+    desk.config_path.write_text(text + "#" * (1 << 20) + "\n")
+    with structlog.testing.capture_logs() as events:
+        anyio.run(desk.reload_file)
+    (refused,) = [e for e in events if e["event"] == "reload_refused"]
+    assert refused["path"] == str(desk.config_path) and "1048576 bytes" in refused["reason"], refused
+    assert not desk.pending() and desk.cfg.train.lr == 1e-4
+    desk.config_path.write_text(text)
+    anyio.run(desk.reload_file)
+    desk.boundary()
+    assert desk.cfg.train.lr == 0.002, "a file of a config's size is reloaded"

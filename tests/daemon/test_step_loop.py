@@ -8,6 +8,7 @@ import anyio
 import pytest
 
 from grpod.bridges.base import StagedSync, SyncRecord
+from grpod.daemon.control import ControlError
 from grpod.rollouts.group import RolloutGroup
 from tests.daemon.conftest import IdleSource, ListSource, StandInBridge, make_loop
 
@@ -550,3 +551,92 @@ async def test_a_broken_trainer_stops_the_run_at_its_checkpoint(loop_config):
         await loop.run()
     assert "the trainer is broken" in repr(caught.value)
     assert loop.progress.step == 1
+
+
+class WaitingFillSource(IdleSource):
+    """A source whose `fill` waits until the test opens `gate` (Atropos's waits for a batch as long
+    as it takes), then delivers; each fill waits for a new gate. `fill_cancel_safe` as the test says."""
+
+    def __init__(self, *, cancel_safe: bool) -> None:
+        super().__init__(groups(4))
+        self.fill_cancel_safe = cancel_safe
+        self.gate = anyio.Event()
+        self.fills = 0
+
+    async def fill(self, buffer, count: int) -> None:
+        self.fills += 1
+        await self.gate.wait()
+        self.gate = anyio.Event()  # the next fill waits again
+        await super().fill(buffer, count)
+
+
+async def test_without_overlap_a_waiting_fill_serves_the_operator_and_a_stop(loop_config):
+    """source.overlap = false, the source's fill waiting for data: `ctl checkpoint` is answered
+    and `ctl stop` ends the loop, the fill cancelled (it is safe to cancel, as Atropos's is)."""
+    source = WaitingFillSource(cancel_safe=True)
+    loop = loop_with(loop_config, "train.steps=3", source=source)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(loop.run)
+            await anyio.wait_all_tasks_blocked()
+            info = await loop.desk.ctl_checkpoint({})
+            assert info["step"] == 0, "answered while the fill waits"
+            await anyio.wait_all_tasks_blocked()
+            assert source.fills == 2, "the fill was cancelled for the checkpoint, then asked again"
+            await loop.desk.ctl_stop({})
+    assert loop.progress.step == 0 and loop.progress.stop_reason == "ctl stop" and len(source.groups) == 4
+
+
+async def test_without_overlap_a_fill_not_safe_to_cancel_finishes_before_a_request_but_not_before_a_stop(loop_config):
+    """A sampling source's fill loses the prompts it drew if cancelled: an operator's request waits
+    for it (bounded: a generation), a stop does not."""
+    source = WaitingFillSource(cancel_safe=False)
+    loop = loop_with(loop_config, "train.steps=3", source=source)
+    replies, done = [], anyio.Event()
+
+    async def run():
+        await loop.run()
+        done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await anyio.wait_all_tasks_blocked()
+
+        async def checkpoint():
+            replies.append(await loop.desk.ctl_checkpoint({}))
+
+        tg.start_soon(checkpoint)
+        await anyio.wait_all_tasks_blocked()
+        assert replies == [] and source.fills == 1, "the fill goes on"
+        source.gate.set()
+        await settled_at(loop, 1)
+        assert replies[0]["step"] in (0, 1) and loop.trainer.batches == [["g0", "g1"]]
+        assert source.fills == 2
+        with anyio.fail_after(10):
+            await loop.desk.ctl_stop({})
+            await done.wait()
+    assert loop.progress.step == 1 and loop.progress.stop_reason == "ctl stop"
+
+
+async def test_a_stop_after_a_ctl_sync_waiting_for_an_evaluation_ends_the_loop_without_the_sync(loop_config):
+    """`ctl sync` waits for the evaluation running beside training; a stop meanwhile abandons the
+    evaluation (as without the sync) and answers the sync that the daemon is stopping."""
+    loop, bridge, source = evaluating_loop(loop_config, "train.steps=5")
+    replies = []
+
+    async def sync():
+        try:
+            replies.append(await loop.desk.ctl_sync({}))
+        except ControlError as exc:
+            replies.append(str(exc))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(loop.run)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(sync)
+            await anyio.wait_all_tasks_blocked()
+            assert replies == [] and loop.evaluations.describe() is not None, "the sync waits for the evaluation"
+            await loop.desk.ctl_stop({})
+    assert replies == ["the daemon is stopping"] and bridge.syncs == []
+    assert loop.evaluations.describe() is None and loop.served_step == 0

@@ -188,3 +188,68 @@ def test_a_stop_writes_its_checkpoint_before_the_last_evaluation_and_labels_it_w
     anyio.run(daemon._shutdown)
     assert order == ["checkpoint", "evaluation", "engines stopped"]
     assert (daemon.progress.last_eval["when"], daemon.progress.last_eval["step"]) == ("end", 36)
+
+
+def test_commands_during_the_shutdown_of_a_run_that_ended_by_itself_are_refused(tmp_path):
+    """Steps done (no stop requested): while the shutdown's last evaluation runs, `ctl checkpoint`
+    and `ctl sync` were queued for a boundary that never comes (the client saw no answer) and
+    `ctl set` / `ctl pause` were promised "at the next step boundary"; now each is refused, over
+    the real control socket."""
+    from types import SimpleNamespace
+
+    from grpod.daemon import control
+    from grpod.daemon.control import ControlServer
+    from grpod.daemon.evaluation import Evaluations
+    from grpod.daemon.sync_schedule import SyncSchedule
+
+    daemon = Supervisor(load_config(None, [f"run.dir={str(tmp_path / 'run')!r}", "run.progress=false", "eval.size=4",
+                                           "control.request_timeout_s=2"]))
+    evaluating, finish = anyio.Event(), anyio.Event()
+
+    class Source:
+        async def evaluate(self, size, max_tokens):
+            evaluating.set()
+            await finish.wait()
+            return {"eval_accuracy": 0.5, "eval_size": size}
+
+    class Loop:
+        evaluations = Evaluations(daemon.cfg.eval, source=Source(), reporter=daemon.reporter, progress=daemon.progress,
+                                  beside_training=False)
+        schedule = SyncSchedule(cadence=lambda step: False)
+        served_step = 3
+
+        def checkpoint_state(self):
+            return [daemon.progress.step]
+
+        async def checkpoint(self):
+            return {}
+
+    class Bridge:
+        available = True
+        policy = SimpleNamespace(version=3)
+
+        async def stop(self):
+            return None
+
+    daemon.progress.step = 3
+    daemon.progress.stop_reason = "steps done"
+    daemon.parts = SimpleNamespace(loop=Loop(), bridge=Bridge(), source=None)
+    server = ControlServer(daemon.cfg.socket_path, daemon.desk.handlers(), daemon.cfg.control.request_timeout_s)
+    commands = [("checkpoint", {}), ("sync", {}), ("set", {"key": "train.lr", "value": 3e-4}), ("pause", {})]
+    replies = {}
+
+    async def main():
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                await tg.start(server.serve)
+                tg.start_soon(daemon._shutdown)
+                await evaluating.wait()
+                for cmd, args in commands:
+                    replies[cmd] = await anyio.to_thread.run_sync(control.request, daemon.cfg.socket_path, cmd, args, 5)
+                finish.set()
+                tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert replies == {cmd: {"ok": False, "error": f"{cmd}: the daemon is stopping"} for cmd, _ in commands}
+    assert not daemon.desk.paused and not daemon.desk.operator_values
+    assert daemon.progress.stop_reason == "steps done"
