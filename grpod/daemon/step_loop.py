@@ -35,14 +35,14 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup
 
-from grpod.bridges.base import BridgeFailed, StagedSync, SyncNotSaved, SyncRecord
+from grpod.bridges.base import SyncRecord
 from grpod.config import GrpodConfig
-from grpod.daemon.desk import STOPPING, OperatorDesk
+from grpod.daemon.desk import OperatorDesk
 from grpod.daemon.evaluation import Evaluations
 from grpod.daemon.live import SettingChange
 from grpod.service.notify import Heartbeat
 from grpod.daemon.progress import RunProgress
-from grpod.daemon.sync_schedule import Sync, SyncSchedule
+from grpod.daemon.step_syncs import StepSyncs
 from grpod.inference.cores import CoreLoan
 from grpod.rollouts.admission import BatchAdmission
 from grpod.rollouts.buffer import RolloutBuffer
@@ -109,12 +109,12 @@ class StepLoop:
         self.cores = cores or CoreLoan.off("not planned")
         self.source_exhausted = False
         self._work: TaskGroup | None = None
-        # When the engines get the trainer's weights: due, owed, held by an evaluation, forced.
-        self.schedule = SyncSchedule(cadence=bridge.sync_due)
         self.evaluations = Evaluations(
             cfg.eval, source=source, reporter=reporter, progress=progress,
             beside_training=cfg.eval.overlap and bridge.pipelined,
         )
+        self.syncs = StepSyncs(cfg, bridge=bridge, evaluations=self.evaluations, desk=desk, progress=progress,
+                               heartbeat=heartbeat, reporter=reporter)
 
     # ---- the loop -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -125,7 +125,7 @@ class StepLoop:
         if self.cores.idle:
             self.trainer.threads_now = self.trainer_threads
         async with anyio.create_task_group() as work:
-            self._work = work
+            self._work = self.syncs.work = work
             if self.cfg.source.overlap:
                 work.start_soon(self.fetch)
             await self.evaluations.run("start", work, step=self.served_step)
@@ -140,10 +140,10 @@ class StepLoop:
                 await self.periodic()
             if not self.desk.stop_requested:
                 # A stop abandons a running evaluation (cancelled below); any other end keeps it.
-                await self._end_evaluation()
+                await self.syncs.end_evaluation()
             await self.bridge.settled()
             work.cancel_scope.cancel()
-        self._work = None
+        self._work = self.syncs.work = None
         self._conclude()
 
     async def at_boundary(self) -> bool:
@@ -152,8 +152,7 @@ class StepLoop:
         while not self.desk.stop_requested:
             self.desk.apply_changes(self.progress.step, self._apply_setting)
             for request in self.desk.take_requests("sync"):
-                if await self._evaluation_ended_before_stop([request]):
-                    await self._carry_out(self.schedule.requested(), [request])
+                await self.syncs.requested(request)
             for request in self.desk.take_requests("checkpoint"):
                 try:
                     info, error = await self.reporter.checkpoint_alarm.guard(self.progress.step, self.checkpoint)
@@ -233,7 +232,7 @@ class StepLoop:
         train_s = time.perf_counter() - started
         sync_began = time.perf_counter()
         self.heartbeat.busy()
-        synced = await self.sync(skipped=bool(metrics.get("skipped")), fenced=fenced)
+        synced = await self.syncs.after_step(skipped=bool(metrics.get("skipped")), fenced=fenced)
         self.heartbeat.progress()
         # Seconds this step spent on a sync: all of it, or its trainer half when pipelined.
         sync_s = time.perf_counter() - sync_began if synced else None
@@ -252,7 +251,7 @@ class StepLoop:
             "group_ids": [g.group_id for g in admitted.groups],
             "sync_s": round(sync_s, 4) if sync_s is not None else None,
             # The engines lag this step's weights by a sync an evaluation holds back.
-            "sync_deferred": self.schedule.owed,
+            "sync_deferred": self.syncs.schedule.owed,
             # The dataset source's reward functions, each one's mean over the step's groups.
             **step_reward_metrics(groups),
             **self.source.stats.step_metrics(),
@@ -271,80 +270,10 @@ class StepLoop:
             self.reporter.sync_done(record, self.progress.step + 1)
         return metrics, fenced
 
-    async def sync(self, *, skipped: bool, fenced: list[SyncRecord]) -> bool:
-        """The step's sync, as the schedule decides (an operator's request taken meanwhile is
-        served here rather than again at the boundary). True when the step spent time on a sync."""
-        requests = self.desk.take_requests("sync")
-        if requests and not await self._evaluation_ended_before_stop(requests):
-            requests = []
-        decision = self.schedule.after_step(
-            self.progress.step, trained=not skipped, fenced=bool(fenced), requested=bool(requests),
-            held=self.evaluations.holds_syncs,
-        )  # fmt: skip
-        return await self._carry_out(decision, requests) or bool(fenced)
-
-    async def _carry_out(self, decision: Sync, requests: list) -> bool:
-        """Run the sync the schedule decided, if it ships one, and answer `requests` with it: the
-        step's own may be pipelined (its engines' half finishes in the background); an operator's
-        runs once no evaluation does (`_evaluation_ended_before_stop`). True when a sync ran or
-        was staged."""
-        if not decision.ships:
-            return False
-        step = self.progress.step
-        try:
-            if decision is Sync.STEP and self.cfg.source.overlap and self.bridge.pipelined:
-                # The trainer half now; the engines apply and probe while the next step trains.
-                staged = await self.bridge.stage_sync()
-                assert self._work is not None
-                self._work.start_soon(self._finish_sync, staged, step)
-                return True
-            record = await self.bridge.sync_now(forced=decision is Sync.FORCED)
-        except SyncNotSaved as exc:  # no engine touched: the alarm is up, training goes on, the next sync retries
-            self.reporter.sync_alarm.failed(step, str(exc))
-            for request in requests:
-                request.complete(error=str(exc))
-            return False
-        except BridgeFailed as exc:
-            for request in requests:
-                request.complete(error=str(exc))
-            raise
-        self.reporter.sync_done(record, step)
-        for request in requests:
-            request.complete(record.as_dict())
-        return True
-
-    async def _evaluation_ended_before_stop(self, requests: list) -> bool:
-        """An operator's sync waits for a running evaluation to end (the engines keep its version
-        to its end), unless a stop comes first: then `requests` are answered that the daemon is
-        stopping, nothing is synced (the evaluation is abandoned), and False returned."""
-        if self.evaluations.describe() is None:
-            return True
-        winner, _ = await first_of(self.evaluations.idle, self.desk.stopping.wait)
-        if winner == 0:
-            return True
-        for request in requests:
-            request.complete(error=STOPPING)
-        return False
-
-    async def _end_evaluation(self) -> None:
-        """The running evaluation ends, then the engines get the trainer's weights: before the
-        next evaluation, and at the run's end, the final evaluation measures the trainer's last
-        step, not the last one the cadence synced. Without evaluations, only the sync an
-        evaluation held back runs."""
-        await self.evaluations.idle()
-        due = self.schedule.evaluation_due() if self.cfg.eval.size > 0 else self.schedule.evaluation_ended()
-        await self._carry_out(due, [])
-
     @property
     def served_step(self) -> int:
-        """The step whose weights the engines serve: this step, less those trained since the
-        last sync."""
-        return self.progress.step - self.schedule.unsynced
-
-    async def _finish_sync(self, staged: StagedSync, step: int) -> None:
-        with self.heartbeat.running():
-            record = await self.bridge.finish_sync(staged)
-        self.reporter.sync_done(record, step)
+        """The step whose weights the engines serve (`StepSyncs.served_step`)."""
+        return self.syncs.served_step
 
     async def periodic(self) -> None:
         step = self.progress.step
@@ -355,7 +284,7 @@ class StepLoop:
             # steps since the last sync ship now, a sync it held back too (without this,
             # evaluations back to back held every sync: 8 syncs in 83 steps on SmolLM2 with 16
             # groups in flight).
-            await self._end_evaluation()
+            await self.syncs.end_evaluation()
             await self.bridge.settled()  # the engines serve the step's sync (when one was due)
             await self.evaluations.run("periodic", self._work, step=self.served_step)
 

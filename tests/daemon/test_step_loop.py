@@ -391,7 +391,7 @@ async def test_an_operators_sync_at_the_boundary_pays_the_sync_an_evaluation_hel
     async with anyio.create_task_group() as tg:
         tg.start_soon(loop.run)
         await feed(loop, 4, until_step=2)
-        assert bridge.syncs == [] and loop.schedule.owed
+        assert bridge.syncs == [] and loop.syncs.schedule.owed
         source.gate.set()
         replies.append(await loop.desk.ctl_sync({}))
         await feed(loop, 4, start=4)
