@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from grpod.config import ConfigError, RewardFunctionConfig
+from grpod.rollouts.signal import magnitude, mean_of, spread
 
 # What `SourceStats.drop` counts when a reward function fails, by failure.
 REWARD_FAILURE_REASONS = (
@@ -341,13 +342,16 @@ def checked_rewards(name: str, returned: Any, n: int) -> list[float | None]:
 
 
 def _normalized(rewards: list[float | None]) -> list[float | None]:
-    """(r - mean) / (std + eps) over the rewards that are not None (sample std, TRL's nanstd)."""
+    """(r - mean) / (std + eps) over the rewards that are not None (sample std, TRL's nanstd),
+    taken in units of their largest magnitude: a finite reward of 1e160 squared past float's range
+    and raised OverflowError out of the daemon's scoring, which ended the run."""
     given = [r for r in rewards if r is not None]
     if not given:
         return list(rewards)
-    mean = sum(given) / len(given)
-    std = math.sqrt(sum((r - mean) ** 2 for r in given) / (len(given) - 1)) if len(given) > 1 else 0.0
-    return [None if r is None else (r - mean) / (std + NORMALIZE_EPS) for r in rewards]
+    scale = magnitude(given)
+    scaled = [r / scale for r in given]
+    centre, std = mean_of(scaled), spread(scaled, "sample")
+    return [None if r is None else (r / scale - centre) / (std + NORMALIZE_EPS / scale) for r in rewards]
 
 
 def combine(per_function: list[list[float | None]], weights: list[float], aggregation: str) -> list[float | None]:

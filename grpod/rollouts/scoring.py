@@ -9,6 +9,8 @@ written against another signature stops `grpod start` (and `grpod check-config`)
 
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,8 +136,14 @@ class RewardScorer:
         for _, metrics in results:
             for key, value in metrics.items():
                 logged.setdefault(key, []).append(value)
+        scores = combine(per_function, [f.weight for f in self.functions], self.aggregation)
+        overflowed = [i for i, score in enumerate(scores) if score is not None and not math.isfinite(score)]
+        if overflowed:  # each reward is finite (checked_rewards); their weighted sum passed float's range
+            names = ", ".join(f.name for f in self.functions)
+            raise RewardFailure("reward_nan", names, f"the combined score of completion {overflowed[0]} is "
+                                f"{scores[overflowed[0]]}: the weighted {self.aggregation} of its rewards passed float's range")
         return GroupRewards(
-            scores=combine(per_function, [f.weight for f in self.functions], self.aggregation),
+            scores=scores,
             means=function_means(self.functions, per_function),
             logged={key: sum(values) / len(values) for key, values in logged.items()},
         )

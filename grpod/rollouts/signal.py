@@ -6,6 +6,8 @@ sampling, so the two never disagree about which groups carry a learning signal.
 
 from __future__ import annotations
 
+import math
+
 from grpod.config import AdvantageConfig
 from grpod.rollouts.group import RolloutGroup
 
@@ -13,6 +15,29 @@ from grpod.rollouts.group import RolloutGroup
 # functions return exact values; this absorbs float noise from averaged or weighted rewards, which
 # grows with the scores: at 1e8 one float step is 1.5e-8).
 ZERO_VARIANCE_TOL = 1e-9
+
+
+def magnitude(values: list[float]) -> float:
+    """The largest magnitude (1.0 for all zeros): sums and squares are taken of `values` divided by
+    it, so that finite scores near float's range (a tool bonus of 1e308, say) neither overflow to
+    inf nor square to inf (or raise: `x ** 2` does), which made every advantage NaN or 0."""
+    return max(map(abs, values), default=0.0) or 1.0
+
+
+def mean_of(values: list[float]) -> float:
+    scale = magnitude(values)
+    return scale * (sum(v / scale for v in values) / len(values))
+
+
+def spread(values: list[float], kind: str) -> float:
+    """The sample (n - 1) or population std; 0 for fewer than two sample values."""
+    m = mean_of(values)
+    deviations = [v - m for v in values]
+    scale = magnitude(deviations)
+    squares = sum((d / scale) ** 2 for d in deviations)
+    if kind == "sample":
+        return scale * math.sqrt(squares / (len(values) - 1)) if len(values) > 1 else 0.0
+    return scale * math.sqrt(squares / len(values))
 
 
 def overlong_penalty(completion_tokens: int, budget: int, buffer: int, penalty: float) -> float:

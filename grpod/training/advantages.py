@@ -54,9 +54,12 @@ from grpod.rollouts.signal import (
     all_equal,
     has_override,
     is_zero_variance,
+    magnitude,
+    mean_of,
     scored_indices,
     shaped_scores,
     source_advantages,
+    spread,
 )
 
 EPS = 1e-6
@@ -72,31 +75,8 @@ class AdvantageResult:
     overlong_penalized: int = 0
 
 
-def _scale(values: list[float]) -> float:
-    """The largest magnitude (1.0 for all zeros): sums and squares are taken of `values` divided by
-    it, so that finite scores near float's range (a tool bonus of 1e308, say) neither overflow to
-    inf nor square to inf, which made every advantage NaN or 0."""
-    return max(map(abs, values), default=0.0) or 1.0
-
-
-def _mean(values: list[float]) -> float:
-    scale = _scale(values)
-    return scale * (sum(v / scale for v in values) / len(values))
-
-
-def _std(values: list[float], kind: str) -> float:
-    """The sample (n - 1) or population std; 0 for fewer than two sample values."""
-    m = _mean(values)
-    deviations = [v - m for v in values]
-    scale = _scale(deviations)
-    squares = sum((d / scale) ** 2 for d in deviations)
-    if kind == "sample":
-        return scale * math.sqrt(squares / (len(values) - 1)) if len(values) > 1 else 0.0
-    return scale * math.sqrt(squares / len(values))
-
-
 def _from_scores(scores: list[float], cfg: AdvantageConfig, batch: tuple[float, float], pooled_std: float) -> list[float]:
-    m = _mean(scores)
+    m = mean_of(scores)
     if cfg.estimator == "rloo":
         k = len(scores)
         return [k / (k - 1) * (r - m) if k > 1 else 0.0 for r in scores]
@@ -107,9 +87,9 @@ def _from_scores(scores: list[float], cfg: AdvantageConfig, batch: tuple[float, 
         # In units of the scores' largest magnitude: a deviation of scores at both ends of float's
         # range (1.7e308 and -1.7e308) overflows, its ratio to the std does not. (Scores within
         # [-1, 1] are divided by 1: the same floats.)
-        scale = _scale(scores)
+        scale = magnitude(scores)
         scaled = [r / scale for r in scores]
-        centre, std = _mean(scaled), _std(scaled, cfg.std)
+        centre, std = mean_of(scaled), spread(scaled, cfg.std)
         return [(r - centre) / (std + EPS / scale) for r in scaled]
     if cfg.scale == "batch":
         return [(r - m) / (pooled_std + EPS) for r in scores]
@@ -146,9 +126,9 @@ def compute_advantages(groups: list[RolloutGroup], cfg: AdvantageConfig, complet
     scored = [[scores[i] for i in scored_indices(g)] for g, scores in zip(result.groups, kept_scores)]
     from_scores = [s for g, s in zip(result.groups, scored) if source_advantages(g, cfg) is None and s]
     every = [r for scores in from_scores for r in scores]
-    residuals = [r - _mean(scores) for scores in from_scores for r in scores]
-    batch = (_mean(every), _std(every, cfg.std)) if every else (0.0, 0.0)
-    pooled_std = _std(residuals, cfg.std) if residuals else 0.0
+    residuals = [r - mean_of(scores) for scores in from_scores for r in scores]
+    batch = (mean_of(every), spread(every, cfg.std)) if every else (0.0, 0.0)
+    pooled_std = spread(residuals, cfg.std) if residuals else 0.0
 
     for group, scores, flat in zip(result.groups, kept_scores, kept_flat, strict=True):
         advantages = source_advantages(group, cfg)

@@ -123,6 +123,29 @@ def test_normalize_then_sum_normalises_each_function_in_the_group_first():
     assert scores == pytest.approx([first[0] + 2 * second[0], first[1] + 2 * second[1], first[2] + 2 * second[2], 2 * second[3]])
 
 
+def test_normalize_then_sum_takes_finite_rewards_near_floats_range():
+    """A finite reward of 1e160 squared past float's range: OverflowError out of the daemon's
+    scoring ended the run. It is normalised as any other (a spread of one outlier)."""
+    scores = combine([[0.0, 0.0, 0.0, 1e160], [1.7e308, -1.7e308, 0.0, 0.0]], [1.0, 1.0], "normalize_then_sum")
+    assert all(math.isfinite(score) for score in scores), scores
+    outlier = combine([[0.0, 0.0, 0.0, 1e160]], [1.0], "normalize_then_sum")
+    assert outlier == pytest.approx([-0.5, -0.5, -0.5, 1.5])  # eps is nothing at that scale
+
+
+async def test_a_weighted_sum_past_floats_range_is_a_named_reward_failure(tmp_path):
+    """Each reward finite, their weighted sum inf: it was rejected later as a nonfinite score
+    naming no function; now it is the group's reward_nan, naming the functions."""
+    from grpod.rollouts.rewards import RewardFailure
+
+    path = tmp_path / "huge.py"
+    path.write_text("def huge(completions, **kwargs):\n    return [1.7e308 for _ in completions]\n")
+    functions = reward_functions([RewardFunctionConfig(function=f"{path}:huge", weight=2.0)])
+    with pytest.raises(RewardFailure) as caught:
+        await _score(functions, ["a", "b"])
+    assert caught.value.reason == "reward_nan" and "huge" in caught.value.function, caught.value
+    assert "passed float's range" in str(caught.value)
+
+
 async def test_math_builtin_accepts_a_latex_gold_answer_for_a_decimal_completion():
     result = await _score(_functions({"function": "math"}), ["so it is 0.5", "it is 0.25", "no idea"],
                           answer="\\boxed{\\frac{1}{2}}")
