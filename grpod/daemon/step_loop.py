@@ -27,6 +27,7 @@ Everything the loop reads or advances is handed in: the desk (operator requests)
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -299,7 +300,8 @@ class StepLoop:
             step=self.progress.step,
             policy_version=self.bridge.policy.version,
             buffered=self.buffer.snapshot(),
-            source_cursor=self.source.cursor(),
+            # A copy: the snapshot is written in a worker thread while the fetch task draws on.
+            source_cursor=copy.deepcopy(self.source.cursor()),
             extra={
                 "rejections": self.admission.rejections.as_dict(),
                 "config_changes": self.desk.config_changes,

@@ -70,7 +70,8 @@ class Curriculum:
         return {
             "level": self.level,
             "window": list(self.window),
-            "streams": {str(k): v for k, v in sorted(self.streams.items())},
+            # Copies: a checkpoint serialises the cursor in a worker thread while the source draws on.
+            "streams": {str(k): list(v) for k, v in sorted(self.streams.items())},
             "moves_up": self.moves_up,
             "moves_down": self.moves_down,
             "draws": {str(k): v for k, v in sorted(self.draws.items())},

@@ -552,7 +552,9 @@ class DatasetSource(SamplingSource):
         self._rest(index, epoch, group)
         if self.curriculum is not None:
             threshold = self.eval_cfg.correct_threshold
-            passed = [s is not None and s >= threshold for s in scored.scores]
+            # Over the scored completions only, as the trainer counts them: an unscorable one
+            # (every function answered None) is no failure to move the level down for.
+            passed = [s >= threshold for s in scorable]
             self.curriculum.record(epoch, sum(passed) / len(passed))
             self.stats.curriculum = self.curriculum.describe()
         return group

@@ -79,6 +79,20 @@ def test_each_level_is_its_own_shuffled_endless_stream_and_a_resumed_cursor_draw
         curriculum(start=5)
 
 
+def test_a_cursor_is_a_snapshot_the_draws_after_it_do_not_change():
+    """A checkpoint takes the cursor, then serialises it in a worker thread while the fetch task
+    draws on: the streams' positions were the live lists, so the checkpoint recorded positions
+    past its buffered groups and `draws`, and a resume skipped the rows drawn meanwhile."""
+    c = curriculum(start=1)
+    for _ in range(3):
+        c.draw()
+    taken = c.cursor()
+    frozen = json.loads(json.dumps(taken))
+    for _ in range(4):
+        c.draw()
+    assert taken == frozen, (taken, frozen)
+
+
 # ---- through the dataset source --------------------------------------------------------------
 
 # Level 0: "a+a=" with a in 0-3, level 1: 10-13, level 2: 20-23 (the client reads a's tens).
@@ -134,6 +148,24 @@ def test_the_source_climbs_to_the_level_passed_half_the_time_and_resumes_there(t
 
     _, hard = _play(tokenizer, _config(path, start=2), 6)  # never passed -> down to level 1, and stays
     assert [level for level, _ in hard] == ["L2", "L2"] + ["L1"] * 4
+
+
+def test_the_pass_rate_leaves_out_completions_no_function_could_score(tmp_path, tokenizer):
+    """A reward answering None (no answer to read) leaves a completion out of the trainer's
+    statistics; the curriculum counted it a failure. At level 1 every scored completion passes,
+    so the source climbs on to level 2 (it stayed, at a pass rate of one half)."""
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    module = tmp_path / "answered.py"
+    module.write_text("def answered(completions, answer, **kwargs):\n"
+                      "    return [None if c == 'x' else float(c == a) for c, a in zip(completions, answer)]\n")
+    cfg = parse_config({
+        "source": {"kind": "dataset", "group_size": 4, "dataset": {
+            "path": str(path), "rewards": [{"function": f"{module}:answered"}], "shuffle_seed": 2,
+            "curriculum": {"window": 2}}},
+    })
+    src, drawn = _play(tokenizer, cfg, 4)
+    assert [level for level, _ in drawn] == ["L0", "L0", "L1", "L1"], drawn
+    assert src.curriculum.level == 2, src.curriculum.describe()
 
 
 def test_a_level_column_that_is_missing_or_not_an_integer_and_a_curriculum_with_epochs_are_refused(tmp_path, tokenizer):
