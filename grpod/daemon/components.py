@@ -190,7 +190,7 @@ async def start_parts(
     log.info("startup", **phases)
     trainer, source = loaded["trainer"], loaded["source"]
     admission = BatchAdmission(cfg.train, vocab_size=trainer.vocab_size, max_seq_len=cfg.model.max_seq_len,
-                               rejections=rejections)
+                               rejections=rejections, may_resend=source.may_resend)
     loop = StepLoop(
         cfg, trainer=trainer, bridge=bridge, source=source, buffer=buffer, admission=admission, desk=desk,
         progress=progress, heartbeat=heartbeat, reporter=reporter, store=store, run_dir=run_dir, cores=cores,

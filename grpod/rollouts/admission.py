@@ -39,13 +39,15 @@ class Admitted:
 
 
 class BatchAdmission:
-    def __init__(self, train: TrainConfig, *, vocab_size: int, max_seq_len: int, rejections: RejectionCounter) -> None:
-        """`train` is the live `train` section (max_staleness may change while running)."""
+    def __init__(self, train: TrainConfig, *, vocab_size: int, max_seq_len: int, rejections: RejectionCounter,
+                 may_resend: bool = True) -> None:
+        """`train` is the live `train` section (max_staleness may change while running);
+        `may_resend`: the source's (a window of duplicates only for a source that may resend)."""
         self.train = train
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.rejections = rejections
-        self.duplicates = DuplicateWindow()
+        self.duplicates = DuplicateWindow() if may_resend else None
         self.staleness = StalenessStats()
 
     def admit(self, groups: list[RolloutGroup], policy_version: int) -> Admitted:
@@ -60,7 +62,7 @@ class BatchAdmission:
         )
         fresh = []
         for group in valid:
-            duplicate = self.duplicates.admit(group)
+            duplicate = self.duplicates.admit(group) if self.duplicates is not None else None
             if duplicate is None:
                 fresh.append(group)
             else:

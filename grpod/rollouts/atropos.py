@@ -248,6 +248,7 @@ class AtroposSource:
     # `fill` loses nothing when cancelled: the batch request is shielded, its groups are pending
     # (in the cursor) until the buffer holds them, and the wait between polls is a sleep.
     fill_cancel_safe = True
+    may_resend = True  # run-api forms batches LIFO and can hand a group out again
 
     def __init__(
         self,

@@ -2,11 +2,12 @@
 
 Atropos' run-api can hand the same group out again (it forms batches LIFO and counts them all as
 steps), and an environment can send a group twice after a retry. Groups are compared by content
-(tokens, loss mask, scores), so ids assigned on arrival do not hide a repeat. Two independently
-sampled groups with the same content and a learning signal are vanishingly unlikely; one is
-rejected as `duplicate` when it does happen, which costs one group. The window holds the last
-`size` groups of this process (it is not checkpointed: a restart may train a pre-restart group
-once more, at most once).
+(tokens, loss mask, scores), so ids assigned on arrival do not hide a repeat. Only a source that
+may resend (`may_resend`: Atropos, a replayed record) has the window: a source that samples its
+own groups (builtin, dataset, environment) never repeats one, and two of its groups alike (short
+answers, a row drawn again in a later epoch) are two draws, both trained. The window holds the
+last `size` groups of this process (it is not checkpointed: a restart may train a pre-restart
+group once more, at most once).
 """
 
 from __future__ import annotations

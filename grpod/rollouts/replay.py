@@ -36,6 +36,7 @@ def record_groups(path: Path, step: int, groups: list[RolloutGroup]) -> None:
 class ReplaySource:
     kind = "replay"
     fill_cancel_safe = True  # the cursor advances only once the buffer holds the group
+    may_resend = True  # the record of a run that took them from Atropos: admitted as that run admitted them
 
     def __init__(self, src: ReplaySourceConfig, *, cursor: dict | None = None) -> None:
         path = src.replay_path

@@ -74,6 +74,7 @@ class SamplingSource:
     kind = "sampling"
     # A cancelled `fill` loses the prompts its generations drew (the cursor has passed them).
     fill_cancel_safe = False
+    may_resend = False  # each group is a fresh draw: two alike (short answers, a row again) are both trained
 
     async def generate_group(self) -> RolloutGroup | None:
         raise NotImplementedError

@@ -73,6 +73,10 @@ class RolloutSource(Protocol):
     # or in the cursor): the loop then cancels a waiting fill to serve the operator, otherwise
     # only for a stop.
     fill_cancel_safe: bool
+    # Whether it may hand over the same group twice (Atropos' run-api, a replayed record): its
+    # groups then pass the duplicate window (`grpod.rollouts.duplicates`); a source that samples
+    # its own groups never repeats one, however alike two of them are.
+    may_resend: bool
 
     def cursor(self) -> dict[str, Any]:
         """Where the source is, for the checkpoint (`make_source(..., cursor=)` continues there)."""

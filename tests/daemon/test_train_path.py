@@ -174,6 +174,24 @@ def test_a_group_that_arrives_twice_is_trained_once(daemon, monkeypatch):
     assert daemon.status()["rejected"] == {"duplicate": 1}
 
 
+def test_two_alike_groups_of_a_source_that_samples_its_own_are_both_trained(daemon, monkeypatch):
+    """A dataset row drawn again in a later epoch, answered with the same short completions: a
+    fresh draw with a learning signal, rejected as `duplicate` by a window meant for sources that
+    resend (Atropos). A source that samples its own groups has no window."""
+    from grpod.rollouts.admission import BatchAdmission
+    from grpod.rollouts.dataset import DatasetSource
+
+    assert DatasetSource.may_resend is False
+    admission = BatchAdmission(daemon.cfg.train, vocab_size=daemon.admission.vocab_size, max_seq_len=64,
+                               rejections=daemon.admission.rejections, may_resend=DatasetSource.may_resend)
+    rng = random.Random(11)
+    group = _group("dataset-0-3", 10, rng)
+    again = RolloutGroup(group.tokens, group.loss_mask, group.scores, group.inference_logprobs, policy_version=10,
+                         group_id="dataset-1-3")
+    assert [g.group_id for g in admission.admit([group], 10).groups] == ["dataset-0-3"]
+    assert [g.group_id for g in admission.admit([again], 10).groups] == ["dataset-1-3"]
+
+
 def test_rollouts_jsonl_records_only_trained_groups(daemon, monkeypatch):
     rng = random.Random(9)
     daemon.cfg.run.record_rollouts = True
