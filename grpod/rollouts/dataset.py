@@ -264,10 +264,16 @@ def tokenize_rows(
     """The checked rows rendered (chat template) and tokenized; a prompt too long is a DatasetError."""
     items = []
     for row in rows:
-        text = _render(tokenizer, row.messages, dcfg.system_prompt)
+        column = dcfg.messages_column if row.chat else dcfg.prompt_column
+        try:
+            text = _render(tokenizer, row.messages, dcfg.system_prompt)
+        except Exception as exc:  # noqa: BLE001 — jinja2's TemplateError, a template's raise_exception
+            raise DatasetError(
+                f"{path}: {row_where(path, row.row)}, column {column!r}: the model's chat template refused it "
+                f"({type(exc).__name__}: {str(exc)[:200]}); fix the row's messages (roles, their order)"
+            ) from None
         ids = list(tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None)).input_ids)
         if len(ids) > max_prompt_tokens:
-            column = dcfg.messages_column if row.chat else dcfg.prompt_column
             raise DatasetError(
                 f"{path}: {row_where(path, row.row)}, column {column!r}: the prompt is {len(ids)} tokens; at most "
                 f"{max_prompt_tokens} fit (model.max_seq_len minus source.max_tokens)"

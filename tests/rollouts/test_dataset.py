@@ -112,6 +112,27 @@ def test_without_a_chat_template_the_prompt_is_plain_text(tmp_path, tokenizer):
     assert src.items[1].prompt_text == "Add.\n\n1+1="
 
 
+def test_a_row_the_chat_template_refuses_is_a_dataset_error_naming_it(tmp_path, tokenizer):
+    """A strict template (roles must alternate, no system role) raises jinja2's TemplateError:
+    it was a traceback at check-config, naming no file, row or column."""
+    from grpod.rollouts.dataset import DatasetError
+
+    strict = build_tokenizer()
+    strict.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    rows = [{"messages": [{"role": "user", "content": "1+1="}], "answer": "2"},
+            {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "2+2="}], "answer": "4"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    with pytest.raises(DatasetError) as caught:
+        source(strict, config(path))
+    message = str(caught.value)
+    assert "row 2" in message and "column 'messages'" in message and "chat template refused it" in message, message
+    assert "Conversation roles must alternate" in message
+
+
 @pytest.mark.parametrize(
     ("rows", "expected"),
     [
