@@ -123,6 +123,7 @@ class StepLoop:
         BridgeFailed when the engines cannot be kept in step."""
         train = self.cfg.train
         self.progress.begin_training()
+        self.bridge.policy.trainer_step = self.progress.step  # a resumed run's steps
         if self.cores.idle:
             self.trainer.threads_now = self.trainer_threads
         async with anyio.create_task_group() as work:
@@ -229,6 +230,7 @@ class StepLoop:
         metrics, fenced = await self.train(admitted.groups)
         metrics["completion_tokens"] = float(sum(sum(mask) for g in admitted.groups for mask in g.loss_mask))
         self.progress.count_batch(trained=not metrics.get("skipped"), metrics=metrics)
+        self.bridge.policy.trainer_step = self.progress.step  # TRL's global_step, for reward functions
         self.heartbeat.progress()
         train_s = time.perf_counter() - started
         sync_began = time.perf_counter()

@@ -8,9 +8,11 @@ Sources, evaluations and the metrics exporter get this handle, never the bridge 
 - `engine(timeout_s)`: an engine to sample from, the available one with the fewest outstanding
   requests (a request stays on the engine it was lent), waiting at the engines' availability
   gates while none is open;
-- `endpoint()`: where environments outside grpod reach the policy (vLLM's URL and model names).
+- `endpoint()`: where environments outside grpod reach the policy (vLLM's URL and model names);
+- `trainer_step`: the optimizer steps the trainer has taken (the step loop sets it after each
+  step): what reward functions get as TRL's `global_step`, which counts steps, not syncs.
 
-The bridge is the only writer (`publish`): it sets the version and the name after each sync.
+The bridge is the only writer of the version and the name (`publish`, after each sync).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Policy:
         self.version = version
         self.served_name = SERVED_MODEL_NAME
         self.lora = lora
+        self.trainer_step = 0
 
     def publish(self, version: int, served_name: str | None = None) -> None:
         """The bridge's one call: `version` is the policy from now on, sampled as `served_name`."""

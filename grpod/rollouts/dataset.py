@@ -511,7 +511,7 @@ class DatasetSource(SamplingSource):
             completion_ids=[list(c.token_ids) for c in completions],
             columns={name: [value] * n for name, value in item.columns.items()},
             trainer_state=TrainerState(
-                global_step=self.policy.version if version is None else version, max_steps=self.steps,
+                global_step=self.policy.trainer_step, max_steps=self.steps,
                 policy_version=self.policy.version if version is None else version, epoch=self.passes(),
             ),
         )

@@ -12,9 +12,9 @@ unchanged): one call per group and function, by keyword only,
   `[{"role": "assistant", "content": text}]`;
 - `completion_ids[i]`: its token ids (what the engine sampled);
 - every other dataset column as a list with the row's value once per completion;
-- `trainer_state`: a `TrainerState` with TRL's `global_step`, `max_steps` and `epoch` (rows drawn
-  so far over the rows of the set, a fraction as TRL's), plus the `policy_version` that sampled the
-  group;
+- `trainer_state`: a `TrainerState` with TRL's `global_step` (the optimizer steps the trainer has
+  taken), `max_steps` and `epoch` (rows drawn so far over the rows of the set, a fraction as
+  TRL's), plus the `policy_version` that sampled the group (versions count syncs, not steps);
 - `log_metric(name, value)`: a scalar averaged into the step's `reward_log/<name>`; `log_extra`
   is accepted and ignored (TRL's completions table).
 An `async def` function is awaited. A function should take `**kwargs` for what it does not use.

@@ -133,6 +133,30 @@ def test_a_row_the_chat_template_refuses_is_a_dataset_error_naming_it(tmp_path, 
     assert "Conversation roles must alternate" in message
 
 
+def test_reward_functions_get_the_trainers_step_as_global_step_and_the_sampling_version(tmp_path, tokenizer):
+    """TRL's `global_step` counts optimizer steps; it was the policy version, which counts syncs
+    (with bridge.sync_every = 4 it reached a quarter of max_steps), so a reward annealed over
+    global_step / max_steps ran on the wrong schedule."""
+    module = tmp_path / "seen.py"
+    module.write_text("def seen(completions, trainer_state, **kwargs):\n"
+                      "    s = trainer_state\n"
+                      "    return [s.global_step * 10000 + s.policy_version * 100 + s.max_steps for _ in completions]\n")
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS[:2])
+    cfg = config(path, rewards=({"function": f"{module}:seen"},))
+    cfg.train.steps = 40
+
+    async def main():
+        src = await open_source(tokenizer, cfg)
+        try:
+            src.policy.trainer_step = 12
+            return await src.generate_group()
+        finally:
+            await src.aclose()
+
+    group = anyio.run(main)
+    assert group.scores == [12 * 10000 + 3 * 100 + 40] * 2, group.scores
+
+
 @pytest.mark.parametrize(
     ("rows", "expected"),
     [
