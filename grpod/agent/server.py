@@ -230,6 +230,10 @@ class Agent:
         """The API and the watches until cancelled. On the way out: the leader's long-polls are
         answered, requests in flight get `SHUTDOWN_GRACE_S` before they are cancelled (a launch's
         cancellation stops what it launched), then every engine is stopped and released."""
+        # An agent killed before (SIGKILL, the OOM killer) left its engines running (they outlive
+        # their launcher): stopped now, so that no leader sees them as ended while they hold the GPU.
+        for hosted in self.engines:
+            await hosted.engine.process.stop_left_behind()
         runner = web.AppRunner(build_app(self.engines, self.token), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
         await runner.setup()
         try:

@@ -535,7 +535,7 @@ class InferenceProcess:
         """
         if self._popen is not None:
             raise InferenceStartError(f"vLLM is already launched (pid {self.pid}); stop() it first")
-        await self._record.stop_left_behind(self.cfg.stop_grace_s, self.cfg.release_timeout_s)
+        await self.stop_left_behind()
         self._port = self._resolve_port()
         self._model_path = Path(model_path)
         argv = self.build_args(model_path, **build_kw)
@@ -651,6 +651,10 @@ class InferenceProcess:
             os.killpg(self.pgid, sig)
         except ProcessLookupError:
             pass
+
+    async def stop_left_behind(self) -> None:
+        """Stop what a killed predecessor launched in this slot (its launch record names it)."""
+        await self._record.stop_left_behind(self.cfg.stop_grace_s, self.cfg.release_timeout_s)
 
     async def stop(self) -> None:
         """Stop the server and wait until its processes, port and GPU memory are released.

@@ -203,6 +203,28 @@ async def test_stopping_the_agent_answers_the_watches_and_releases_the_engines(t
     assert answer["ended"] and not engine.process.running and group_members(pgid) == []
 
 
+async def test_a_restarted_agent_stops_the_engines_its_killed_predecessor_left_running(tmp_path, weights):
+    """Agent engines outlive their launcher: an agent SIGKILLed (or OOM-killed) left its vLLM
+    running, and the agent restarted on the same directory said it ended, answered `stop` with
+    stopped, and never stopped it (its GPU held for good once no leader launched that engine
+    again). The new agent stops it, by its launch record, before it answers anything."""
+    from grpod.agent.hosted import HostedEngine
+
+    [first] = stub_engines(tmp_path, outlives_launcher=True)
+    killed = HostedEngine(first, "boot-1")
+    await killed.launch(LaunchRequest(weights=str(weights), version=0), "127.0.0.1")
+    pgid = first.process.pgid
+    assert group_members(pgid), "the first agent's engine runs"
+    # ...and that agent is gone without closing anything (as SIGKILL leaves it).
+    [second] = stub_engines(tmp_path, outlives_launcher=True)
+    with anyio.fail_after(30):
+        async with serving([second]) as (_, url):
+            assert group_members(pgid) == [], "stopped before the agent listened"
+            async with AgentClient(url, TOKEN, 30) as agent:
+                status = (await agent.status())["engines"][0]
+    assert not status["running"]
+
+
 async def test_a_stalled_engine_is_relaunched_by_the_agent_and_not_handed_over_though_it_answers_health(
     tmp_path, weights
 ):
