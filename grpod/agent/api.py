@@ -129,7 +129,8 @@ class AgentClient(SessionClient):
                 method, self.url + route, json=json_body, params=params,
                 timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=self.timeout_s),
             ) as response:
-                status, text = response.status, await response.text()
+                # Decoded leniently: a body that is not UTF-8 is a foreign service's, said below.
+                status, text = response.status, (await response.read()).decode("utf-8", errors="replace")
         except TimeoutError:
             raise AgentRequestError(self.url, route, None, f"timed out after {timeout:g} s") from None
         except aiohttp.ClientError as exc:
@@ -142,7 +143,8 @@ class AgentClient(SessionClient):
                                     f"{response.content_type or 'no content type'}): {text[:BODY_EXCERPT_CHARS]}") from None
         if status != 200 or not isinstance(answer, dict):
             detail = answer.get("error") if isinstance(answer, dict) else None
-            raise AgentRequestError(self.url, route, status, (detail or text)[:BODY_EXCERPT_CHARS])
+            detail = detail if isinstance(detail, str) and detail else text  # a foreign {"error": {...}}
+            raise AgentRequestError(self.url, route, status, detail[:BODY_EXCERPT_CHARS])
         return answer
 
     async def status(self) -> dict[str, Any]:

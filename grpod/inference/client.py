@@ -197,7 +197,8 @@ class InferenceClient(SessionClient):
                     params=params,
                     timeout=aiohttp.ClientTimeout(total=timeout),
                 ) as response:
-                    text = await response.text()
+                    # Decoded leniently: a body that is not UTF-8 is a foreign server's (checked below).
+                    text = (await response.read()).decode("utf-8", errors="replace")
                     status = response.status
                     is_json = response.content_type == "application/json"
                     echoed = response.headers.get(LAUNCH_HEADER)

@@ -223,3 +223,34 @@ async def test_another_service_at_the_agents_address_is_named_as_such(tmp_path, 
     finally:
         await runner.cleanup()
     assert "not a grpod agent's answer (not JSON, text/html): <html>It works!" in str(wrong.value), wrong.value
+
+
+@pytest.mark.parametrize("body", [b'{"error": {"code": 500, "message": "proxy"}}', b"\xff\xfe not utf-8"])
+async def test_an_odd_answer_is_an_agent_request_error_not_a_raw_exception(tmp_path, body):
+    """A JSON error whose `error` is not text (TypeError: unhashable 'slice') and a body that is not
+    UTF-8 (UnicodeDecodeError) escaped both HTTP clients raw: in the leader's watch, past the
+    handler for an unreachable agent, ending the run."""
+    from aiohttp import web
+
+    from grpod.agent.api import AgentClient
+    from grpod.inference.client import InferenceClient, InferenceRequestError
+
+    async def odd(request):
+        return web.Response(body=body, status=500, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", odd)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port("127.0.0.1")
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with AgentClient(f"http://127.0.0.1:{port}", TOKEN, 10) as agent:
+            with pytest.raises(AgentRequestError):
+                await agent.status()
+        async with InferenceClient(f"http://127.0.0.1:{port}", 10) as client:
+            assert await client.health() is False
+            with pytest.raises(InferenceRequestError):
+                await client.is_paused()
+    finally:
+        await runner.cleanup()
