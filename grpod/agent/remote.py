@@ -195,15 +195,22 @@ class RemoteInference(InferenceEngine):
         launch = self.process.launch
         assert launch is not None
         delay = self.cfg.health_interval_s
+        refused: set[int] = set()  # the error answers said so far (once each: the watch retries every few s)
         while True:
             silent = self.agent_error is not None  # `_contact` keeps whether the agent answered
             try:
                 async with self._agent() as agent:
                     answer = await self._contact(agent.ended(self.agent_engine, launch, self._watch_poll_s))
             except AgentRequestError as exc:
+                if exc.status == 404:  # restarted with fewer engines: this one is no more
+                    return f"the agent at {self.agent_url} no longer serves {self.agent_engine}: {str(exc)[:200]}"
                 if exc.status is None:
                     log.warning("agent_unreachable", engine=self.name, agent=self.agent_url, error=str(exc)[:300],
                                 silent_s=round(time.monotonic() - self.agent_seen, 1) if self.agent_seen else None)
+                elif exc.status not in refused:  # a rotated token (401), the agent's own error
+                    refused.add(exc.status)
+                    log.warning("agent_watch_refused", engine=self.name, agent=self.agent_url, status=exc.status,
+                                error=str(exc)[:300], note="retried; /health still watches the engine")
                 await anyio.sleep(delay)
                 delay = min(delay * 2, AGENT_RETRY_MAX_S)
                 continue

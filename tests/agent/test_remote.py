@@ -254,3 +254,35 @@ async def test_an_odd_answer_is_an_agent_request_error_not_a_raw_exception(tmp_p
                 await client.is_paused()
     finally:
         await runner.cleanup()
+
+
+async def test_an_agent_that_no_longer_serves_the_engine_is_a_lost_engine_not_a_silent_retry(tmp_path, weights):
+    """An agent restarted with fewer engines answers 404 for this one: the watch retried it every
+    few seconds forever, in silence, and the agent showed as reachable. Now the engine is lost,
+    saying why (its relaunch through the agent then fails, within the restart budget)."""
+    from aiohttp import web
+
+    async def gone(request):
+        return web.json_response({"error": "no engine named engine-0"}, status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", gone)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port("127.0.0.1")
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    [local] = stub_engines(tmp_path)
+    try:
+        async with serving([local]) as (_, url):
+            engine = remote(url)
+            await engine.launch(weights, 1)
+            try:
+                engine.agent_url = f"http://127.0.0.1:{port}"
+                with anyio.fail_after(10):
+                    reason = await engine._until_exited()
+                assert "no longer serves engine-0" in reason and "no engine named engine-0" in reason, reason
+            finally:
+                engine.agent_url = url
+                await engine.shutdown()
+    finally:
+        await runner.cleanup()
