@@ -536,14 +536,19 @@ class NcclWeightSender(WeightSender):
             listen_socket=self._take_socket(),
         )
         with unpinned_nccl_env():
-            self.communicator = PyNcclCommunicator(store_group, device=torch.accelerator.current_device_index())
+            communicator = PyNcclCommunicator(store_group, device=torch.accelerator.current_device_index())
+        if self._closed:  # closed while this join was blocked (an abandoned group formation), as gloo's
+            communicator.destroy()
+            raise WeightTransferCancelled(f"{self!r} was closed while forming its group")
+        self.communicator = communicator
 
     def broadcast(
         self, named_tensors: NamedTensors, update_info: dict[str, Any], cancel: threading.Event | None = None
     ) -> BroadcastStats:
-        """vLLM's packed NCCL producer in a thread of its own, waited for at most `timeout_s` per
-        chunk. NCCL cannot be interrupted: on a timeout (or `cancel`) that thread stays blocked and
-        the group is unusable (relaunch its engines)."""
+        """vLLM's packed NCCL producer in a thread of its own, given up once no tensor moved for
+        `timeout_s` (one deadline of `timeout_s` x chunks let a vanished peer hold a 7B model's
+        sync for hours). NCCL cannot be interrupted: on a timeout (or `cancel`) that thread stays
+        blocked and the group is unusable (relaunch its engines)."""
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         if self.communicator is None:
@@ -552,6 +557,11 @@ class NcclWeightSender(WeightSender):
         chunks = max(1, len(GlooUpdateInfo.plan(tensor_metadata(named_tensors), self.chunk_bytes).chunk_counts))
         outcome: dict[str, BaseException] = {}
         began = time.perf_counter()
+        moved = [time.monotonic()]  # when the producer last took a tensor: the broadcast's progress
+
+        def next_tensor(item):
+            moved[0] = time.monotonic()
+            return item[1].detach().to(device)
 
         def produce() -> None:
             try:
@@ -559,7 +569,7 @@ class NcclWeightSender(WeightSender):
                     iterator=iter(named_tensors),
                     group=self.communicator,
                     src=0,
-                    post_iter_func=lambda item: item[1].detach().to(device),
+                    post_iter_func=next_tensor,
                     buffer_size_bytes=self.chunk_bytes,
                     num_buffers=self.inflight_chunks,
                 )
@@ -569,13 +579,12 @@ class NcclWeightSender(WeightSender):
 
         worker = threading.Thread(target=produce, name="grpod-nccl-broadcast", daemon=True)
         worker.start()
-        deadline = time.monotonic() + self.timeout_s * chunks
         while worker.is_alive():
             if cancel is not None and cancel.is_set():
                 raise WeightTransferCancelled(f"{self!r}: broadcast given up; the NCCL group is unusable, relaunch its engines")
-            if time.monotonic() > deadline:
+            if time.monotonic() - moved[0] > self.timeout_s:
                 raise WeightTransferTimeout(
-                    f"{self!r}: broadcast of {chunks} chunks did not complete within {self.timeout_s * chunks:g} s; "
+                    f"{self!r}: broadcast of {chunks} chunks: no tensor moved for {self.timeout_s:g} s; "
                     "the NCCL group is unusable, relaunch its engines"
                 )
             worker.join(0.2)
@@ -767,7 +776,7 @@ class WeightGroup:
                     rank0_done.set()
         if engines_error is None and rank0_error is None:
             return result
-        self.sender.close()
+        await self._close_sender()
         parts = [f"engines: {engines_error}"] if engines_error is not None else []
         if rank0_error is not None and not isinstance(rank0_error, WeightTransferCancelled):
             parts.append(f"rank 0: {rank0_error}")
@@ -805,7 +814,13 @@ class WeightGroup:
             if failures:
                 log.warning("weight_group_shutdown_failed", engines=described(failures))
         finally:
-            self.sender.close()
+            await self._close_sender()
+
+    async def _close_sender(self) -> None:
+        """Rank 0's side closed in a worker thread: NCCL's teardown joins its abort thread for up
+        to 5 s, which on the event loop froze every health watch and the control socket."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.sender.close)
 
 
 async def wait_port_released(host: str, port: int, timeout_s: float) -> None:
