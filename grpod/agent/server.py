@@ -61,6 +61,8 @@ log = structlog.get_logger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # On the way out, requests in flight get this long to finish before they are cancelled.
 SHUTDOWN_GRACE_S = 5.0
+# How long the launch route waits for the weights directory's filesystem to answer a stat.
+STAT_TIMEOUT_S = 10.0
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -113,7 +115,14 @@ def build_app(engines: list[HostedEngine], token: str) -> web.Application:
             return _error(404, str(exc))
         except (_BadRequest, ValidationError) as exc:
             return _error(400, _describe(exc))
-        if not Path(launch_request.weights).is_dir():
+        # In a worker thread: the weights live on a shared filesystem, and a hung NFS stat on the
+        # event loop would hold every route, the leader's long-polls and the engines' watches.
+        with anyio.move_on_after(STAT_TIMEOUT_S) as stat:
+            is_dir = await anyio.to_thread.run_sync(Path(launch_request.weights).is_dir, abandon_on_cancel=True)
+        if stat.cancelled_caught:
+            return _error(503, f"weights {launch_request.weights!r}: its filesystem did not answer within "
+                               f"{STAT_TIMEOUT_S:g} s on {socket.gethostname()}")
+        if not is_dir:
             return _error(400, f"weights {launch_request.weights!r} is not a directory on {socket.gethostname()}")
         try:
             answer = await engine.launch(launch_request, request.url.host or "127.0.0.1")
