@@ -5,6 +5,8 @@ the wiring from `[cluster]`."""
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+
 import anyio
 import pytest
 
@@ -25,6 +27,24 @@ FAST = InferenceConfig(health_interval_s=0.05, health_failures=2, request_timeou
 def remote(url: str, token: str = TOKEN, engine: str = "engine-0") -> RemoteInference:
     return RemoteInference(url, token, FAST, engine=engine, name=f"{url.split('://')[1]}/{engine}", gpu=False,
                            request_timeout_s=10)
+
+
+@asynccontextmanager
+async def answering(handler):
+    """A web server on a free loopback port that answers every route with `handler`: what stands
+    where an agent or an engine should be. Yields the port."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port("127.0.0.1")
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield port
+    finally:
+        await runner.cleanup()
 
 
 async def test_launch_through_the_agent_then_talk_to_the_engine_directly(tmp_path, weights):
@@ -211,17 +231,9 @@ async def test_another_service_at_the_agents_address_is_named_as_such(tmp_path, 
     async def page(request):
         return web.Response(text="<html>It works!</html>", content_type="text/html")
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", page)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port("127.0.0.1")
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with answering(page) as port:
         with pytest.raises(AgentRequestError) as wrong:
             await remote(f"http://127.0.0.1:{port}").launch(weights, 0)
-    finally:
-        await runner.cleanup()
     assert "not a grpod agent's answer (not JSON, text/html): <html>It works!" in str(wrong.value), wrong.value
 
 
@@ -238,13 +250,7 @@ async def test_an_odd_answer_is_an_agent_request_error_not_a_raw_exception(tmp_p
     async def odd(request):
         return web.Response(body=body, status=500, content_type="application/json")
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", odd)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port("127.0.0.1")
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with answering(odd) as port:
         async with AgentClient(f"http://127.0.0.1:{port}", TOKEN, 10) as agent:
             with pytest.raises(AgentRequestError):
                 await agent.status()
@@ -252,8 +258,6 @@ async def test_an_odd_answer_is_an_agent_request_error_not_a_raw_exception(tmp_p
             assert await client.health() is False
             with pytest.raises(InferenceRequestError):
                 await client.is_paused()
-    finally:
-        await runner.cleanup()
 
 
 async def test_an_agent_that_no_longer_serves_the_engine_is_a_lost_engine_not_a_silent_retry(tmp_path, weights):
@@ -265,24 +269,15 @@ async def test_an_agent_that_no_longer_serves_the_engine_is_a_lost_engine_not_a_
     async def gone(request):
         return web.json_response({"error": "no engine named engine-0"}, status=404)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", gone)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port("127.0.0.1")
-    await web.TCPSite(runner, "127.0.0.1", port).start()
     [local] = stub_engines(tmp_path)
-    try:
-        async with serving([local]) as (_, url):
-            engine = remote(url)
-            await engine.launch(weights, 1)
-            try:
-                engine.agent_url = f"http://127.0.0.1:{port}"
-                with anyio.fail_after(10):
-                    reason = await engine._until_exited()
-                assert "no longer serves engine-0" in reason and "no engine named engine-0" in reason, reason
-            finally:
-                engine.agent_url = url
-                await engine.shutdown()
-    finally:
-        await runner.cleanup()
+    async with answering(gone) as port, serving([local]) as (_, url):
+        engine = remote(url)
+        await engine.launch(weights, 1)
+        try:
+            engine.agent_url = f"http://127.0.0.1:{port}"
+            with anyio.fail_after(10):
+                reason = await engine._until_exited()
+            assert "no longer serves engine-0" in reason and "no engine named engine-0" in reason, reason
+        finally:
+            engine.agent_url = url
+            await engine.shutdown()
