@@ -1462,6 +1462,16 @@ class GrpodConfig(_Section):
             raise ValueError("eval.size > 0 with source.kind = 'dataset' needs eval.dataset (a held-out split)")
         if self.train.loss.clip_low >= 1:
             raise ValueError("train.loss.clip_low must be < 1 (the ratio floor is 1 - clip_low)")
+        if self.source.kind in ("builtin", "dataset", "environment"):  # grpod asks vLLM for the tokens
+            asked = [("source.max_tokens", self.source.max_tokens)] + ([("eval.max_tokens", self.eval.max_tokens)]
+                                                                      if self.eval.size else [])
+            for key, tokens in asked:
+                if tokens >= self.model.max_seq_len:
+                    raise ValueError(
+                        f"{key} = {tokens} is not below model.max_seq_len = {self.model.max_seq_len}: vLLM refuses "
+                        "every request whose completion leaves no room for its prompt, so every group would be "
+                        f"dropped; lower {key} or raise model.max_seq_len"
+                    )
         self._advantages_agree()
         self._cluster_agrees()
         size = len(os.fsencode(str(self.socket_path)))

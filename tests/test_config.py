@@ -378,3 +378,17 @@ def test_a_verifiers_evaluation_without_a_held_out_split_is_said_to_play_trainin
         notes = []
         load_config(ROOT / "etc" / "grpod.toml", [*env, *fine], notes)
         assert not [note for note in notes if "held-out" in note], (fine, notes)
+
+
+def test_a_completion_cap_that_leaves_no_room_for_the_prompt_is_refused():
+    """source.max_tokens = 300 with model.max_seq_len = 256 passed check-config; vLLM then refused
+    every request (max_tokens cannot be greater than max_model_len) and the run dropped 464 groups
+    in 30 s, at step 0, for ever. The same for the evaluation's cap."""
+    for key in ("source.max_tokens", "eval.max_tokens"):
+        with pytest.raises(ConfigError) as caught:
+            load_config(ROOT / "etc" / "grpod.toml", ["model.max_seq_len=256", f"{key}=300", "eval.size=8"])
+        assert f"{key} = 300 is not below model.max_seq_len = 256" in str(caught.value), caught.value
+    load_config(ROOT / "etc" / "grpod.toml", ["model.max_seq_len=256", "source.max_tokens=200"])
+    # Atropos decides its own lengths: source.max_tokens is not what vLLM is asked for there.
+    load_config(ROOT / "etc" / "grpod.toml", ["model.max_seq_len=256", "source.kind=atropos", "source.max_tokens=300",
+                                                 "eval.size=0"])
