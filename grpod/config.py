@@ -1584,7 +1584,12 @@ def parse_assignment(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {text!r}: empty key")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as exc:
+        if raw.strip().startswith(('"', "'", "[", "{")):
+            # Meant as TOML (a quoted string, a list, a table) and not valid: taken as a bare word it
+            # kept its quotes, a relative path starting with '"' ("C:\x" escapes, an unclosed list).
+            raise ConfigError(f"--set {shown(text)}: not a valid TOML value ({exc}); a backslash in a double-quoted "
+                              "string starts an escape: use single quotes for a literal string ('C:\\x')") from None
         value = raw  # a bare word is taken as a string: --set bridge.mode=shared
     except (ValueError, RecursionError) as exc:  # an integer of > 4300 digits, nesting too deep
         raise ConfigError(f"--set {shown(text)}: unusable value: {str(exc)[:200]}") from None

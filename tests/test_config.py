@@ -392,3 +392,16 @@ def test_a_completion_cap_that_leaves_no_room_for_the_prompt_is_refused():
     # Atropos decides its own lengths: source.max_tokens is not what vLLM is asked for there.
     load_config(ROOT / "etc" / "grpod.toml", ["model.max_seq_len=256", "source.kind=atropos", "source.max_tokens=300",
                                                  "eval.size=0"])
+
+
+@pytest.mark.parametrize("raw", ['"/opt/models\\qwen"', '"unterminated', '["a", "b"', "{a = 1"])
+def test_a_set_value_meant_as_toml_but_invalid_is_refused_not_kept_with_its_quotes(raw):
+    """`--set 'model.path="/opt/models\\qwen"'` (an escape TOML refuses) was taken as a bare word:
+    the path '"/opt/models\\qwen"', a relative one starting with a quote, where start would have
+    built the tiny model."""
+    from grpod.config import parse_assignment
+
+    with pytest.raises(ConfigError, match="not a valid TOML value"):
+        parse_assignment(f"model.path={raw}")
+    assert parse_assignment("bridge.mode=shared") == (["bridge", "mode"], "shared")
+    assert parse_assignment("run.dir='/tmp/x\\5'") == (["run", "dir"], "/tmp/x\\5")
