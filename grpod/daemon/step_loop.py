@@ -266,8 +266,9 @@ class StepLoop:
 
     async def train(self, groups: list[RolloutGroup]) -> tuple[dict[str, Any], list[SyncRecord]]:
         if not groups:
+            # Still the trainer's: a skipped batch advances the lr schedule as every other does
+            # (train.schedule counts batches), and trainer ranks stay in step.
             log.warning("step_skipped", reason="no valid group in the batch")
-            return {"skipped": 1}, []
         metrics, fenced = await train_batch(self.trainer, self.bridge, groups)
         for record in fenced:
             self.reporter.sync_done(record, self.progress.step + 1)

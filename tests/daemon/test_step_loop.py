@@ -34,12 +34,13 @@ class FakeTrainer:
         self.events: list[str] = []
 
     def plan(self, groups):
-        self.batches.append([g.group_id for g in groups])
+        if groups:  # an empty batch (admission rejected every group) is planned, as a skip
+            self.batches.append([g.group_id for g in groups])
         self.events.append("plan")
         return {"groups": groups}
 
     def parts(self, plan):
-        return [[i] for i in range(self.parts_per_batch)]
+        return [[i] for i in range(self.parts_per_batch)] if plan["groups"] else []
 
     def prepare(self, plan, part):
         self.events.append("prepare")
@@ -51,6 +52,9 @@ class FakeTrainer:
 
     def finish(self, plan):
         self.events.append("finish")
+        self.finished = getattr(self, "finished", 0) + 1  # every batch: the lr schedule's count
+        if not plan["groups"]:
+            return {"skipped": 1.0}
         return {"loss": 0.5, "reward_mean": 0.25, "skipped": 0.0, "tokens": 10.0}
 
     def set_learning_rate(self, lr):
@@ -201,6 +205,7 @@ async def test_a_sync_due_at_a_skipped_batch_carries_the_steps_trained_before_it
     await loop.run()
     steps = [r for r in loop.reporter.metrics.read() if r["kind"] == "step"]
     assert [bool(s.get("skipped")) for s in steps] == [False, True, True, True]
+    assert loop.trainer.finished == 4, "every batch, skipped or not, is the trainer's (its lr schedule counts it)"
     assert bridge.syncs == [(1, False)], "step 2 ships step 1's update; step 4 has nothing new to ship"
     assert steps[1]["sync_s"] is not None and steps[3]["sync_s"] is None
     assert [s["policy_version"] for s in steps] == [0, 1, 1, 1]

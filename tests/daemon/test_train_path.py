@@ -54,7 +54,8 @@ def _trained_ids(daemon, monkeypatch):
     real = daemon.trainer.plan
 
     def spy(groups):
-        seen.append([g.group_id for g in groups])
+        if groups:  # an empty batch is planned too (a skip: its lr schedule step), training nothing
+            seen.append([g.group_id for g in groups])
         return real(groups)
 
     monkeypatch.setattr(daemon.trainer, "plan", spy)
@@ -103,9 +104,12 @@ def test_a_batch_with_nothing_valid_is_skipped_not_fatal(daemon, monkeypatch):
     seen = _trained_ids(daemon, monkeypatch)
     bad = _group("bad", 10, rng)
     bad.scores = [float("nan")] * 4
+    epoch = daemon.trainer.scheduler.last_epoch
     anyio.run(daemon.step, [bad])
     assert seen == []
     assert daemon.progress.step == 1 and daemon.metrics.read()[-1]["skipped"] == 1
+    # The lr schedule counts batches, skipped ones too (it fell one behind train.steps per such batch).
+    assert daemon.trainer.scheduler.last_epoch == epoch + 1
     status = daemon.status()
     assert (status["trained_steps"], status["skipped_batches"]) == (0, 1)
 
