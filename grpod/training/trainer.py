@@ -322,7 +322,8 @@ class Trainer:
                 "sequences": float(len(sequences)),
                 # Completion tokens whose advantage is not zero: the generation that reached a gradient.
                 "gradient_tokens": float(sum(len(s.loss_positions) for s in sequences if s.advantage != 0.0)),
-                "lr": self.scheduler.get_last_lr()[0],
+                # The rate this batch's updates use (the scheduler's cached one lags a `ctl set train.lr`).
+                "lr": self.optimizer.param_groups[0]["lr"],
             },
         )
         if not sequences:

@@ -690,3 +690,13 @@ def test_a_model_directory_without_a_tokenizer_is_refused_by_name(model_dir, tmp
     shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json", "vocab*"))
     with pytest.raises((OSError, ValueError), match="bare"):
         build_trainer(config(), bare)
+
+
+def test_the_logged_lr_is_the_one_the_step_uses_after_a_ctl_set(model_dir):
+    """`ctl set train.lr` changes the optimizer's rate at the boundary; the step's `lr` metric read
+    the scheduler's cached rate, the old one, for the very step an operator checks."""
+    trainer = build_trainer(config(lr=1e-3), model_dir)
+    trainer.train_step(random_groups(seed=1))
+    trainer.set_learning_rate(1e-4)
+    metrics = trainer.train_step(random_groups(seed=2))
+    assert metrics["lr"] == pytest.approx(1e-4), metrics["lr"]
