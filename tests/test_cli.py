@@ -52,6 +52,10 @@ def test_check_config_refuses_what_this_host_cannot_run_naming_the_key(tmp_path)
         # Found at the first sync, minutes into the run, before.
         (f"bridge={{mode='broadcast', port={taken_port}}}", "bridge.port", f"127.0.0.1:{taken_port} is taken"),
         ("bridge={mode='broadcast', port=29999, host='192.0.2.1'}", "bridge.host", "not an address of this machine"),
+        # The start failed with exit 1 after the trainer and vLLM had loaded (a bare OSError for the metrics).
+        (f"metrics.prometheus_port={taken_port}", "metrics.prometheus_port", f"127.0.0.1:{taken_port} is taken"),
+        (f"inference={{port={taken_port - 1}, engines=2}}", "inference.port", f"127.0.0.1:{taken_port} is taken by another process "
+                                                               "(engine 1 would fail to start)"),
         # Every evaluation of the run failed, each a warning, and the run exited 0.
         ("eval.size=200", "eval.size = 200", "the builtin task holds out 156 problems"),
     ]

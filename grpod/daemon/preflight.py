@@ -20,7 +20,7 @@ from grpod.run.store import model_dir_problem
 
 def check_host(cfg: GrpodConfig) -> None:
     """ConfigError with every problem found (one line each); nothing when the host can run `cfg`."""
-    problems = [*_run_dir(cfg.run.dir), *_socket(cfg), *_device(cfg.train.device), *_bridge_port(cfg)]
+    problems = [*_run_dir(cfg.run.dir), *_socket(cfg), *_device(cfg.train.device), *_fixed_ports(cfg)]
     if model := model_dir_problem(cfg.model):
         problems.append(model)
     problems += _builtin_eval_size(cfg)
@@ -88,19 +88,35 @@ def _device(device: str) -> list[str]:
     return []
 
 
-def _bridge_port(cfg: GrpodConfig) -> list[str]:
-    """A fixed `bridge.port` is bound only at the first sync, minutes into a run: a taken one, or a
-    `bridge.host` that is not this machine's, is refused here instead."""
+def _fixed_ports(cfg: GrpodConfig) -> list[str]:
+    """Every fixed port grpod binds on this machine, checked before anything starts: a taken one
+    failed the start later with exit 1 (the Prometheus endpoint with a bare OSError, vLLM after
+    its launch), and `bridge.port` only at the first sync, minutes into a run."""
+    wanted = []  # (host key, host, port key, port, what fails without it)
     bridge = cfg.bridge
-    if bridge.mode != "broadcast" or bridge.port == 0:
-        return []
-    where = f"{bridge.host}:{bridge.port}"
-    try:
-        if port_is_free(bridge.host, bridge.port):
-            return []
-    except OSError as exc:
-        if exc.errno == errno.EADDRNOTAVAIL:
-            return [f"bridge.host: {bridge.host} is not an address of this machine (trainer rank 0 listens there)"]
-        return [f"bridge.port: cannot listen on {where} ({exc.strerror or exc})"]
-    return [f"bridge.port: {where} is taken by another process (the first sync would fail to form the weight group); "
-            "free it, pick another, or 0 for a free one"]
+    if bridge.mode == "broadcast" and bridge.port:
+        wanted.append(("bridge.host", bridge.host, "bridge.port", bridge.port,
+                       "the first sync would fail to form the weight group"))
+    metrics = cfg.metrics
+    if metrics.prometheus_port:
+        wanted.append(("metrics.prometheus_host", metrics.prometheus_host, "metrics.prometheus_port",
+                       metrics.prometheus_port, "the start would fail to serve the metrics"))
+    inference = cfg.inference
+    if inference.port:
+        for index in range(inference.engines):  # this machine's engines: inference.port + index
+            wanted.append(("inference.host", inference.host, "inference.port", inference.port + index,
+                           f"engine {index} would fail to start"))
+    problems = []
+    for host_key, host, port_key, port, fails in wanted:
+        try:
+            if port_is_free(host, port):
+                continue
+        except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                problems.append(f"{host_key}: {host} is not an address of this machine")
+            else:
+                problems.append(f"{port_key}: cannot listen on {host}:{port} ({exc.strerror or exc})")
+            continue
+        problems.append(f"{port_key}: {host}:{port} is taken by another process ({fails}); free it, pick another, "
+                        "or 0 for a free one")
+    return problems

@@ -85,8 +85,10 @@ def test_inference_port_taken(tmp_path, fault_model_dir, fault_case):
         run_dir, finished = _start(tmp_path, fault_model_dir, **{"inference.port": port})
         _check_nothing_left(run_dir, row, finished)
         assert launched_pgids(run_dir) == set(), "nothing is launched on a taken port"
-        line = first_line_matching(finished.stderr, f"inference.port {port}")
-        assert line and "already in use" in line, finished.stderr[-3000:]
+        # Found by the start's host checks, before anything starts: the operator's input (exit 2).
+        assert finished.code == 2, finished.stderr[-3000:]
+        line = first_line_matching(finished.stderr, f"inference.port: 127.0.0.1:{port}")
+        assert line and "is taken by another process (engine 0 would fail to start)" in line, finished.stderr[-3000:]
         row.notes += f"; stderr: {line[line.index('inference.port'):][:90]}"
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass  # the holder still listens: grpod did not touch it
