@@ -44,9 +44,11 @@ class ConfigError(Exception):
 class _Section(BaseModel):
     """Every section: unknown keys refused, values checked on assignment too (live changes), no
     infinite or NaN float anywhere (TOML's `inf` / `nan`, a JSON `1e999`), no boolean or string where
-    a number is expected (pydantic would read `true` as 1 and "1" as 1), no integer beyond int64."""
+    a number is expected (pydantic would read `true` as 1 and "1" as 1), no integer beyond int64.
+    A number where text is expected is taken as its text: `--set inference.env.OMP_NUM_THREADS=2`,
+    `--set inference.kv_cache_bytes=64000000` (TOML reads both as integers)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, coerce_numbers_to_str=True)
 
     @field_validator("*", mode="before")
     @classmethod

@@ -405,3 +405,15 @@ def test_a_set_value_meant_as_toml_but_invalid_is_refused_not_kept_with_its_quot
         parse_assignment(f"model.path={raw}")
     assert parse_assignment("bridge.mode=shared") == (["bridge", "mode"], "shared")
     assert parse_assignment("run.dir='/tmp/x\\5'") == (["run", "dir"], "/tmp/x\\5")
+
+
+def test_a_number_set_where_text_is_expected_is_taken_as_its_text():
+    """TOML reads `--set inference.env.OMP_NUM_THREADS=2` and `inference.kv_cache_bytes=64000000`
+    (the documented plain-bytes form) as integers: both were refused ("valid string"), though
+    valid; the workaround was quoting twice."""
+    cfg = load_config(ROOT / "etc" / "grpod.toml", ["inference.env.OMP_NUM_THREADS=2", "inference.kv_cache_bytes=64000000",
+                                                    "metrics.wandb_project=123"])
+    assert cfg.inference.env["OMP_NUM_THREADS"] == "2" and cfg.inference.kv_cache_bytes == "64000000"
+    assert cfg.metrics.wandb_project == "123"
+    with pytest.raises(ConfigError):  # a boolean is still not text, nor a number
+        load_config(ROOT / "etc" / "grpod.toml", ["metrics.wandb_project=true"])
