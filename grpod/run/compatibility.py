@@ -47,13 +47,15 @@ class TrainingShapeMismatch(ResumeError):
 
 
 def run_identity(cfg: GrpodConfig) -> dict[str, str]:
-    """What a checkpoint must share with the config to be resumed by it."""
+    """What a checkpoint must share with the config to be resumed by it. File paths are resolved
+    (the same file named from another directory is the same run), and a dataset's order is part of
+    it: its cursor (epoch, position) indexes the permutation `shuffle_seed` draws."""
     source = cfg.source
     task = {
         "builtin": lambda: f"arithmetic, task_seed {source.task_seed}",
         "atropos": lambda: f"atropos at {source.atropos_url}",
-        "replay": lambda: f"replay of {source.replay_path}",
-        "dataset": lambda: f"dataset {source.dataset.path}",
+        "replay": lambda: f"replay of {Path(source.replay_path).resolve()}",
+        "dataset": lambda: f"dataset {Path(source.dataset.path).resolve()}, shuffle_seed {source.dataset.shuffle_seed}",
         "environment": lambda: (
             f"environment {source.environment.adapter} {source.environment.name or source.environment.url or ''}"
             f", task_seed {source.environment.task_seed}"
@@ -62,13 +64,24 @@ def run_identity(cfg: GrpodConfig) -> dict[str, str]:
     return {"model": str(Path(cfg.model.path).resolve()), "source_kind": source.kind, "task": task}
 
 
+def _recorded_before(cfg: GrpodConfig) -> str | None:
+    """The task as checkpoints written before paths were resolved recorded it (still resumable)."""
+    source = cfg.source
+    if source.kind == "dataset":
+        return f"dataset {source.dataset.path}"
+    if source.kind == "replay":
+        return f"replay of {source.replay_path}"
+    return None
+
+
 def check_identity(checkpoint: Path, recorded: dict[str, str] | None, cfg: GrpodConfig) -> None:
     """Refuse (ResumeMismatch naming both sides) to resume a checkpoint of another run, unless
     `run.resume_mismatch = "allow"`. Checkpoints written before identities were recorded pass."""
     if recorded is None:
         return
     wanted = run_identity(cfg)
-    differ = {key: (recorded.get(key), value) for key, value in wanted.items() if recorded.get(key) != value}
+    differ = {key: (recorded.get(key), value) for key, value in wanted.items()
+              if recorded.get(key) != value and not (key == "task" and recorded.get(key) == _recorded_before(cfg))}
     if not differ:
         return
     described = "; ".join(f"{key}: checkpoint {old!r}, config {new!r}" for key, (old, new) in differ.items())

@@ -110,3 +110,26 @@ def test_the_configs_optimizer_settings_win_on_resume_each_change_logged_once(tm
         trainer = same.load_trainer(same.resume_point())
     assert trainer.optimizer.param_groups[0]["weight_decay"] == 0.0
     assert not [e for e in logs if e["event"] == "optimizer_setting_from_config"]
+
+
+def test_a_datasets_identity_is_its_file_and_its_order(tmp_path, monkeypatch):
+    """The same dataset file named from another directory was another run (a resume refused); a
+    changed shuffle_seed was the same run, and the resumed cursor then indexed another permutation
+    (rows of the epoch repeated or skipped). Checkpoints that recorded the path as written resume."""
+    from grpod.run.compatibility import check_identity, run_identity
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    monkeypatch.chdir(tmp_path)
+
+    def dataset(path, seed=0):
+        return load_config(None, ["source.kind=dataset", f"source.dataset.path={path!r}", f"source.dataset.shuffle_seed={seed}",
+                                  "source.dataset.rewards=[{function='exact'}]", "eval.size=0"])
+
+    relative, absolute = dataset("d/train.jsonl"), dataset(str(tmp_path / "d" / "train.jsonl"))
+    assert run_identity(relative) == run_identity(absolute)
+    check_identity(tmp_path / "ckpt", run_identity(relative), absolute)
+    with pytest.raises(ResumeMismatch, match="shuffle_seed 0"):
+        check_identity(tmp_path / "ckpt", run_identity(relative), dataset("d/train.jsonl", seed=7))
+    written_before = {**run_identity(relative), "task": "dataset d/train.jsonl"}
+    check_identity(tmp_path / "ckpt", written_before, relative)
