@@ -41,6 +41,7 @@ from grpod.daemon.memory import MemoryWatch
 from grpod.service.logs import LogLimit, MetricsLog, WandbSink, configure_logging
 from grpod.service.notify import Heartbeat, SystemdNotifier, watchdog_interval_s
 from grpod.daemon.progress import RunPhase, RunProgress
+from grpod.inference.process import InferenceStartError
 from grpod.daemon.reporting import Reporter
 from grpod.rollouts.buffer import RolloutBuffer
 from grpod.rollouts.validation import RejectionCounter
@@ -166,8 +167,13 @@ class Supervisor:
             if failure is None:
                 raise
             self._fail(f"{type(failure).__name__}: {failure}")
-            if isinstance(failure, INPUT_ERRORS):
+            refused = (isinstance(failure, InferenceStartError) and failure.exit_code == 2
+                       and self.progress.phase is RunPhase.STARTING)
+            if isinstance(failure, INPUT_ERRORS) or refused:
                 self.progress.exit_code = 2  # what to resume from is the operator's to fix
+                if refused:  # argparse's exit status: the command line grpod built from the config
+                    print("grpod: inference.extra_args: vLLM refused its command line (exit 2, its argument "
+                          "parser's; its words below)", file=sys.stderr, flush=True)
                 print(f"grpod: {failure}", file=sys.stderr, flush=True)  # once, as written (check-config's words)
             await self._stop_inference()
         finally:

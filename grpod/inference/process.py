@@ -86,12 +86,14 @@ class InferenceStartError(RuntimeError):
     """vLLM did not become healthy; the message carries the reason and the tail of its log.
 
     `pgid` is the process group of the failed launch (None if nothing was launched); by the time
-    the error reaches the caller that group has been stopped.
+    the error reaches the caller that group has been stopped. `exit_code`: vLLM's, when it exited
+    (2 is its argument parser's: it refused its command line).
     """
 
-    def __init__(self, message: str, *, pgid: int | None = None) -> None:
+    def __init__(self, message: str, *, pgid: int | None = None, exit_code: int | None = None) -> None:
         super().__init__(message)
         self.pgid = pgid
+        self.exit_code = exit_code
 
 
 class PortInUseError(InferenceStartError):
@@ -601,7 +603,7 @@ class InferenceProcess:
                         raise InferenceStartError(
                             f"vLLM exited with code {code} before becoming healthy "
                             f"(model {self._model_path}, port {self._port}); {self.log.excerpt()}",
-                            pgid=self.pgid,
+                            pgid=self.pgid, exit_code=code,
                         )
                     try:
                         if await client.health(timeout_s=min(HEALTH_PROBE_TIMEOUT_S, timeout)):

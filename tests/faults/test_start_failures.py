@@ -57,6 +57,9 @@ def test_vllm_exits_during_start_up(tmp_path, fault_model_dir, fault_case):
     run_dir, finished = _start(tmp_path, fault_model_dir, **{"inference.extra_args": [flag]})
     _check_nothing_left(run_dir, row, finished)
     assert len(launched_pgids(run_dir)) == 1, "vLLM was launched once (no restart loop at start-up)"
+    # vLLM's argument parser refused it: the operator's input, exit 2 (systemd does not retry it), the key named.
+    assert finished.code == 2, finished.stderr[-3000:]
+    assert "grpod: inference.extra_args: vLLM refused its command line" in finished.stderr, finished.stderr[-3000:]
     line = first_line_matching(finished.stderr, "vLLM exited with code")
     assert line and "before becoming healthy" in line, finished.stderr[-3000:]
     assert flag in finished.stderr, "the error carries the tail of vLLM's log, which names the bad flag"
