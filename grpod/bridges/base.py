@@ -179,14 +179,12 @@ class ModeSteps:
     def _reading(self, weights: Path, launch_kwargs: dict[str, Any]) -> Iterator[None]:
         """Around a launch: the weights it loads and a LoRA adapter it preloads are in use until it
         returns (vLLM reads them while it starts, 10-100 s); `in_use` lists them for the prunes."""
-        paths = [Path(weights), *(Path(path) for path in (launch_kwargs.get("lora_modules") or {}).values())]
-        self.launching.update(paths)
+        paths = Counter([Path(weights), *(Path(path) for path in (launch_kwargs.get("lora_modules") or {}).values())])
+        self.launching += paths
         try:
             yield
         finally:
-            self.launching.subtract(paths)
-            for path in [path for path, count in self.launching.items() if count <= 0]:
-                del self.launching[path]
+            self.launching -= paths  # (a Counter drops what reaches 0)
 
     def in_use(self, engines: list[InferenceEngine]) -> list[Path]:
         """What no prune may remove: each engine's launch weights and what launches in progress read."""

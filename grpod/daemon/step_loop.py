@@ -27,7 +27,6 @@ Everything the loop reads or advances is handed in: the desk (operator requests)
 
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -303,8 +302,7 @@ class StepLoop:
             step=self.progress.step,
             policy_version=self.bridge.policy.version,
             buffered=self.buffer.snapshot(),
-            # A copy: the snapshot is written in a worker thread while the fetch task draws on.
-            source_cursor=copy.deepcopy(self.source.cursor()),
+            source_cursor=self.source.cursor(),
             extra={
                 "rejections": self.admission.rejections.as_dict(),
                 "config_changes": self.desk.config_changes,

@@ -70,7 +70,7 @@ class Curriculum:
         return {
             "level": self.level,
             "window": list(self.window),
-            # Copies: a checkpoint serialises the cursor in a worker thread while the source draws on.
+            # Copies (a cursor is a snapshot: `RolloutSource.cursor`): the lists change as it draws.
             "streams": {str(k): list(v) for k, v in sorted(self.streams.items())},
             "moves_up": self.moves_up,
             "moves_down": self.moves_down,

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from grpod.config import ConfigError, RewardFunctionConfig
-from grpod.rollouts.signal import magnitude, mean_of, spread
+from grpod.rollouts.signal import standardized
 
 # What `SourceStats.drop` counts when a reward function fails, by failure.
 REWARD_FAILURE_REASONS = (
@@ -345,13 +345,8 @@ def _normalized(rewards: list[float | None]) -> list[float | None]:
     """(r - mean) / (std + eps) over the rewards that are not None (sample std, TRL's nanstd),
     taken in units of their largest magnitude: a finite reward of 1e160 squared past float's range
     and raised OverflowError out of the daemon's scoring, which ended the run."""
-    given = [r for r in rewards if r is not None]
-    if not given:
-        return list(rewards)
-    scale = magnitude(given)
-    scaled = [r / scale for r in given]
-    centre, std = mean_of(scaled), spread(scaled, "sample")
-    return [None if r is None else (r / scale - centre) / (std + NORMALIZE_EPS / scale) for r in rewards]
+    normalized = iter(standardized([r for r in rewards if r is not None], "sample", NORMALIZE_EPS))
+    return [None if r is None else next(normalized) for r in rewards]
 
 
 def combine(per_function: list[list[float | None]], weights: list[float], aggregation: str) -> list[float | None]:

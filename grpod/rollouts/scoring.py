@@ -10,7 +10,6 @@ written against another signature stops `grpod start` (and `grpod check-config`)
 from __future__ import annotations
 
 import math
-
 import os
 from dataclasses import dataclass
 from pathlib import Path

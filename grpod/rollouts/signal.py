@@ -40,6 +40,16 @@ def spread(values: list[float], kind: str) -> float:
     return scale * math.sqrt(squares / len(values))
 
 
+def standardized(values: list[float], kind: str, eps: float) -> list[float]:
+    """(v - mean) / (std + eps) of each value (`kind`: "sample" or "population" std), taken in
+    units of their largest magnitude: the same floats for values within [-1, 1], and no overflow
+    for finite values near float's range (their deviation, its square)."""
+    scale = magnitude(values)
+    scaled = [v / scale for v in values]
+    centre, std = mean_of(scaled), spread(scaled, kind)
+    return [(v - centre) / (std + eps / scale) for v in scaled]
+
+
 def overlong_penalty(completion_tokens: int, budget: int, buffer: int, penalty: float) -> float:
     """DAPO's soft overlong punishment (<= 0) for a completion of `completion_tokens` tokens."""
     if buffer <= 0 or completion_tokens <= budget - buffer:

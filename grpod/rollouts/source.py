@@ -79,7 +79,9 @@ class RolloutSource(Protocol):
     may_resend: bool
 
     def cursor(self) -> dict[str, Any]:
-        """Where the source is, for the checkpoint (`make_source(..., cursor=)` continues there)."""
+        """Where the source is, for the checkpoint (`make_source(..., cursor=)` continues there):
+        a snapshot in containers of its own, since the checkpoint is written in a worker thread
+        while the source draws on."""
 
     async def run(self, buffer: RolloutBuffer, may_generate: MayGenerate) -> None:
         """Keep `buffer` topped up (awaiting `may_generate` before each request); returns only

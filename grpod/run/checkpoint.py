@@ -52,7 +52,7 @@ from typing import Any
 
 import structlog
 
-from grpod.run.filesystem import cause, newest_file, refusal
+from grpod.run.filesystem import refused_write
 
 log = structlog.get_logger(__name__)
 
@@ -213,7 +213,7 @@ def write_checkpoint(
     try:
         tmpdir.mkdir()
     except OSError as exc:
-        named = _not_written(root, root, final, exc)
+        named = _not_written(root, None, final, exc)
         if named is not None:
             raise named from exc
         raise
@@ -231,7 +231,7 @@ def write_checkpoint(
         }
         _write_manifest(tmpdir, manifest)
     except BaseException as exc:
-        named = _not_written(tmpdir, root, final, exc) if isinstance(exc, Exception) else None
+        named = _not_written(tmpdir, tmpdir, final, exc) if isinstance(exc, Exception) else None
         shutil.rmtree(tmpdir, ignore_errors=True)
         if named is not None:
             raise named from exc
@@ -256,19 +256,15 @@ def write_checkpoint(
     return final
 
 
-def _not_written(tmpdir: Path, root: Path, final: Path, exc: Exception) -> CheckpointNotWritten | None:
+def _not_written(within: Path, tmpdir: Path | None, final: Path, exc: Exception) -> CheckpointNotWritten | None:
     """`exc` as a CheckpointNotWritten when the write failed because of its filesystem (full, or
-    read-only: `grpod.run.filesystem`), else None. `tmpdir` is `root` when the write failed making it."""
-    why = refusal(tmpdir, exc)
+    read-only: `grpod.run.filesystem`), else None. `tmpdir` is None when the write failed making it."""
+    why = refused_write(within, tmpdir, final, exc)
     if why is None:
         return None
-    path = newest_file(tmpdir) if tmpdir != root else None
-    shown = final / path.relative_to(tmpdir) if path is not None else final
     kind = CheckpointDiskFull if why.full else CheckpointNotWritten
-    return kind(
-        f"{why.what} writing {shown}: {cause(exc)}; the checkpoint was not written (older ones are intact): {why.cure}",
-        mount=why.mount, path=shown,
-    )
+    return kind(f"{why.said(exc)}; the checkpoint was not written (older ones are intact): {why.cure}",
+                mount=why.mount, path=why.path)
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:

@@ -24,17 +24,24 @@ DISK_FULL_FREE_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class Refusal:
-    """A filesystem that refused a write: `full` (else read-only), its mount point, and what it is."""
+    """A filesystem that refused a write: `full` (else read-only), its mount point, what it is,
+    the file the write was writing (as it would have been named once published) and the cure."""
 
     full: bool
     mount: Path
     what: str  # "read-only file system at /run/x (tmpfs)", "no space left on /run/x (tmpfs, 0 of ... bytes free)"
+    path: Path
     cure: str  # what an operator does about it
 
+    def said(self, exc: BaseException) -> str:
+        return f"{self.what} writing {self.path}: {cause(exc)}"
 
-def refusal(directory: Path, exc: BaseException) -> Refusal | None:
-    """The filesystem under `directory` as the reason `exc` was raised writing there, or None when
-    it is neither read-only nor full (the failure is something else)."""
+
+def refused_write(within: Path, partial: Path | None, final: Path, exc: BaseException) -> Refusal | None:
+    """The filesystem of `within` as the reason `exc` was raised writing `partial` (a directory
+    published as `final` once complete; None or absent: it could not be made), or None when the
+    filesystem is neither read-only nor full (the failure is something else). Call it before the
+    partial write is removed."""
     chain: BaseException | None = exc
     errnos: set[int] = set()
     for _ in range(10):
@@ -44,18 +51,20 @@ def refusal(directory: Path, exc: BaseException) -> Refusal | None:
             errnos.add(chain.errno)
         chain = chain.__cause__ or chain.__context__
     try:
-        fs = os.statvfs(directory)
+        fs = os.statvfs(within)
     except OSError:
         return None
-    mount = mount_point(directory)
+    mount = mount_point(within)
+    written = newest_file(partial) if partial is not None and partial.is_dir() else None
+    path = final / written.relative_to(partial) if written is not None else final
     if errno.EROFS in errnos or fs.f_flag & os.ST_RDONLY:
-        return Refusal(False, mount, f"read-only file system at {mount} ({fs_type(mount)})",
+        return Refusal(False, mount, f"read-only file system at {mount} ({fs_type(mount)})", path,
                        "make it writable again (a filesystem the kernel remounted read-only after an I/O error "
                        "needs its disk checked first)")
     free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
     if not errnos & {errno.ENOSPC, errno.EDQUOT} and free >= DISK_FULL_FREE_BYTES:
         return None
-    return Refusal(True, mount, f"no space left on {mount} ({fs_type(mount)}, {free} of {total} bytes free)",
+    return Refusal(True, mount, f"no space left on {mount} ({fs_type(mount)}, {free} of {total} bytes free)", path,
                    "free space there")
 
 

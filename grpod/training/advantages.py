@@ -45,7 +45,6 @@ backward pass for no gradient and an optimizer step driven by its moments alone.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from grpod.config import AdvantageConfig
@@ -54,12 +53,12 @@ from grpod.rollouts.signal import (
     all_equal,
     has_override,
     is_zero_variance,
-    magnitude,
     mean_of,
     scored_indices,
     shaped_scores,
     source_advantages,
     spread,
+    standardized,
 )
 
 EPS = 1e-6
@@ -85,12 +84,8 @@ def _from_scores(scores: list[float], cfg: AdvantageConfig, batch: tuple[float, 
         return [(r - batch_mean) / (batch_std + EPS) for r in scores]
     if cfg.scale == "group":
         # In units of the scores' largest magnitude: a deviation of scores at both ends of float's
-        # range (1.7e308 and -1.7e308) overflows, its ratio to the std does not. (Scores within
-        # [-1, 1] are divided by 1: the same floats.)
-        scale = magnitude(scores)
-        scaled = [r / scale for r in scores]
-        centre, std = mean_of(scaled), spread(scaled, cfg.std)
-        return [(r - centre) / (std + EPS / scale) for r in scaled]
+        # range (1.7e308 and -1.7e308) overflows, its ratio to the std does not.
+        return standardized(scores, cfg.std, EPS)
     if cfg.scale == "batch":
         return [(r - m) / (pooled_std + EPS) for r in scores]
     return [r - m for r in scores]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import structlog
 
-from grpod.run.filesystem import cause, newest_file, refusal
+from grpod.run.filesystem import refused_write
 
 log = structlog.get_logger(__name__)
 
@@ -74,12 +74,10 @@ class VersionedDirs:
             shutil.rmtree(partial, ignore_errors=True)
             writer(partial)
         except BaseException as exc:
-            why = refusal(self.root, exc) if isinstance(exc, Exception) else None
-            written = newest_file(partial) if partial.is_dir() else None
+            why = refused_write(self.root, partial, target, exc) if isinstance(exc, Exception) else None
             shutil.rmtree(partial, ignore_errors=True)
             if why is not None:
-                shown = target / written.relative_to(partial) if written is not None else target
-                raise WeightsNotWritten(f"{why.what} writing {shown}: {cause(exc)}: {why.cure}") from exc
+                raise WeightsNotWritten(f"{why.said(exc)}: {why.cure}") from exc
             raise
         if target.exists():
             shutil.rmtree(target)
